@@ -1,0 +1,3 @@
+from curvkit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Command line: ``curvkit reproduce NAME [--scale smoke|medium|paper] [--out DIR] [--seed S]``,
+``curvkit reproduce --list``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from curvkit.experiments import registry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="curvkit", description="Curvature of neural networks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("reproduce", help="run a registered experiment and write its report")
+    rep.add_argument("name", nargs="?", help="experiment name (see --list)")
+    rep.add_argument("--list", action="store_true", help="list the registered experiments")
+    rep.add_argument("--scale", default="smoke", choices=registry.SCALES)
+    rep.add_argument("--out", default=None, help="output directory (default results/NAME-SCALE)")
+    rep.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "reproduce":
+        exps = registry.load_all()
+        if args.list or not args.name:
+            for exp in exps.values():
+                print(f"{exp.name:28s} scales: {'/'.join(exp.scales):20s} {exp.description}")
+            return 0
+        if args.name not in exps:
+            print(f"unknown experiment {args.name!r}; available: {', '.join(exps)}", file=sys.stderr)
+            return 2
+        out = Path(args.out) if args.out else Path("results") / f"{args.name}-{args.scale}"
+        registry.run(args.name, args.scale, out, seed=args.seed)
+        print(f"report written to {out}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""(populated by the module authors)"""

@@ -1,0 +1,1 @@
+"""Reproducible experiments, one module each, registered with :mod:`curvkit.experiments.registry`."""

@@ -1,0 +1,222 @@
+"""Likelihood heads: the loss on a network's output and its output-space curvature.
+
+A likelihood turns network outputs ``f`` of shape (B, C) (the natural parameters h_L of thesis Eq. 3.10:
+logits, or the Gaussian mean) and targets into the negative log-likelihood, and supplies everything the
+curvature engine needs in output space (digest 002, section 2.3 table):
+
+* ``nll(f, y)``            - reduced NLL (``reduction='sum'`` or ``'mean'`` over the batch; explicit);
+* ``nll_per_sample(f, y)`` - (B,) per-sample NLL L^n;
+* ``output_grad(f, y)``    - (B, C) per-sample gradient dL^n/df^n;
+* ``output_hessian(f)``    - (B, C, C) per-sample Hessian H_L = d^2 L^n / df^2 (independent of y for
+  these exponential-family heads, so it is also the output-space Fisher F_L, thesis Eqs. 3.36-3.38);
+* ``output_hessian_sqrt(f)`` - (B, C, R) with S S^T = H_L (used for exact GGN/Fisher diagonals and KFLR);
+* ``sample(f, generator)``  - labels drawn from the model p(y | f) (MC Fisher, KFAC).
+
+Reduction convention: ``sum`` means L = sum_n L^n; ``mean`` means L = (1/B) sum_n L^n over the batch
+(never over output dimensions). Per-sample quantities never include the reduction factor; the curvature
+engine applies it (``scale(B)``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Reduction = Literal["sum", "mean"]
+
+
+class Likelihood:
+    """Base class. Subclasses define the per-sample quantities; reduction is handled here."""
+
+    name = "likelihood"
+
+    def __init__(self, reduction: Reduction = "mean"):
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        self.reduction: Reduction = reduction
+
+    # -- per-sample quantities (subclasses) ---------------------------------------------------------
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+        """(B, C) diagonal of H_L."""
+        return self.output_hessian(f).diagonal(dim1=-2, dim2=-1)
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def check(self, f: Tensor, y: Tensor | None = None) -> None:
+        """Validate shapes and finiteness; raises ValueError saying what is wrong."""
+        if f.dim() != 2:
+            raise ValueError(f"{self.name}: model output must have shape (batch, outputs), got {tuple(f.shape)}")
+        if not torch.isfinite(f).all():
+            raise ValueError(
+                f"{self.name}: the model output contains NaN or inf ({int((~torch.isfinite(f)).sum())} entries); "
+                "check the inputs, the weights and the learning rate"
+            )
+
+    # -- reduction ----------------------------------------------------------------------------------
+    def scale(self, batch_size: int) -> float:
+        """Factor that turns a sum over a batch of ``batch_size`` per-sample terms into this reduction."""
+        return 1.0 if self.reduction == "sum" else 1.0 / batch_size
+
+    def nll(self, f: Tensor, y: Tensor) -> Tensor:
+        """Reduced NLL over the batch."""
+        self.check(f, y)
+        per = self.nll_per_sample(f, y)
+        return per.sum() * self.scale(f.shape[0])
+
+    __call__ = nll
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(reduction={self.reduction!r})"
+
+
+class CrossEntropy(Likelihood):
+    """Softmax cross-entropy; f are logits (B, K), y class indices (B,). H_L = diag(p) - p p^T (rank K-1)."""
+
+    name = "softmax cross-entropy"
+
+    def check(self, f: Tensor, y: Tensor | None = None) -> None:
+        super().check(f, y)
+        if y is not None:
+            if y.shape != f.shape[:1] or y.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16):
+                raise ValueError(f"{self.name}: targets must be integer class indices of shape ({f.shape[0]},), "
+                                 f"got dtype {y.dtype} shape {tuple(y.shape)}")
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= f.shape[1]):
+                raise ValueError(f"{self.name}: targets must lie in [0, {f.shape[1] - 1}]")
+
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(f, y.long(), reduction="none")
+
+    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        return f.softmax(-1) - F.one_hot(y.long(), f.shape[-1]).to(f.dtype)
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        p = f.softmax(-1)
+        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+
+    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+        p = f.softmax(-1)
+        return p - p**2
+
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        """S = diag(sqrt p) - p sqrt(p)^T, (B, K, K): S S^T = diag(p) - p p^T (digest 002 section 2.3)."""
+        p = f.softmax(-1)
+        sp = p.sqrt()
+        return torch.diag_embed(sp) - p[:, :, None] * sp[:, None, :]
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return torch.multinomial(f.softmax(-1), 1, generator=generator)[:, 0]
+
+
+class BernoulliBCE(Likelihood):
+    """Independent sigmoid Bernoulli outputs; f logits (B, C), y in [0, 1] (B, C). H_L = diag(s(1-s))."""
+
+    name = "sigmoid binary cross-entropy"
+
+    def check(self, f: Tensor, y: Tensor | None = None) -> None:
+        super().check(f, y)
+        if y is not None and y.shape != f.shape:
+            raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
+                             f"got {tuple(y.shape)}")
+
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").sum(-1)
+
+    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        return torch.sigmoid(f) - y.to(f.dtype)
+
+    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+        s = torch.sigmoid(f)
+        return s * (1 - s)
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.output_hessian_diagonal(f))
+
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.output_hessian_diagonal(f).sqrt())
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return torch.bernoulli(torch.sigmoid(f), generator=generator)
+
+
+class Gaussian(Likelihood):
+    """Gaussian with fixed noise std ``sigma``: L^n = ||f - y||^2 / (2 sigma^2) (+ log-normaliser if asked).
+
+    ``sigma=1`` is the thesis's squared error (1/2)||h - y||^2. H_L = I / sigma^2, square root I / sigma.
+    Note ``torch.nn.MSELoss(reduction='mean')`` also divides by the output dimension and has no 1/2;
+    use ``reduction='sum'`` here and rescale if you need to match it.
+    """
+
+    name = "Gaussian"
+
+    def __init__(self, reduction: Reduction = "mean", sigma: float = 1.0, include_normaliser: bool = False):
+        super().__init__(reduction)
+        if not sigma > 0 or not math.isfinite(sigma):
+            raise ValueError(f"Gaussian noise std sigma must be positive and finite, got {sigma}")
+        self.sigma = float(sigma)
+        self.include_normaliser = include_normaliser
+
+    def check(self, f: Tensor, y: Tensor | None = None) -> None:
+        super().check(f, y)
+        if y is not None and y.shape != f.shape:
+            raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
+                             f"got {tuple(y.shape)}")
+
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        out = 0.5 * ((f - y.to(f.dtype)) ** 2).sum(-1) / self.sigma**2
+        if self.include_normaliser:
+            out = out + 0.5 * f.shape[-1] * math.log(2 * math.pi * self.sigma**2)
+        return out
+
+    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        return (f - y.to(f.dtype)) / self.sigma**2
+
+    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+        return torch.full_like(f, 1.0 / self.sigma**2)
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return eye.expand(f.shape[0], -1, -1) / self.sigma**2
+
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return eye.expand(f.shape[0], -1, -1) / self.sigma
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        eps = torch.randn(f.shape, dtype=f.dtype, device=f.device, generator=generator)
+        return f.detach() + self.sigma * eps
+
+    def __repr__(self) -> str:
+        return f"Gaussian(reduction={self.reduction!r}, sigma={self.sigma})"
+
+
+_BY_NAME: dict[str, type[Likelihood]] = {
+    "cross_entropy": CrossEntropy,
+    "bce": BernoulliBCE,
+    "gaussian": Gaussian,
+    "mse": Gaussian,
+}
+
+
+def get_likelihood(name: str, reduction: Reduction = "mean") -> Likelihood:
+    """Likelihood by name: 'cross_entropy', 'bce', 'gaussian' (alias 'mse')."""
+    try:
+        return _BY_NAME[name](reduction=reduction)
+    except KeyError:
+        raise ValueError(f"unknown likelihood {name!r}; choose one of {sorted(_BY_NAME)}") from None
