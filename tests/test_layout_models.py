@@ -22,7 +22,7 @@ def test_layout_order_is_named_parameters_row_major():
         torch.testing.assert_close(a, b.detach())
     # trailing column dimension
     M = torch.randn(lay.dim, 3)
-    assert [t.shape for t in lay.unflatten(M)][0] == (2, 3, 3)
+    assert next(t.shape for t in lay.unflatten(M)) == (2, 3, 3)
     torch.testing.assert_close(lay.flatten(lay.unflatten(M)), M)
 
 
@@ -30,7 +30,7 @@ def test_layout_errors():
     lay = ParamLayout.from_module(mlp([3, 2]))
     with pytest.raises(ValueError, match="expected 2 parameter-shaped tensors"):
         lay.flatten([torch.zeros(2, 3)])
-    with pytest.raises(ValueError, match="'0.bias' has shape"):
+    with pytest.raises(ValueError, match=r"'0\.bias' has shape"):
         lay.flatten([torch.zeros(2, 3), torch.zeros(3)])
     with pytest.raises(ValueError, match="vector of length 8"):
         lay.unflatten(torch.zeros(7))
