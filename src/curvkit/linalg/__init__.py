@@ -1,6 +1,8 @@
 """Linear algebra on parameter space: layouts, the curvature operator types, Kronecker algebra,
 Krylov methods (Lanczos, CG) and stochastic trace estimators."""
 
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
+from curvkit.linalg.krylov import conjugate_gradient, lanczos, lanczos_eigenvalues
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import (
     CurvatureOperator,
@@ -10,6 +12,7 @@ from curvkit.linalg.operator import (
     IdentityOperator,
     ScaledSumOperator,
 )
+from curvkit.linalg.trace import hutchinson, hutchpp
 
 __all__ = [
     "CurvatureOperator",
@@ -17,6 +20,13 @@ __all__ = [
     "DiagonalOperator",
     "FunctionOperator",
     "IdentityOperator",
+    "KroneckerBlock",
+    "KroneckerOperator",
     "ParamLayout",
     "ScaledSumOperator",
+    "conjugate_gradient",
+    "hutchinson",
+    "hutchpp",
+    "lanczos",
+    "lanczos_eigenvalues",
 ]

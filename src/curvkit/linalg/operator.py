@@ -206,7 +206,14 @@ class DiagonalOperator(CurvatureOperator):
     def diagonal(self) -> DiagonalOperator:
         return self
 
-    def trace(self, method: TraceMethod = "exact", **kwargs: Any) -> Tensor:
+    def trace(
+        self,
+        method: TraceMethod = "exact",
+        num_probes: int = 100,
+        generator: torch.Generator | None = None,
+        distribution: Literal["rademacher", "gaussian"] = "rademacher",
+    ) -> Tensor:
+        """Exact trace (the method arguments are accepted for interface compatibility)."""
         return self.flat.sum()
 
     def add_identity(self, damping: float) -> DiagonalOperator:

@@ -1,0 +1,117 @@
+"""Fast exact diagonal of J^T S S^T J for models whose parameters all live in Linear / Conv2d layers.
+
+For such a layer with per-sample input a_n and the back-propagated output-factor columns
+delta_{n,r} = d(s_{n,r}^T f_n) / d h_n (h = the layer's output, s_{n,r} = column r of S_n), the
+per-sample gradient is delta_{n,r} a_n^T (Linear) or sum_p delta_{n,r,p} unfold(a_n)_p^T (Conv2d), so
+
+    diag = sum_{n,r} (delta_{n,r} a_n^T)^2 = sum_{n,r} (delta_{n,r}^2) (a_n^2)^T            (Linear)
+
+needs R batched backward passes to the layer outputs (``autograd.grad(..., is_grads_batched=True)``)
+instead of N * R per-sample gradients of the full parameter vector. The deltas come from zero tensors
+added to each layer's output by forward hooks, so only the layer outputs are differentiated.
+
+Used only when it is exact: every trainable parameter is the weight or bias of an ``nn.Linear`` (2-D
+input) or an ``nn.Conv2d`` (zero padding, groups = 1), each such module runs once per forward pass, and
+the model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the
+parameter set is not covered; :class:`Unsupported` is raised at run time for the other conditions, and
+the caller then falls back to generic per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from curvkit.curvature._functional import FunctionalModel
+
+_BUDGET = 2**24  # scalars per chunk of per-sample Conv2d gradients
+
+
+class Unsupported(Exception):
+    """The layer-wise fast path does not apply to this model / input."""
+
+
+@dataclass
+class LayerSpec:
+    module: nn.Module
+    weight: str  # parameter name in the layout
+    bias: str | None
+
+
+def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
+    """Linear / Conv2d layers owning ALL trainable parameters, or None if some parameter is elsewhere."""
+    wanted = set(fmodel.names)
+    specs: list[LayerSpec] = []
+    covered: set[str] = set()
+    for mname, mod in fmodel.module.named_modules():
+        if type(mod) not in (nn.Linear, nn.Conv2d):
+            continue
+        prefix = f"{mname}." if mname else ""
+        w = prefix + "weight"
+        b = prefix + "bias" if getattr(mod, "bias", None) is not None else None
+        if w not in wanted:
+            continue  # frozen weight: a layer with only a trainable bias is left to the generic path
+        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.padding_mode != "zeros"
+                                           or isinstance(mod.padding, str)):
+            return None
+        b = b if b in wanted else None
+        specs.append(LayerSpec(mod, w, b))
+        covered.update(n for n in (w, b) if n is not None)
+    return specs if covered == wanted else None
+
+
+def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tensor,
+                       S: Tensor) -> dict[str, Tensor]:
+    """sum_{n,r} (per-sample gradient of s_{n,r}^T f_n)^2 per parameter name; S is (B, C, R)."""
+    inputs: dict[int, Tensor] = {}
+    eps: dict[int, Tensor] = {}
+
+    def hook(i: int):  # type: ignore[no-untyped-def]
+        def fn(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> Tensor:
+            if i in inputs:
+                raise Unsupported("a layer runs more than once per forward pass")
+            a = inp[0]
+            if isinstance(mod, nn.Linear) and a.dim() != 2:
+                raise Unsupported("Linear layer with an input of more than 2 dimensions")
+            inputs[i] = a.detach()
+            e = torch.zeros_like(out, requires_grad=True)
+            eps[i] = e
+            return out + e
+        return fn
+
+    handles = [spec.module.register_forward_hook(hook(i)) for i, spec in enumerate(specs)]
+    try:
+        with torch.enable_grad():
+            f = fmodel(fmodel.params, X)
+    finally:
+        for h in handles:
+            h.remove()
+    if len(eps) != len(specs):
+        raise Unsupported("a layer was not run in the forward pass")
+    U = S.permute(2, 0, 1).contiguous()  # (R, B, C)
+    deltas = torch.autograd.grad(f, [eps[i] for i in range(len(specs))], grad_outputs=U,
+                                 is_grads_batched=True, allow_unused=True, materialize_grads=True)
+    out: dict[str, Tensor] = {}
+    for i, spec in enumerate(specs):
+        a, d = inputs[i], deltas[i]  # d: (R, B, *out_shape)
+        mod = spec.module
+        if isinstance(mod, nn.Linear):
+            out[spec.weight] = torch.einsum("rbo,bi->oi", d**2, a**2)
+            if spec.bias is not None:
+                out[spec.bias] = (d**2).sum((0, 1))
+        else:
+            assert isinstance(mod, nn.Conv2d)
+            cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,  # type: ignore[arg-type]
+                            stride=mod.stride)  # (B, K, P)
+            d = d.reshape(d.shape[0], d.shape[1], d.shape[2], -1)  # (R, B, O, P)
+            acc = torch.zeros(d.shape[2], cols.shape[1], dtype=d.dtype, device=d.device)
+            step = max(1, _BUDGET // (d.shape[1] * d.shape[2] * cols.shape[1]))
+            for r in range(0, d.shape[0], step):  # per-sample gradients (r, B, O, K), in chunks
+                acc += (torch.einsum("rbop,bkp->rbok", d[r:r + step], cols) ** 2).sum((0, 1))
+            out[spec.weight] = acc.reshape(mod.weight.shape)
+            if spec.bias is not None:
+                out[spec.bias] = (d.sum(-1) ** 2).sum((0, 1))
+    return out

@@ -1,0 +1,614 @@
+"""Kronecker-factored, block-diagonal curvature (thesis chapter 4; digest 002 sections 0, 3.2 and 3.4).
+
+Layout (read this first). PyTorch stores a ``nn.Linear`` weight as (out, in) and flattens row-major. With
+the bias appended as the LAST column, ``W_hat = [W | b]`` has shape (out, in+1) (``(out, in)`` without a
+bias; a ``nn.Conv2d`` weight (out, C, kh, kw) is viewed as (out, C*kh*kw)). In this layout one layer's
+curvature block is
+
+    G (x) A,   G: (out, out) output-side factor,  A: (in_aug, in_aug) input-side factor,
+
+with the OUTPUT factor first (the thesis writes ``A (x) G`` because it stacks columns, digest section 0),
+and for symmetric A
+
+    (G (x) A) vec_row(X) = vec_row(G X A^T) = vec_row(G X A).
+
+The flat parameter vector of :class:`~curvkit.linalg.layout.ParamLayout` stores ``W.reshape(-1)`` and then
+the bias ``b`` (a separate tensor), i.e. NOT ``W_hat.reshape(-1)``: the bias column is moved to the end.
+Every operator here maps between the two orders with one index permutation per layer, and ``to_dense()``
+returns the matrix in the flat PARAMETER order.
+
+Types:
+
+* :class:`KroneckerBlock` - one layer's factors ``G``, ``A`` and the names of its weight and bias.
+* :class:`KroneckerOperator` - ``blockdiag_l (G_l (x) A_l) + damping * I``, a
+  :class:`~curvkit.linalg.operator.CurvatureOperator` with exact diagonal, trace, eigenvalues and logdet,
+  damped inverses (exact eigen-based, or factored Tikhonov damping with the trace-norm split, thesis
+  Eqs. 4.25-4.27) and matrix-normal sampling. The operator is read as a PRECISION when sampling.
+* :class:`KroneckerInverseOperator` - the exact ``(G (x) A + delta I)^{-1}`` per block via the factors'
+  eigendecompositions (never forms the Kronecker product).
+* :class:`BlockDiagonalOperator` - dense per-layer blocks in the same ``W_hat`` layout (exact
+  block-diagonal curvature from :mod:`curvkit.curvature.recursion`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from curvkit.linalg.layout import ParamLayout
+from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
+
+__all__ = [
+    "BlockDiagonalOperator",
+    "DenseBlock",
+    "KroneckerBlock",
+    "KroneckerEigh",
+    "KroneckerInverseOperator",
+    "KroneckerOperator",
+    "kron_matvec",
+    "vec_row",
+]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def vec_row(X: Tensor) -> Tensor:
+    """Row-major vectorisation of the last two dimensions: (..., m, n) -> (..., m*n)."""
+    return X.reshape(*X.shape[:-2], X.shape[-2] * X.shape[-1])
+
+
+def kron_matvec(G: Tensor, A: Tensor, X: Tensor) -> Tensor:
+    """``(G (x) A) vec_row(X)`` without forming the Kronecker product, returned as a matrix.
+
+    Identity (row-major vec): ``(G (x) A) vec_row(X) = vec_row(G X A^T)``.
+
+    Args:
+        G: (m, m) output-side factor.  A: (n, n) input-side factor.
+        X: (..., m, n), any number of leading batch dimensions.
+    Returns:
+        (..., m, n) tensor ``G X A^T`` (equal to ``G X A`` for symmetric A).
+    """
+    if X.dim() < 2 or X.shape[-2] != G.shape[0] or X.shape[-1] != A.shape[0]:
+        raise ValueError(f"kron_matvec: X must have shape (..., {G.shape[0]}, {A.shape[0]}) to match "
+                         f"G {tuple(G.shape)} and A {tuple(A.shape)}, got {tuple(X.shape)}")
+    return G @ X @ A.transpose(-1, -2)
+
+
+def _sym_tol(dtype: torch.dtype) -> float:
+    return 1e3 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def _check_square_symmetric(M: Tensor, what: str) -> None:
+    if not isinstance(M, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(M).__name__}")
+    if M.dim() != 2 or M.shape[0] != M.shape[1] or M.shape[0] == 0:
+        raise ValueError(f"{what} must be a non-empty square matrix, got shape {tuple(M.shape)}")
+    if not M.dtype.is_floating_point:
+        raise ValueError(f"{what} must be a floating-point matrix, got dtype {M.dtype}")
+    if not bool(torch.isfinite(M).all()):
+        raise ValueError(f"{what} contains NaN or inf entries")
+    scale = float(M.abs().max())
+    asym = float((M - M.T).abs().max())
+    if asym > _sym_tol(M.dtype) * max(1.0, scale):
+        raise ValueError(f"{what} must be symmetric (max |M - M^T| = {asym:.3g} relative to max |M| = "
+                         f"{scale:.3g}); symmetrise it with 0.5 * (M + M.T)")
+
+
+def _symmetrise(M: Tensor) -> Tensor:
+    return 0.5 * (M + M.T)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+@dataclass
+class KroneckerBlock:
+    """One layer's curvature block ``G (x) A`` in the row-major layout of ``W_hat = [W | b]``.
+
+    Attributes:
+        G: (out, out) symmetric output-side factor (pre-activation curvature, e.g. the GGN ``G_l``).
+        A: (in_aug, in_aug) symmetric input-side factor; ``in_aug = in + 1`` when ``bias_name`` is given
+            (bias column LAST), else ``in``. For a ``nn.Conv2d`` layer ``in = C * kh * kw``.
+        weight_name: name of the weight in the operator's :class:`ParamLayout`.
+        bias_name: name of the bias, or None.
+
+    ``G`` and ``A`` are validated (square, finite, symmetric up to rounding) and stored symmetrised.
+    Their agreement with the weight's shape is checked by :class:`KroneckerOperator`.
+    """
+
+    G: Tensor
+    A: Tensor
+    weight_name: str
+    bias_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_square_symmetric(self.G, f"KroneckerBlock({self.weight_name!r}).G")
+        _check_square_symmetric(self.A, f"KroneckerBlock({self.weight_name!r}).A")
+        if self.G.dtype != self.A.dtype or self.G.device != self.A.device:
+            raise ValueError(f"KroneckerBlock({self.weight_name!r}): G and A must share dtype and device, got "
+                             f"{self.G.dtype}/{self.G.device} and {self.A.dtype}/{self.A.device}")
+        self.G = _symmetrise(self.G)
+        self.A = _symmetrise(self.A)
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.G.shape[0])
+
+    @property
+    def in_dim(self) -> int:
+        """Size of A (``in + 1`` with a bias)."""
+        return int(self.A.shape[0])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
+
+
+@dataclass
+class DenseBlock:
+    """One layer's dense curvature block (P, P), P = out * in_aug, in the row-major ``W_hat`` order."""
+
+    matrix: Tensor
+    weight_name: str
+    bias_name: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
+
+
+@dataclass
+class KroneckerEigh:
+    """Eigendecompositions of one block's factors: ``G = QG diag(lG) QG^T``, ``A = QA diag(lA) QA^T``.
+
+    The block ``G (x) A + delta I`` has eigenvalues ``outer(lG, lA) + delta`` (row-major (out, in_aug)) with
+    eigenvectors ``vec_row(QG[:, i] QA[:, j]^T)``.
+    """
+
+    G_eigvals: Tensor
+    G_eigvecs: Tensor
+    A_eigvals: Tensor
+    A_eigvecs: Tensor
+
+    def eigenvalues(self, damping: float = 0.0) -> Tensor:
+        """(out, in_aug) eigenvalues of ``G (x) A + damping I``."""
+        return torch.outer(self.G_eigvals, self.A_eigvals) + damping
+
+
+class _BlockIndex:
+    """Maps a layer's ``W_hat`` (out, in_aug) row-major positions to flat parameter indices."""
+
+    def __init__(self, layout: ParamLayout, weight_name: str, bias_name: str | None, device: torch.device):
+        slices = layout.slices()
+        shapes = dict(zip(layout.names, layout.shapes))
+        wshape = tuple(shapes[weight_name])
+        if len(wshape) < 2:
+            raise ValueError(f"parameter {weight_name!r} of shape {wshape} is not a weight matrix "
+                             "(need at least 2 dimensions: (out, in) or (out, C, kh, kw))")
+        self.out = int(wshape[0])
+        self.in_w = int(math.prod(wshape[1:]))
+        self.has_bias = bias_name is not None
+        if bias_name is not None and tuple(shapes[bias_name]) != (self.out,):
+            raise ValueError(f"bias {bias_name!r} has shape {tuple(shapes[bias_name])}, expected ({self.out},) "
+                             f"to match weight {weight_name!r} of shape {wshape}")
+        self.in_aug = self.in_w + int(self.has_bias)
+        w0 = slices[weight_name].start
+        idx = w0 + torch.arange(self.out * self.in_w, device=device).reshape(self.out, self.in_w)
+        if bias_name is not None:
+            b0 = slices[bias_name].start
+            idx = torch.cat([idx, (b0 + torch.arange(self.out, device=device))[:, None]], dim=1)
+        self.perm = idx.reshape(-1)  # W_hat row-major position -> flat parameter index
+        self.size = self.out * self.in_aug
+
+    def gather(self, M: Tensor) -> Tensor:
+        """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j]."""
+        return M.index_select(0, self.perm).reshape(self.out, self.in_aug, -1)
+
+    def scatter(self, Y: Tensor, out: Tensor) -> None:
+        """Write (out, in_aug, k) into the rows of the flat (d, k) ``out``."""
+        out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
+
+
+def _sandwich(L: Tensor, X: Tensor, R: Tensor) -> Tensor:
+    """``L X[:, :, j] R`` for every column j of X (m, n, k), with two plain 2-D matrix products.
+
+    (Avoids broadcast batched matmuls, which are slow for small factors.)
+    """
+    m, n, k = X.shape
+    Z = (L @ X.reshape(m, n * k)).reshape(L.shape[0], n, k)
+    Y = R.T @ Z.transpose(0, 1).reshape(n, -1)  # (n', m' k)
+    return Y.reshape(R.shape[1], L.shape[0], k).transpose(0, 1)
+
+
+def _build_index(layout: ParamLayout, named: Sequence[tuple[str, str | None]], device: torch.device,
+                 kind: str) -> list[_BlockIndex]:
+    """Check that the blocks cover every layout parameter exactly once; build their index maps."""
+    known = set(layout.names)
+    seen: dict[str, int] = {}
+    for i, (w, b) in enumerate(named):
+        for name in (w,) if b is None else (w, b):
+            if name not in known:
+                raise ValueError(f"{kind} block {i} refers to parameter {name!r}, which is not in the layout "
+                                 f"(parameters: {', '.join(layout.names)})")
+            if name in seen:
+                raise ValueError(f"parameter {name!r} is covered by two {kind} blocks ({seen[name]} and {i}); "
+                                 "every parameter must belong to exactly one block")
+            seen[name] = i
+    missing = [n for n in layout.names if n not in seen]
+    if missing:
+        raise ValueError(f"parameter(s) {', '.join(repr(m) for m in missing)} not covered by any {kind} "
+                         "block; give every trainable parameter a block (or build the layout without it)")
+    return [_BlockIndex(layout, w, b, device) for w, b in named]
+
+
+def _check_damping(damping: float) -> float:
+    damping = float(damping)
+    if not math.isfinite(damping):
+        raise ValueError(f"damping must be finite, got {damping}")
+    return damping
+
+
+# ---------------------------------------------------------------------------------------------- operator
+class KroneckerOperator(CurvatureOperator):
+    """Block-diagonal Kronecker curvature ``C = blockdiag_l (G_l (x) A_l) + damping * I``.
+
+    Args:
+        layout: the parameters the operator acts on; every one must belong to exactly one block.
+        blocks: one :class:`KroneckerBlock` per layer (any order).
+        damping: a multiple of the identity carried exactly (``add_identity`` stays structured).
+
+    Products use ``vec_row(G X A)`` per layer (``O(out^2 in + out in^2)``, no Kronecker product is
+    formed). ``diagonal``, ``trace``, ``eigenvalues``, ``logdet`` are exact closed forms from the factors.
+    Scaling ``c * C`` multiplies every ``G`` (and the damping) by ``c``.
+    """
+
+    def __init__(self, layout: ParamLayout, blocks: Sequence[KroneckerBlock], damping: float = 0.0):
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("KroneckerOperator needs at least one KroneckerBlock")
+        for b in blocks:
+            if not isinstance(b, KroneckerBlock):
+                raise TypeError(f"blocks must be KroneckerBlock instances, got {type(b).__name__}")
+        dtype, device = blocks[0].G.dtype, blocks[0].G.device
+        for b in blocks:
+            if b.G.dtype != dtype or b.G.device != device:
+                raise ValueError(f"all blocks must share dtype and device; block {b.weight_name!r} has "
+                                 f"{b.G.dtype}/{b.G.device}, expected {dtype}/{device}")
+        super().__init__(layout, dtype, device)
+        self.blocks = blocks
+        self.damping = _check_damping(damping)
+        self._index = _build_index(layout, [(b.weight_name, b.bias_name) for b in blocks], self.device,
+                                   "Kronecker")
+        for b, ix in zip(blocks, self._index):
+            if (b.out_dim, b.in_dim) != (ix.out, ix.in_aug):
+                bias = "+1 for the bias column" if ix.has_bias else "no bias"
+                raise ValueError(
+                    f"block for {b.weight_name!r}: G is {tuple(b.G.shape)} and A is {tuple(b.A.shape)}, but the "
+                    f"weight viewed as W_hat has shape ({ix.out}, {ix.in_aug}) ({ix.in_w} inputs, {bias}); "
+                    f"expected G ({ix.out}, {ix.out}) and A ({ix.in_aug}, {ix.in_aug})"
+                )
+        self._eigh: list[KroneckerEigh] | None = None
+
+    # ------------------------------------------------------------------ products and closed forms
+    def _matmat(self, M: Tensor) -> Tensor:
+        M = M.to(self.dtype)
+        out = torch.empty_like(M)
+        for b, ix in zip(self.blocks, self._index):
+            ix.scatter(_sandwich(b.G, ix.gather(M), b.A), out)
+        return out + self.damping * M if self.damping != 0 else out
+
+    def to_dense(self) -> Tensor:
+        """The (d, d) matrix in the flat PARAMETER order (bias entries after the weight entries)."""
+        d = self.layout.dim
+        D = torch.zeros(d, d, dtype=self.dtype, device=self.device)
+        for b, ix in zip(self.blocks, self._index):
+            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(b.G.contiguous(), b.A.contiguous())
+        if self.damping != 0:
+            D.diagonal().add_(self.damping)
+        return D
+
+    def diagonal(self) -> DiagonalOperator:
+        """Exact: the diagonal of ``G (x) A`` is ``vec_row(outer(diag G, diag A))``."""
+        flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
+        for b, ix in zip(self.blocks, self._index):
+            flat[ix.perm] = torch.outer(b.G.diagonal(), b.A.diagonal()).reshape(-1)
+        return DiagonalOperator.from_flat(self.layout, flat + self.damping)
+
+    def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
+              generator: torch.Generator | None = None,
+              distribution: Literal["rademacher", "gaussian"] = "rademacher") -> Tensor:
+        """``sum_l tr(G_l) tr(A_l) + damping * d`` for ``method='exact'``; estimators otherwise."""
+        if method != "exact":
+            return super().trace(method, num_probes, generator, distribution)
+        t = sum((b.G.trace() * b.A.trace() for b in self.blocks), torch.zeros((), dtype=self.dtype,
+                                                                              device=self.device))
+        return t + self.damping * self.layout.dim
+
+    def eigh(self) -> list[KroneckerEigh]:
+        """Per-block eigendecompositions of the factors (cached; the damping is NOT included)."""
+        if self._eigh is None:
+            out = []
+            for b in self.blocks:
+                lG, QG = torch.linalg.eigh(b.G)
+                lA, QA = torch.linalg.eigh(b.A)
+                out.append(KroneckerEigh(lG, QG, lA, QA))
+            self._eigh = out
+        return self._eigh
+
+    def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
+                    num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Exact top-k (or bottom-k) eigenvalues from the factors' spectra, in descending order."""
+        allv = torch.cat([e.eigenvalues(self.damping).reshape(-1) for e in self.eigh()])
+        vals = torch.sort(allv, descending=True).values
+        return vals[:k] if which == "largest" else vals[-k:]
+
+    def _damped_spectra(self, damping: float, what: str) -> list[Tensor]:
+        delta = self.damping + _check_damping(damping)
+        spectra = [e.eigenvalues(delta) for e in self.eigh()]
+        for b, lam in zip(self.blocks, spectra):
+            # numerically singular counts as not PD: smallest eigenvalue below size * eps * largest
+            tol = max(lam.shape) * torch.finfo(lam.dtype).eps * float(lam.abs().max())
+            if not bool((lam > tol).all()):
+                raise ValueError(
+                    f"{what}: block {b.weight_name!r} is not positive definite after damping {delta:g} "
+                    f"(smallest eigenvalue {float(lam.min()):.3g}); increase the damping"
+                )
+        return spectra
+
+    def logdet(self, damping: float = 0.0) -> Tensor:
+        """``log det(C + damping I) = sum_l sum_ij log(lG_i lA_j + delta)`` (raises if not PD)."""
+        spectra = self._damped_spectra(damping, "logdet")
+        return sum((torch.log(s).sum() for s in spectra), torch.zeros((), dtype=self.dtype, device=self.device))
+
+    # ------------------------------------------------------------------ algebra that stays structured
+    def add_identity(self, damping: float) -> KroneckerOperator:
+        """``C + damping I`` as a KroneckerOperator (the damping is carried exactly; shares the factors and
+        their cached eigendecompositions)."""
+        out = KroneckerOperator(self.layout, self.blocks, self.damping + _check_damping(damping))
+        out._eigh = self._eigh
+        return out
+
+    def __mul__(self, scale: float) -> KroneckerOperator:
+        """``scale * C``: each ``G_l`` and the damping are multiplied by ``scale``."""
+        s = float(scale)
+        if not math.isfinite(s):
+            raise ValueError(f"scale must be finite, got {s}")
+        blocks = [KroneckerBlock(s * b.G, b.A, b.weight_name, b.bias_name) for b in self.blocks]
+        return KroneckerOperator(self.layout, blocks, s * self.damping)
+
+    __rmul__ = __mul__
+
+    # ------------------------------------------------------------------ damped inverses
+    def factored_damping(self, damping: float, pi: float | None = None) -> KroneckerOperator:
+        """Factored Tikhonov damping (thesis Eq. 4.25; Martens & Grosse 2015 section 6.3).
+
+        With ``delta = self.damping + damping`` and ``k = sqrt(delta)``, each block ``G (x) A + delta I`` is
+        replaced by
+
+            (G + (k / pi) I) (x) (A + pi k I),   pi = sqrt( (tr(A) / dim A) / (tr(G) / dim G) )
+
+        (the trace-norm split of Eq. 4.27 as used in all the thesis's experiments; the INPUT factor A gets
+        ``pi k``, the output factor G gets ``k / pi``). Pass ``pi=1.0`` for the unbalanced split (the
+        Laplace factors of thesis Eq. 5.14). Returns an undamped KroneckerOperator.
+        """
+        delta = self.damping + _check_damping(damping)
+        if delta < 0:
+            raise ValueError(f"factored damping needs a non-negative total damping, got {delta:g}")
+        if pi is not None and not (math.isfinite(pi) and pi > 0):
+            raise ValueError(f"pi must be a positive finite number, got {pi}")
+        k = math.sqrt(delta)
+        blocks = []
+        for b in self.blocks:
+            if pi is None:
+                tG, tA = float(b.G.trace()) / b.out_dim, float(b.A.trace()) / b.in_dim
+                if not (tG > 0 and tA > 0):
+                    raise ValueError(
+                        f"block {b.weight_name!r}: the trace-norm split needs positive factor traces, got "
+                        f"tr(G)/dim = {tG:.3g}, tr(A)/dim = {tA:.3g}; pass an explicit pi"
+                    )
+                p = math.sqrt(tA / tG)
+            else:
+                p = float(pi)
+            eG = torch.eye(b.out_dim, dtype=self.dtype, device=self.device)
+            eA = torch.eye(b.in_dim, dtype=self.dtype, device=self.device)
+            blocks.append(KroneckerBlock(b.G + (k / p) * eG, b.A + (p * k) * eA, b.weight_name, b.bias_name))
+        return KroneckerOperator(self.layout, blocks)
+
+    def inverse(self, damping: float = 0.0, method: Literal["eigen", "factored"] = "eigen",
+                pi: float | None = None) -> CurvatureOperator:
+        """``(C + damping I)^{-1}``.
+
+        * ``method='eigen'`` (exact; "KFAC*"/"KFRA*" in the thesis): a :class:`KroneckerInverseOperator`
+          using ``(G (x) A + delta I)^{-1} vec_row(X) = vec_row(QG [(QG^T X QA) / (lG lA^T + delta)] QA^T)``.
+        * ``method='factored'``: the inverse of :meth:`factored_damping` (``pi`` as there), a
+          KroneckerOperator with factors ``(G + k/pi I)^{-1}`` and ``(A + pi k I)^{-1}`` (approximate).
+        """
+        if method == "eigen":
+            return KroneckerInverseOperator(self, damping)
+        if method == "factored":
+            damped = self.factored_damping(damping, pi)
+            blocks = []
+            for b in damped.blocks:
+                blocks.append(KroneckerBlock(_spd_inverse(b.G, f"{b.weight_name!r} G"),
+                                             _spd_inverse(b.A, f"{b.weight_name!r} A"),
+                                             b.weight_name, b.bias_name))
+            return KroneckerOperator(self.layout, blocks)
+        raise ValueError(f"unknown inverse method {method!r}; use 'eigen' or 'factored'")
+
+    def solve(self, b: Any, damping: float = 0.0, tol: float = 0.0, max_iter: int | None = None,
+              method: Literal["eigen", "factored"] = "eigen") -> Any:
+        """``(C + damping I)^{-1} b`` in closed form (``tol``/``max_iter`` are unused: no iteration)."""
+        return self.inverse(damping, method) @ b
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, mean_params: Tensor | Sequence[Tensor], generator: torch.Generator | None = None,
+               num_samples: int = 1, scale: float = 1.0) -> Any:
+        """Draw ``theta ~ N(mean, scale^2 * C^{-1})``: the operator is read as a PRECISION.
+
+        Per layer this is the matrix-normal ``W_hat ~ MN(M_hat, G^{-1}, A^{-1})`` when ``damping = 0``
+        (thesis Eq. 5.14 with the factors already damped); with ``damping > 0`` it is the exact Gaussian
+        with precision ``G (x) A + damping I``. Uses the factors' eigendecompositions:
+        ``X = QG [Z / sqrt(lG lA^T + damping)] QA^T``, ``Z`` standard normal of shape (out, in_aug).
+
+        Args:
+            mean_params: flat (d,) mean, or a list of parameter-shaped tensors.
+            generator: the only source of randomness (the global RNG is never used when given).
+            num_samples: S >= 1.  scale: multiplies the standard deviation (covariance ``scale^2 C^{-1}``).
+        Returns:
+            (S, d) flat samples for a flat mean, else a list of (S, *shape) tensors.
+        """
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"scale must be a non-negative finite number, got {scale}")
+        as_list = not isinstance(mean_params, Tensor)
+        mean = self.layout.flatten(list(mean_params)) if as_list else mean_params
+        if not isinstance(mean, Tensor) or mean.shape != (self.layout.dim,):
+            raise ValueError(f"mean_params must be a flat vector of length {self.layout.dim} or a list of "
+                             "parameter-shaped tensors")
+        S = int(num_samples)
+        spectra = self._damped_spectra(0.0, "sample")
+        noise = torch.empty(self.layout.dim, S, dtype=self.dtype, device=self.device)
+        for e, lam, ix in zip(self.eigh(), spectra, self._index):
+            Z = torch.randn(ix.out, ix.in_aug, S, dtype=self.dtype, device=self.device, generator=generator)
+            ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], e.A_eigvecs.T), noise)
+        samples = mean.to(self.dtype)[None, :] + scale * noise.T
+        if as_list:
+            return [t.movedim(-1, 0) for t in self.layout.unflatten(samples.T)]
+        return samples
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{b.weight_name}: G{tuple(b.G.shape)} (x) A{tuple(b.A.shape)}" for b in self.blocks)
+        return f"KroneckerOperator(d={self.layout.dim}, damping={self.damping:g}, [{shapes}])"
+
+
+def _spd_inverse(M: Tensor, what: str) -> Tensor:
+    L, info = torch.linalg.cholesky_ex(M)
+    if int(info) != 0:
+        raise ValueError(f"factor {what} is not positive definite after damping; increase the damping")
+    return _symmetrise(torch.cholesky_inverse(L))
+
+
+class KroneckerInverseOperator(CurvatureOperator):
+    """Exact ``(C + damping I)^{-1}`` of a :class:`KroneckerOperator` via the factors' eigendecompositions.
+
+    Per block, with ``Lam = outer(lG, lA) + delta`` (``delta`` = the operator's damping + ``damping``):
+    ``X -> QG [(QG^T X QA) / Lam] QA^T``; diagonal ``(QG o QG) (1 / Lam) (QA o QA)^T`` (exact);
+    ``logdet = -sum log Lam``. Raises if a damped block is not positive definite.
+    """
+
+    def __init__(self, op: KroneckerOperator, damping: float = 0.0):
+        super().__init__(op.layout, op.dtype, op.device)
+        self.op = op
+        self.added_damping = _check_damping(damping)
+        self._spectra = op._damped_spectra(damping, "inverse")
+        self._eigh = op.eigh()
+        self._index = op._index
+
+    def _matmat(self, M: Tensor) -> Tensor:
+        M = M.to(self.dtype)
+        out = torch.empty_like(M)
+        for e, lam, ix in zip(self._eigh, self._spectra, self._index):
+            QG, QA = e.G_eigvecs, e.A_eigvecs
+            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) / lam[:, :, None], QA.T), out)
+        return out
+
+    def diagonal(self) -> DiagonalOperator:
+        flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
+        for e, lam, ix in zip(self._eigh, self._spectra, self._index):
+            flat[ix.perm] = ((e.G_eigvecs**2) @ (1.0 / lam) @ (e.A_eigvecs**2).T).reshape(-1)
+        return DiagonalOperator.from_flat(self.layout, flat)
+
+    def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
+              generator: torch.Generator | None = None,
+              distribution: Literal["rademacher", "gaussian"] = "rademacher") -> Tensor:
+        if method != "exact":
+            return super().trace(method, num_probes, generator, distribution)
+        return sum(((1.0 / lam).sum() for lam in self._spectra),
+                   torch.zeros((), dtype=self.dtype, device=self.device))
+
+    def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
+                    num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        vals = torch.sort(torch.cat([(1.0 / lam).reshape(-1) for lam in self._spectra]), descending=True).values
+        return vals[:k] if which == "largest" else vals[-k:]
+
+    def logdet(self) -> Tensor:
+        return -sum((torch.log(lam).sum() for lam in self._spectra),
+                    torch.zeros((), dtype=self.dtype, device=self.device))
+
+    def inverse(self) -> KroneckerOperator:
+        """The damped operator ``C + damping I`` this is the inverse of."""
+        return self.op.add_identity(self.added_damping)
+
+
+# ---------------------------------------------------------------------------------------------- dense blocks
+class BlockDiagonalOperator(CurvatureOperator):
+    """Block-diagonal operator with one dense (P, P) block per layer, P = out * in_aug, in ``W_hat`` order.
+
+    Used for the exact per-layer blocks of :mod:`curvkit.curvature.recursion`; ``to_dense()`` is in the flat
+    parameter order like every operator. ``damping`` adds a multiple of the identity.
+    """
+
+    def __init__(self, layout: ParamLayout, blocks: Sequence[DenseBlock], damping: float = 0.0):
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("BlockDiagonalOperator needs at least one DenseBlock")
+        dtype, device = blocks[0].matrix.dtype, blocks[0].matrix.device
+        super().__init__(layout, dtype, device)
+        self.blocks = blocks
+        self.damping = _check_damping(damping)
+        self._index = _build_index(layout, [(b.weight_name, b.bias_name) for b in blocks], device, "dense")
+        for b, ix in zip(blocks, self._index):
+            if tuple(b.matrix.shape) != (ix.size, ix.size):
+                raise ValueError(f"dense block for {b.weight_name!r} has shape {tuple(b.matrix.shape)}, expected "
+                                 f"({ix.size}, {ix.size}) = (out*in_aug)^2 with W_hat ({ix.out}, {ix.in_aug})")
+
+    def _matmat(self, M: Tensor) -> Tensor:
+        M = M.to(self.dtype)
+        out = torch.empty_like(M)
+        for b, ix in zip(self.blocks, self._index):
+            out.index_copy_(0, ix.perm, b.matrix @ M.index_select(0, ix.perm))
+        return out + self.damping * M if self.damping != 0 else out
+
+    def to_dense(self) -> Tensor:
+        d = self.layout.dim
+        D = torch.zeros(d, d, dtype=self.dtype, device=self.device)
+        for b, ix in zip(self.blocks, self._index):
+            D[ix.perm[:, None], ix.perm[None, :]] = b.matrix
+        if self.damping != 0:
+            D.diagonal().add_(self.damping)
+        return D
+
+    def diagonal(self) -> DiagonalOperator:
+        flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
+        for b, ix in zip(self.blocks, self._index):
+            flat[ix.perm] = b.matrix.diagonal()
+        return DiagonalOperator.from_flat(self.layout, flat + self.damping)
+
+    def add_identity(self, damping: float) -> BlockDiagonalOperator:
+        return BlockDiagonalOperator(self.layout, self.blocks, self.damping + _check_damping(damping))
+
+    def inverse(self, damping: float = 0.0) -> BlockDiagonalOperator:
+        """Exact ``(C + damping I)^{-1}`` block by block (Cholesky; raises if a block is not PD)."""
+        delta = self.damping + _check_damping(damping)
+        inv = []
+        for b in self.blocks:
+            M = b.matrix + delta * torch.eye(b.matrix.shape[0], dtype=self.dtype, device=self.device)
+            inv.append(DenseBlock(_spd_inverse(M, f"block {b.weight_name!r}"), b.weight_name, b.bias_name))
+        return BlockDiagonalOperator(self.layout, inv)
+
+    def solve(self, b: Any, damping: float = 0.0, tol: float = 0.0, max_iter: int | None = None) -> Any:
+        return self.inverse(damping) @ b
+
+    def logdet(self, damping: float = 0.0) -> Tensor:
+        delta = self.damping + _check_damping(damping)
+        total = torch.zeros((), dtype=self.dtype, device=self.device)
+        for b in self.blocks:
+            M = b.matrix + delta * torch.eye(b.matrix.shape[0], dtype=self.dtype, device=self.device)
+            sign, val = torch.linalg.slogdet(M)
+            if float(sign) <= 0:
+                raise ValueError(f"block {b.weight_name!r} is not positive definite; increase the damping")
+            total = total + val
+        return total
