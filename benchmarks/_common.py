@@ -1,0 +1,117 @@
+"""Timing and peak-memory utilities shared by the benchmark scripts.
+
+How numbers are measured (and why they can be trusted):
+
+* **Time**: :func:`time_call` runs the callable ``warmup`` times (lazy initialisation, allocator warm-up,
+  vmap tracing) and then ``repeats`` times, reporting the median wall-clock time (``time.perf_counter``)
+  and all samples. The median is robust to the occasional slow run on a shared machine.
+* **Peak memory**: :func:`peak_rss_delta` measures the peak resident set size (RSS) of the process
+  DURING one call minus the RSS just before it. torch allocates CPU tensors with the C allocator, so
+  Python's ``tracemalloc`` does not see them; RSS does. Linux lets a process reset its RSS high-water
+  mark (``echo 5 > /proc/self/clear_refs``; ``VmHWM`` in ``/proc/self/status``), so the peak belongs to
+  this call only. To stop glibc from keeping freed memory (which would hide part of the peak), workers
+  run with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation >= 64 KiB is its own ``mmap`` and goes back
+  to the OS when freed) and ``malloc_trim(0)`` is called before the baseline is read.
+* **Isolation**: :func:`run_worker` runs each measurement in a fresh Python process, so caches,
+  allocator state or hooks left by one library cannot affect another library's numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str, Any]:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples_s": samples}
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_rss_delta(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Peak RSS during ``fn()`` minus RSS before it, in MiB (None where /proc is unavailable).
+
+    The result of ``fn`` is kept alive until the peak is read, so memory of the returned object counts.
+    """
+    _trim()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+        resettable = True
+    except OSError:
+        resettable = False
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    if before is None or peak is None or not resettable:
+        return {"peak_delta_mib": None, "rss_before_mib": None}
+    return {"peak_delta_mib": max(peak - before, 0) / 1024, "rss_before_mib": before / 1024}
+
+
+def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    """Run ``python SCRIPT --worker JSON`` in a fresh process; it must print one JSON line last."""
+    env = {**os.environ, **WORKER_ENV}
+    proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+        return {"error": " | ".join(tail) or f"exit code {proc.returncode}"}
+    last = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    if not last:
+        return {"error": f"worker printed no result: {proc.stdout[-300:]!r}"}
+    result: dict[str, Any] = json.loads(last[-1])
+    return result
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def fmt_mib(m: float | None) -> str:
+    return "-" if m is None else f"{m:.1f}"
