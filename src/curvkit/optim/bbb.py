@@ -1,0 +1,58 @@
+"""Bayes-by-Backprop SGD (MESU paper Eq. 2; Blundell et al. 2015 without the KL term, raw sigma):
+
+    mu_{n+1} = mu_n - lr * dC/dmu_n ;     sigma_{n+1} = sigma_n - lr * dC/dsigma_n
+
+with the MC gradients of Eq. 1. The paper uses it only as motivation (it is not benchmarked). sigma may
+cross zero; sampling uses sigma as is (only |sigma| matters for w = mu + sigma*eps). Its only Hessian
+estimate is Lemma 1, ``hessian_diagonal(method='stein')`` = g_sigma / sigma (Eq. 11).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.likelihoods import Likelihood
+from curvkit.linalg.operator import DiagonalOperator
+from curvkit.optim.meanfield import MeanFieldOptimizer, _positive
+from curvkit.posterior.sampling import LossFn
+
+
+class BBBSGD(MeanFieldOptimizer):
+    """Plain SGD on (mu, sigma) of a mean-field Gaussian (Eq. 2). ``lr`` is required (the paper gives no
+    value); ``sigma_init`` defaults to 0.04. Other arguments as in :class:`curvkit.optim.MESU`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Iterable[Any] | None = None,
+        *,
+        lr: float,
+        sigma_init: float = 0.04,
+        mc_samples: int = 10,
+        loss_fn: LossFn | Likelihood | None = None,
+        sigma_min: float | None = None,
+        max_ratio: float | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ):
+        _positive("lr", lr)
+        defaults = dict(lr=lr, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
+        super().__init__(model, params, defaults, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
+                         generator=generator, chunk_size=chunk_size)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _positive("lr", group["lr"])
+
+    def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
+        return -group["lr"] * g_mu, sigma - group["lr"] * g_sigma
+
+    def hessian_diagonal(self, method: str = "stein", debias: bool = False) -> DiagonalOperator:
+        """Lemma 1 estimate g_sigma / sigma of the last step (the only one for this rule)."""
+        if method != "stein":
+            raise ValueError("BBBSGD only has the Lemma 1 estimate: use method='stein'")
+        return super().hessian_diagonal("stein")

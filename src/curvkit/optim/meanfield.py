@@ -1,0 +1,363 @@
+"""Common machinery of the mean-field Gaussian optimisers (MESU, MESU w/o reg, BGD, BBB-SGD).
+
+The model stays a plain ``nn.Module``; its parameters are the posterior means mu. The optimiser owns one
+standard deviation sigma per scalar parameter (biases included; raw sigma, no softplus; digest section 7
+items 4-5) in ``self.state[p]['sigma']``. One step:
+
+1. draw eps_k ~ N(0, I), k = 1..K (one per scalar weight per sample, shared by the minibatch) from the
+   optimiser's own ``torch.Generator`` (seeded, saved in ``state_dict``);
+2. estimate g_mu = dC/dmu and g_sigma = dC/dsigma (paper Eq. 1) from the K samples w_k = mu + sigma*eps_k;
+3. apply the rule of the subclass to every scalar weight (all rules use the pre-step sigma);
+4. count diagnostics (always on) and apply the optional safeguards (off by default).
+
+Three ways to feed a step (exactly one per call):
+
+* ``opt.step(inputs=X, targets=y)`` - the fast path: the K samples are evaluated together with
+  ``vmap`` + ``functional_call`` (:func:`curvkit.posterior.mc_gradients`) using ``loss_fn``;
+* ``opt.step(closure)`` - torch.optim-compatible: ``closure()`` must compute the loss of the module *as it
+  currently is* and call ``backward()``; the optimiser writes each weight sample into the parameters in
+  turn, calls the closure K times, accumulates the gradients and restores mu (K sequential passes);
+* ``opt.step(grads=MCGradients(...))`` - apply precomputed estimates (tests, custom estimators).
+
+Loss reduction (digest section 7 item 1): there is no global learning rate, so the scale of the loss sets
+the step size. The default ``loss_fn`` is ``CrossEntropy(reduction='sum')``: L = sum over the minibatch
+of the per-example NLL (paper and Zeno et al.'s BGD). A ``mean`` loss makes every step B times smaller.
+
+Diagnostics (digest section 3.7, always on; ``opt.diagnostics``):
+``steps``; ``steps_large_sigma_grad`` / ``weights_large_sigma_grad`` (steps with any weight, and the total
+number of weight-updates, where sigma * g_sigma >= 1, i.e. the step may overshoot);
+``steps_nonpositive_sigma`` / ``weights_nonpositive_sigma`` (where the rule gives sigma <= 0, counted
+every step, so a weight whose sigma stays negative is counted again each step); ``sigma_sign_flips``
+(weight-updates from sigma > 0 to sigma <= 0); all counted before the safeguards. A negative sigma is not
+fatal in itself (only |sigma| matters for sampling and the dynamics are odd-symmetric, digest 3.7). Safeguards (off by default, per param group): ``sigma_min`` (floor
+sigma <- max(sigma, sigma_min)) and ``max_ratio`` r (clamp |dmu| <= r |sigma| and |dsigma| <= r |sigma|;
+the authors' later code uses r = 0.1, which is not in this paper).
+
+Hessian-diagonal estimates: :meth:`MeanFieldOptimizer.hessian_diagonal` returns a
+:class:`curvkit.linalg.DiagonalOperator` (float64) over the Bayesian parameters in the module's
+``named_parameters`` order. ``method='state'`` reads the estimate off sigma (Eq. 7 for MESU, Eq. 9 for
+MESU w/o reg, 1/(n sigma^2) for BGD); ``method='stein'`` is Lemma 1 (Eq. 11), g_sigma / sigma of the last
+step. Both estimate the Hessian of the *per-step loss* (the minibatch loss under ``loss_fn``), i.e. with
+the default sum reduction B times the per-example average Hessian.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.linalg.layout import ParamLayout
+from curvkit.linalg.operator import DiagonalOperator
+from curvkit.posterior.predict import predict_map, predict_mc
+from curvkit.posterior.sampling import LossFn, MCGradients, likelihood_loss, mc_gradients, sample_eps
+
+_DIAG_KEYS = (
+    "steps",
+    "steps_large_sigma_grad",
+    "weights_large_sigma_grad",
+    "steps_nonpositive_sigma",
+    "weights_nonpositive_sigma",
+    "sigma_sign_flips",
+)
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+class MeanFieldOptimizer(Optimizer):
+    """Base class; see the module docstring. Subclasses implement :meth:`_deltas` and
+    :meth:`_state_hessian` and validate their own hyperparameters in :meth:`_check_group`.
+
+    Args:
+        model: the module whose parameters are the posterior means mu.
+        params: parameters (or param-group dicts) of ``model`` to treat as Bayesian; default all trainable
+            parameters. Parameters of ``model`` left out stay deterministic (never sampled, never updated).
+        defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``, ``sigma_min``,
+            ``max_ratio``).
+        mc_samples: K, Monte Carlo samples per step (>= 1).
+        loss_fn: per-sample-of-weights minibatch loss ``loss_fn(outputs, targets) -> scalar``; a
+            :class:`~curvkit.likelihoods.Likelihood` or any callable; default ``CrossEntropy('sum')``.
+        seed: seed of the optimiser's noise generator (ignored if ``generator`` is given).
+        generator: a ``torch.Generator`` on the parameters' device to draw eps from.
+        chunk_size: optional ``vmap`` chunk size over the K samples (bounds memory).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Iterable[Any] | None,
+        defaults: dict[str, Any],
+        *,
+        mc_samples: int = 10,
+        loss_fn: LossFn | Likelihood | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be an integer >= 1, got {mc_samples!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+        self.model = model
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.mc_samples = int(mc_samples)
+        self.chunk_size = chunk_size
+        if loss_fn is None:
+            loss_fn = CrossEntropy(reduction="sum")
+        self.loss_fn: LossFn | Likelihood = loss_fn
+        self._loss = likelihood_loss(loss_fn) if isinstance(loss_fn, Likelihood) else loss_fn
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        first = self.param_groups[0]["params"][0]
+        if generator is None:
+            generator = torch.Generator(device=first.device)
+            generator.manual_seed(int(seed))
+        self.generator = generator
+        self._step = 0
+        self._diagnostics = dict.fromkeys(_DIAG_KEYS, 0)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sigma"] = torch.full_like(p, float(group["sigma_init"]), memory_format=torch.preserve_format)
+
+    # -- hyperparameters ------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if id(p) not in self._names:
+                raise ValueError("every optimised parameter must be a parameter of `model` "
+                                 "(got a tensor that model.named_parameters() does not list)")
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {self._names[id(p)]!r} is not floating point")
+        self._check_group(group)
+        _positive("sigma_init", group["sigma_init"])
+        _positive("sigma_min", group["sigma_min"], allow_none=True)
+        _positive("max_ratio", group["max_ratio"], allow_none=True)
+        if hasattr(self, "_step"):  # groups added after construction get their sigma now
+            for p in group["params"]:
+                self.state[p]["sigma"] = torch.full_like(p, float(group["sigma_init"]))
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise ValueError for invalid subclass hyperparameters (may fill in derived defaults)."""
+
+    # -- accessors ------------------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        """n, the number of updates applied so far."""
+        return self._step
+
+    @property
+    def diagnostics(self) -> dict[str, int]:
+        """Copy of the always-on counters (see the module docstring)."""
+        return dict(self._diagnostics)
+
+    def _bayes_params(self) -> list[tuple[str, Tensor, dict[str, Any]]]:
+        """(name, param, group) of every optimised parameter, in the module's named_parameters order."""
+        owner = {id(p): g for g in self.param_groups for p in g["params"]}
+        return [(n, p, owner[id(p)]) for n, p in self.model.named_parameters() if id(p) in owner]
+
+    def layout(self) -> ParamLayout:
+        """Layout of the Bayesian parameters (module order); the layout of :meth:`hessian_diagonal`."""
+        items = self._bayes_params()
+        return ParamLayout(tuple(n for n, _, _ in items), tuple(p.shape for _, p, _ in items))
+
+    def sigma_dict(self) -> dict[str, Tensor]:
+        """name -> sigma (the live state tensors; do not modify in place)."""
+        return {n: self.state[p]["sigma"] for n, p, _ in self._bayes_params()}
+
+    def mu_dict(self) -> dict[str, Tensor]:
+        """name -> mu (detached views of the module's parameters)."""
+        return {n: p.detach() for n, p, _ in self._bayes_params()}
+
+    # -- prediction -----------------------------------------------------------------------------------
+    def predict(self, inputs: Tensor, mc_samples: int = 10, generator: torch.Generator | None = None,
+                batch_size: int | None = 1024) -> Tensor:
+        """MC-averaged softmax (N, C) over ``mc_samples`` weight samples (|sigma| is used). Uses
+        ``generator`` if given, else a fresh generator seeded 0, so it never disturbs training noise."""
+        if generator is None:
+            generator = torch.Generator(device=inputs.device)
+            generator.manual_seed(0)
+        sig = {n: s.abs() for n, s in self.sigma_dict().items()}
+        return predict_mc(self.model, inputs, sig, mc_samples, generator, batch_size)
+
+    def predict_map(self, inputs: Tensor, batch_size: int | None = 1024) -> Tensor:
+        """Softmax (N, C) of the mean network w = mu."""
+        return predict_map(self.model, inputs, batch_size)
+
+    # -- gradient estimation --------------------------------------------------------------------------
+    def _draw_eps(self, mu: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return sample_eps(mu, self.mc_samples, self.generator)
+
+    def _closure_gradients(self, closure: Callable[[], Any], mu: dict[str, Tensor],
+                           sigma: dict[str, Tensor]) -> MCGradients:
+        params = {n: p for n, p, _ in self._bayes_params()}
+        eps = self._draw_eps(mu)
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        g_mu = {n: torch.zeros_like(m) for n, m in mu.items()}
+        g_sigma = {n: torch.zeros_like(m) for n, m in mu.items()}
+        losses = []
+        K = self.mc_samples
+        try:
+            for k in range(K):
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(saved[n] + sigma[n] * eps[n][k])
+                        p.grad = None
+                with torch.enable_grad():
+                    loss = closure()
+                if loss is None:
+                    raise ValueError("the closure must return the loss it back-propagated")
+                losses.append(torch.as_tensor(loss).detach().reshape(()))
+                for n, p in params.items():
+                    if p.grad is None:
+                        raise ValueError(f"after closure() parameter {n!r} has no gradient; the closure must "
+                                         "compute the loss of the model and call loss.backward()")
+                    g_mu[n] += p.grad / K
+                    g_sigma[n] += p.grad * eps[n][k] / K
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(saved[n])
+                    p.grad = None
+        return MCGradients(g_mu, g_sigma, torch.stack(losses), eps)
+
+    def mc_gradients(self, inputs: Tensor, targets: Tensor) -> MCGradients:
+        """Vectorised MC estimates (Eq. 1) at the current (mu, sigma) with the optimiser's noise generator
+        (advances it). ``inputs``: (B, ...) minibatch; ``targets``: what ``loss_fn`` expects."""
+        if not torch.is_floating_point(inputs) or not bool(torch.isfinite(inputs).all()):
+            raise ValueError("inputs must be a finite floating-point tensor (convert uint8 images with to_unit)")
+        if isinstance(self.loss_fn, Likelihood):  # validate targets once, outside vmap (cheap: one row)
+            with torch.no_grad():
+                f1 = self.model(inputs[:1])
+                self.loss_fn.check(f1.expand(inputs.shape[0], *f1.shape[1:]), targets)
+        mu, sigma = self.mu_dict(), self.sigma_dict()
+        return mc_gradients(self.model, self._loss, inputs, targets, mu, sigma, self.mc_samples,
+                            eps=self._draw_eps(mu), chunk_size=self.chunk_size)
+
+    # -- the step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        inputs: Tensor | None = None,
+        targets: Tensor | None = None,
+        grads: MCGradients | None = None,
+    ) -> Tensor:
+        """One update; returns the MC estimate of the loss C (mean over the K samples; NaN when only
+        ``grads`` without losses are given). Exactly one of ``closure``, ``inputs``+``targets``, ``grads``."""
+        given = sum(x is not None for x in (closure, inputs, grads))
+        if given != 1 or (inputs is None) != (targets is None):
+            raise ValueError("pass exactly one of: closure, inputs= and targets= together, or grads=")
+        mu, sigma = self.mu_dict(), self.sigma_dict()
+        if grads is None:
+            if closure is not None:
+                grads = self._closure_gradients(closure, mu, sigma)
+            else:
+                assert inputs is not None and targets is not None
+                with torch.enable_grad():
+                    grads = self.mc_gradients(inputs, targets)
+        missing = [n for n in mu if n not in grads.g_mu or n not in grads.g_sigma]
+        if missing:
+            raise ValueError(f"grads lack entries for parameters {missing}")
+        loss = grads.loss if grads.losses.numel() else torch.tensor(float("nan"))
+        if not bool(torch.isfinite(loss)):
+            raise ValueError(f"the Monte Carlo loss is not finite ({float(loss)}); sigma or mu has diverged "
+                             "(see opt.diagnostics) or the data contain NaN/inf")
+        any_large = any_nonpos = False
+        for name, p, group in self._bayes_params():
+            st = self.state[p]
+            s = st["sigma"]
+            g_mu, g_sig = grads.g_mu[name], grads.g_sigma[name]
+            d_mu, new_sigma = self._deltas(group, s, g_mu, g_sig)
+            large = int(((s * g_sig) >= 1).sum())
+            nonpos = int((new_sigma <= 0).sum())
+            self._diagnostics["sigma_sign_flips"] += int(((s > 0) & (new_sigma <= 0)).sum())
+            self._diagnostics["weights_large_sigma_grad"] += large
+            self._diagnostics["weights_nonpositive_sigma"] += nonpos
+            any_large |= large > 0
+            any_nonpos |= nonpos > 0
+            r = group["max_ratio"]
+            if r is not None:
+                bound = r * s.abs()
+                d_mu = torch.maximum(torch.minimum(d_mu, bound), -bound)
+                new_sigma = s + torch.maximum(torch.minimum(new_sigma - s, bound), -bound)
+            if group["sigma_min"] is not None:
+                new_sigma = new_sigma.clamp_min(group["sigma_min"])
+            # Lemma 1 estimate with the sigma the gradients were taken at (pre-step); 0/0 -> nan.
+            st["stein"] = (g_sig / s).detach()
+            p.add_(d_mu)
+            s.copy_(new_sigma)
+        self._step += 1
+        self._diagnostics["steps"] += 1
+        self._diagnostics["steps_large_sigma_grad"] += int(any_large)
+        self._diagnostics["steps_nonpositive_sigma"] += int(any_nonpos)
+        return loss.detach()
+
+    def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
+        """(delta_mu, new_sigma) of the rule from the pre-step sigma and the MC gradients."""
+        raise NotImplementedError
+
+    # -- Hessian-diagonal estimates -------------------------------------------------------------------
+    def _state_hessian(self, group: dict[str, Any], sigma: Tensor, debias: bool) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no sigma-state Hessian estimate; use method='stein'")
+
+    def hessian_diagonal(self, method: str = "state", debias: bool = False) -> DiagonalOperator:
+        """Current estimate of the Hessian diagonal of the per-step loss, as a float64 DiagonalOperator.
+
+        ``method='state'``: read off sigma (Eq. 7 / Eq. 9 / 1/(n sigma^2), see the subclass);
+        ``debias=True`` removes the known transient of the sigma recursion (digest section 3.10 item 3;
+        assumes sigma started at ``sigma_init``). ``method='stein'``: Lemma 1 (Eq. 11),
+        H ~ g_sigma / sigma, with the g_sigma of the last step and the sigma it was computed at.
+        """
+        if method not in ("state", "stein"):
+            raise ValueError(f"method must be 'state' or 'stein', got {method!r}")
+        layout = self.layout()
+        out = []
+        for _name, p, group in self._bayes_params():
+            st = self.state[p]
+            if method == "stein":
+                if "stein" not in st:
+                    raise RuntimeError("method='stein' needs at least one step (it uses the last MC gradients)")
+                out.append(st["stein"].to(torch.float64))
+            else:
+                if self._step == 0:
+                    raise RuntimeError(f"{type(self).__name__}.hessian_diagonal(method='state') needs at least "
+                                       "one step")
+                out.append(self._state_hessian(group, st["sigma"].to(torch.float64), debias))
+        return DiagonalOperator(layout, out)
+
+    # -- checkpointing --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["meanfield"] = {
+            "step": self._step,
+            "diagnostics": dict(self._diagnostics),
+            "generator_state": self.generator.get_state(),
+            "mc_samples": self.mc_samples,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        extra = sd.pop("meanfield", None)
+        if extra is None:
+            raise ValueError("not a mean-field optimiser state_dict (no 'meanfield' entry)")
+        super().load_state_dict(sd)
+        self._step = int(extra["step"])
+        self._diagnostics = dict.fromkeys(_DIAG_KEYS, 0) | {k: int(v) for k, v in extra["diagnostics"].items()}
+        self.generator.set_state(extra["generator_state"])
+        self.mc_samples = int(extra["mc_samples"])

@@ -1,0 +1,25 @@
+"""Mean-field Gaussian posteriors over plain ``nn.Module`` s: functional weight sampling, vectorised
+Monte Carlo gradients (Bayes by Backprop, MESU paper Eq. 1), MC-averaged and MAP predictions."""
+
+from curvkit.posterior.predict import predict_map, predict_mc
+from curvkit.posterior.sampling import (
+    LossFn,
+    MCGradients,
+    likelihood_loss,
+    mc_gradients,
+    mc_gradients_loop,
+    sample_eps,
+    sample_weights,
+)
+
+__all__ = [
+    "LossFn",
+    "MCGradients",
+    "likelihood_loss",
+    "mc_gradients",
+    "mc_gradients_loop",
+    "predict_map",
+    "predict_mc",
+    "sample_eps",
+    "sample_weights",
+]
