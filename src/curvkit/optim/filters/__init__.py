@@ -1,0 +1,45 @@
+"""Bayesian-filtering optimisers (Aitchison 2018, "A unified theory of adaptive stochastic gradient
+descent as Bayesian filtering"; engineering digest 004).
+
+Dense reference filter (O1), factorised filters (O2-O6) and Kronecker-factored filters (O7-O9), all
+``torch.optim.Optimizer`` subclasses with a common interface: explicit loss scaling (``reduction``,
+``batch_size``), lookahead bookkeeping (parameters hold the prior mean, ``posterior_mean()`` swaps in the
+posterior mean), ``posterior_precision()`` (a curvkit curvature operator) and ``effective_lr()``.
+"""
+
+from curvkit.optim.filters.dense import DenseKalmanFilter
+from curvkit.optim.filters.factorised import BFNatGrad, BFRMSProp, BFRMSPropSS
+from curvkit.optim.filters.kronecker import KFBayes, KFNatGrad, KFWhiten
+from curvkit.optim.filters.mapping import (
+    adam_lr_from_eta,
+    beta1_from_eta_p,
+    eta_from_adam_lr,
+    eta_p_from_beta1,
+    regime,
+    sgd_lr_from_sigma2,
+    sigma2_from_sgd_lr,
+    sigma2_from_weight_decay,
+    weight_decay_from_sigma2,
+)
+from curvkit.optim.filters.momentum import BFAdam, BFAdamSS
+
+__all__ = [
+    "BFAdam",
+    "BFAdamSS",
+    "BFNatGrad",
+    "BFRMSProp",
+    "BFRMSPropSS",
+    "DenseKalmanFilter",
+    "KFBayes",
+    "KFNatGrad",
+    "KFWhiten",
+    "adam_lr_from_eta",
+    "beta1_from_eta_p",
+    "eta_from_adam_lr",
+    "eta_p_from_beta1",
+    "regime",
+    "sgd_lr_from_sigma2",
+    "sigma2_from_sgd_lr",
+    "sigma2_from_weight_decay",
+    "weight_decay_from_sigma2",
+]

@@ -1,0 +1,178 @@
+"""Kronecker-factored Gaussian filtering algebra (Aitchison 2018, Sec. 2.1.4, Eqs. 22-28, SI 4.3).
+
+Convention (digest Sec. 2): a layer's weight W is (M, N) = (out, in) (N includes the appended 1 of the
+bias); the paper's latent z = vec(W) is **column-stacking**, e = x (x) delta, and the covariance is
+Sigma = Sigma^x (x) Sigma^delta with Sigma^x (N, N), Sigma^delta (M, M). Then
+(Sigma^x (x) Sigma^delta)(x (x) delta) = vec(Sigma^delta delta x^T Sigma^x), so the mean update is
+W <- W + Sigma^delta G Sigma^x. In curvkit's row-major layout the same covariance is
+Sigma^delta (x) Sigma^x (a :class:`~curvkit.linalg.kron.KroneckerBlock` with G = Sigma^delta, A = Sigma^x).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def kron_vec(x: Tensor, d: Tensor) -> Tensor:
+    """Column-stacking vec of d x^T: x (x) delta."""
+    return torch.kron(x, d)
+
+
+def rank1_posterior(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> Tensor:
+    """Eq. 23: the exact (dense, column-stacking) posterior after one rank-1 Fisher sample x (x) delta."""
+    u, v = Sx @ x, Sd @ d
+    return torch.kron(Sx, Sd) - torch.kron(torch.outer(u, u), torch.outer(v, v)) / (1.0 + (d @ v) * (x @ u))
+
+
+def project_first_order(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 24, **corrected** (digest erratum E1): first-order KL projection of Eq. 23 onto Kronecker form.
+
+        X~ = x^T Sx x / N,  D~ = d^T Sd d / M,  D = 1 + (M D~)(N X~)
+        Sx' = Sx + (1/2 D~ X~ Sx - D~ (Sx x)(Sx x)^T) / D
+        Sd' = Sd + (1/2 D~ X~ Sd - X~ (Sd d)(Sd d)^T) / D
+
+    Derived from SI Eq. 32 with X1 = Sx, Y1 = Sd, X2 = Sx x x^T Sx / sqrt(1+XD), Y2 = -Sd d d^T Sd / sqrt(1+XD).
+    """
+    N, M = Sx.shape[0], Sd.shape[0]
+    u, v = Sx @ x, Sd @ d
+    Xt, Dt = (x @ u) / N, (d @ v) / M
+    D = 1.0 + (M * Dt) * (N * Xt)
+    Sx_new = Sx + (0.5 * Dt * Xt * Sx - Dt * torch.outer(u, u)) / D
+    Sd_new = Sd + (0.5 * Dt * Xt * Sd - Xt * torch.outer(v, v)) / D
+    return Sx_new, Sd_new
+
+
+def project_first_order_as_printed(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 24 exactly as printed (unnormalised X, Delta; coefficient Delta in 24b). **Wrong** (erratum E1):
+    kept only for the regression test that shows it diverges in a filter loop. Do not use."""
+    N, M = Sx.shape[0], Sd.shape[0]
+    u, v = Sx @ x, Sd @ d
+    X, Dl = x @ u, d @ v
+    D = 1.0 + (M * Dl) * (N * X)
+    return (Sx + (0.5 * Dl * X * Sx - Dl * torch.outer(u, u)) / D,
+            Sd + (0.5 * Dl * X * Sd - Dl * torch.outer(v, v)) / D)
+
+
+def project_first_order_batched(Sx: Tensor, Sd: Tensor, X: Tensor, Dm: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum of the corrected Eq. 24 increments of K rank-1 samples, all evaluated at the same prior
+    (rows of X (K, N) and Dm (K, M)). Equal to the sequential application to first order (the order of
+    Eq. 24 itself); a few matrix products instead of a Python loop."""
+    N, M = Sx.shape[0], Sd.shape[0]
+    U, V = X @ Sx, Dm @ Sd                      # (K, N), (K, M)
+    Xt = (U * X).sum(1) / N
+    Dt = (V * Dm).sum(1) / M
+    Dn = 1.0 + (M * Dt) * (N * Xt)
+    c = 0.5 * (Dt * Xt / Dn).sum()
+    Sx_new = Sx * (1 + c) - (U * (Dt / Dn)[:, None]).T @ U
+    Sd_new = Sd * (1 + c) - (V * (Xt / Dn)[:, None]).T @ V
+    return Sx_new, Sd_new
+
+
+def kl_project(Sigma: Tensor, N: int, M: int, init: tuple[Tensor, Tensor] | None = None,
+               iters: int = 500, tol: float = 1e-13) -> tuple[Tensor, Tensor]:
+    """Exact KL(P || Q) projection of a dense column-stacking covariance (NM, NM) onto A (x) B
+    (A (N, N), B (M, M)) by the flip-flop fixed point of SI 4.3:
+    A = (1/M) tr_delta[(I (x) B^{-1}) Sigma],  B = (1/N) tr_x[(A^{-1} (x) I) Sigma].
+    Scale is split so that tr(A)/N = tr(B)/M."""
+    if Sigma.shape != (N * M, N * M):
+        raise ValueError(f"Sigma must be ({N * M}, {N * M}) for N={N}, M={M}, got {tuple(Sigma.shape)}")
+    S4 = Sigma.reshape(N, M, N, M)
+    A, B = init if init is not None else (torch.eye(N, dtype=Sigma.dtype), torch.eye(M, dtype=Sigma.dtype))
+    for _ in range(iters):
+        A_new = torch.einsum("iajb,ba->ij", S4, torch.linalg.inv(B)) / M
+        B_new = torch.einsum("iajb,ji->ab", S4, torch.linalg.inv(A_new)) / N
+        done = torch.linalg.norm(torch.kron(A_new, B_new) - torch.kron(A, B)) <= tol * torch.linalg.norm(Sigma)
+        A, B = 0.5 * (A_new + A_new.T), 0.5 * (B_new + B_new.T)
+        if bool(done):
+            break
+    return rebalance(A, B)
+
+
+def rebalance(Sx: Tensor, Sd: Tensor) -> tuple[Tensor, Tensor]:
+    """Move the (arbitrary) common scale so that tr(Sx)/N = tr(Sd)/M (digest A10); Sx (x) Sd is unchanged."""
+    ax = torch.diagonal(Sx).mean()
+    ad = torch.diagonal(Sd).mean()
+    r = torch.sqrt(ad / ax)
+    return Sx * r, Sd / r
+
+
+def drift_project(Sx: Tensor, Sd: Tensor, eta: float, decay: float,
+                  lam_x: Tensor | float | None = None, lam_d: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+    """Eq. 28: first-order projection of decay^2 Sx (x) Sd + eta^2 I (x) I onto Kronecker form,
+
+        Sx' = (decay - 1/2 eta^2 Lx Ld) Sx + eta^2 Ld I,   Sd' = (decay - 1/2 eta^2 Lx Ld) Sd + eta^2 Lx I,
+        Lx = tr(Sx^{-1})/N,  Ld = tr(Sd^{-1})/M  (passed in when cached, digest A10).
+
+    ``decay`` = 1 - eta^2/(2 sigma^2) is the paper's per-factor decay (its square is the covariance decay).
+    """
+    if lam_x is None:
+        lam_x = torch.diagonal(torch.linalg.inv(Sx)).mean()
+    if lam_d is None:
+        lam_d = torch.diagonal(torch.linalg.inv(Sd)).mean()
+    e2 = eta * eta
+    c = decay - 0.5 * e2 * lam_x * lam_d
+    Sx_new, Sd_new = Sx * c, Sd * c
+    Sx_new.diagonal().add_(e2 * lam_d)
+    Sd_new.diagonal().add_(e2 * lam_x)
+    return Sx_new, Sd_new
+
+
+# ------------------------------------------------------------------------------- products with Sigma
+def low_rank_is_cheaper(K: int, M: int, N: int) -> bool:
+    """Whether L G R (L (M, M), R (N, N), G = D^T X with K rows) is cheaper through the factors:
+    about 2K(M^2 + N^2 + MN) (plus the rotations of :func:`whitened_gradient`) against 2MN(M + N)."""
+    return K * (2 * M * M + 2 * N * N + 2 * M * N) < 2 * M * N * (M + N)
+
+
+def gradient_residual(G: Tensor, D: Tensor, X: Tensor) -> Tensor | None:
+    """None when G (M, N) = D^T X (D (K, M), X (K, N)) up to rounding, else the residual G - D^T X.
+
+    Checked with one deterministic random probe r in O(MN + K(M + N)) flops: ||(G - D^T X) r|| against
+    100 sqrt(K) eps ||G r||. A residual (an L2 penalty on the weights, a layer called twice per forward pass,
+    a hook-free gradient edit) is orthogonal to a fixed random r with probability 0."""
+    r = torch.randn(G.shape[1], 1, generator=torch.Generator().manual_seed(20180719), dtype=G.dtype).to(G.device)
+    Gr = G @ r
+    tol = 100.0 * math.sqrt(X.shape[0]) * torch.finfo(G.dtype).eps
+    if float(torch.linalg.norm(Gr - D.T @ (X @ r))) <= tol * float(torch.linalg.norm(Gr)):
+        return None
+    return G - D.T @ X
+
+
+def kron_sandwich(L: Tensor, G: Tensor, R: Tensor, factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """L G R for symmetric L (M, M), R (N, N): the Kronecker mean update Sigma^delta G Sigma^x (Eq. 6).
+
+    With the gradient's per-example factors ``(D (K, M), X (K, N))`` (G = D^T X for a Linear layer) and
+    small K it is computed as (D L)^T (X R); any part of G the factors do not explain is added by the
+    direct route (:func:`gradient_residual`), so the result does not depend on the route."""
+    if factors is None or not low_rank_is_cheaper(factors[0].shape[0], L.shape[0], R.shape[0]):
+        return L @ G @ R
+    D, X = factors
+    out = (D @ L).T @ (X @ R)
+    res = gradient_residual(G, D, X)
+    return out if res is None else out + L @ res @ R
+
+
+def whitened_gradient(G: Tensor, Vd: Tensor, sd: Tensor, Vx: Tensor, sx: Tensor,
+                      factors: tuple[Tensor, Tensor] | None = None,
+                      rotated: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """U = P_d G P_x with P_d = V_d diag(s_d) V_d^T (M, M), P_x = V_x diag(s_x) V_x^T (N, N), G (M, N):
+    the O9 step C_delta^{-1/2} G C_x^{-1/2} from the factors' eigenbases without forming P_d, P_x.
+
+    Without ``factors``: four products, 4MN(M+N) flops. With the gradient's per-example factors
+    ``(D (K, M), X (K, N))``: (V_d diag(s_d) (D V_d)^T)(X V_x diag(s_x) V_x^T), about 2K(2M^2 + 2N^2 + MN) flops
+    (less when ``rotated`` = (D V_d, X V_x) is already known); a residual G - D^T X is whitened by the direct
+    route (:func:`gradient_residual`), so the result does not depend on the route. The caller picks the route
+    (:func:`low_rank_is_cheaper`)."""
+    def full(R: Tensor) -> Tensor:
+        return Vd @ ((Vd.T @ R @ Vx) * torch.outer(sd, sx)) @ Vx.T
+
+    if factors is None:
+        return full(G)
+    D, X = factors
+    DV, XV = rotated if rotated is not None else (D @ Vd, X @ Vx)
+    U = (Vd @ (DV * sd).T) @ ((XV * sx) @ Vx.T)
+    res = gradient_residual(G, D, X)
+    return U if res is None else U + full(res)

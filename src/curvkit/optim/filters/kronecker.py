@@ -1,0 +1,550 @@
+"""Kronecker-factored Bayesian-filtering optimisers (Aitchison 2018, Sec. 2.1.4, Eqs. 22-28; digest O7-O9).
+
+Per layer the latent is the weight matrix W_hat = [W | b] (M = out, N = in + 1), with posterior
+covariance Sigma^x (x) Sigma^delta in the paper's column-stacking vec (:mod:`.kron_math`). Each step:
+
+* :class:`KFBayes` (O8):
+    1. prior step for the covariance (Eq. 28, first-order KL projection of (1-a)^2 Sigma + eta^2 I (x) I;
+       Lambda_x = tr(Sigma^x^{-1})/N, Lambda_delta = tr(Sigma^delta^{-1})/M refreshed every ``inv_every`` steps);
+    2. data step: corrected Eq. 24 per Fisher sample x_n (x) delta_n (digest erratum E1);
+    3. mean: W_post = W_prior + Sigma^delta G Sigma^x, G = sum_n delta^g_n x_n^T (ascent gradient of the
+       summed log-likelihood, from ``p.grad``);
+    4. the parameters are set to the next prior mean (1 - a) W_post, a = eta^2/(2 sigma^2) (Eq. 26).
+* :class:`KFNatGrad` (O7): the same with eta = 0 (static weights): minibatch-online natural gradient whose
+  factor shapes approach E[x x^T]^{-1}, E[delta delta^T]^{-1}.
+* :class:`KFWhiten` (O9): the steady state of O8, Sigma^x ~ sqrt(eta) C_x^{-1/2}, Sigma^delta ~ sqrt(eta)
+  C_delta^{-1/2}:  W <- W + eta C_delta^{-1/2} G C_x^{-1/2}, with C_x = EMA(mean_n x x^T),
+  C_delta = EMA(sum_n delta delta^T) (summed units), inverse roots recomputed every ``inv_every`` steps
+  with damping ``damping * tr(C)/dim``. Optional momentum ``eta_p`` (an extrapolation by analogy with O6;
+  the paper does not derive it).
+
+Fisher samples (digest A1, A3): by default the per-example *empirical* samples delta_n = the per-example
+gradient of the summed loss with respect to the layer output (captured by hooks); ``fisher_samples=K``
+uses the first K examples of the (shuffled) minibatch with delta scaled by sqrt(B/K), so that the
+per-step Fisher estimate stays unbiased. Sampled-label or exact Fisher samples can be given per step:
+``step(fisher_samples={layer_name: (X (K, N), D (K, M))})`` in summed-log-likelihood units.
+
+``projection="exact"`` (tiny layers only, N*M <= 4096) replaces Eqs. 24/28 by the exact dense Kalman step
+followed by the exact KL projection (flip-flop); it equals the full Kalman filter whenever the posterior
+stays Kronecker (one output, one input, or isotropic output noise; digest K9d).
+
+Supported layers: ``nn.Linear`` (all three), ``nn.Conv2d`` (KFWhiten only: its covariance EMAs are the
+KFC-style patch statistics; the rank-1 updates of O7/O8 need a per-example gradient x (x) delta, which a
+convolution's per-example gradient, a sum over positions, is not).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from curvkit.optim.filters._base import LossScale, Reduction, all_finite, check_positive, check_unit_interval
+from curvkit.optim.filters.kron_capture import Capture, LayerRecord, collect_layers
+from curvkit.optim.filters.kron_math import (
+    drift_project,
+    kl_project,
+    kron_sandwich,
+    low_rank_is_cheaper,
+    project_first_order,
+    project_first_order_batched,
+    rebalance,
+    whitened_gradient,
+)
+
+
+def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None:
+    """Keep the posterior mean only when it differs from the next prior mean held by the parameters
+    (decay or momentum); ``posterior_mean()`` swaps it in when present."""
+    if W_next is W_post:
+        st.pop("mu_post", None)
+    else:
+        st["mu_post"] = W_post
+
+
+class _KroneckerBase(Optimizer):
+    supported: tuple[type[nn.Module], ...] = (nn.Linear,)
+
+    def __init__(self, model: nn.Module, defaults: dict[str, Any], reduction: Reduction, batch_size: int | None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), got {type(model).__name__}")
+        self.loss_scale = LossScale(reduction, batch_size)
+        self.layers: list[LayerRecord] = collect_layers(model, self.supported, type(self).__name__)
+        self._layout_names = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
+        params = []
+        for rec in self.layers:
+            params.append(rec.weight)
+            if rec.bias is not None:
+                params.append(rec.bias)
+        super().__init__(params, defaults)
+        self.capture = Capture(self.layers)
+
+    def _layout(self) -> Any:
+        from curvkit.linalg.layout import ParamLayout
+
+        return ParamLayout(tuple(n for n, _ in self._layout_names), tuple(s for _, s in self._layout_names))
+
+    def _group(self) -> dict[str, Any]:
+        return self.param_groups[0]
+
+    def _samples(self, rec: LayerRecord, scale: float, given: dict[str, Any] | None, k: int | None
+                 ) -> tuple[Tensor, Tensor]:
+        """Fisher samples (X (K, N), D (K, M)) in summed-log-likelihood units."""
+        if given is not None and rec.name in given:
+            X, D = given[rec.name]
+            if X.shape[-1] != rec.in_dim or D.shape[-1] != rec.out_dim or X.shape[0] != D.shape[0]:
+                raise ValueError(f"fisher_samples[{rec.name!r}] must be (K, {rec.in_dim}) and (K, {rec.out_dim}), "
+                                 f"got {tuple(X.shape)} and {tuple(D.shape)}")
+            return X, D
+        if rec.x is None or rec.delta is None:
+            raise ValueError(f"no activations captured for layer {rec.name!r}: run forward and backward (with "
+                             "autograd enabled) on the minibatch before step()")
+        X, D = rec.x, rec.delta * scale
+        if k is not None and k < X.shape[0]:
+            D = D[:k] * math.sqrt(X.shape[0] / k)
+            X = X[:k]
+        return X, D
+
+    @staticmethod
+    def _grad_factors(rec: LayerRecord, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """Per-row factors (D (K, M), X (K, N)) of the ascent gradient, G = D^T X, from the captured layer
+        input and output gradient (None if nothing was captured); used for the cheaper products."""
+        if rec.x is None or rec.delta is None:
+            return None
+        return rec.delta.to(dtype) * -scale, rec.x.to(dtype)
+
+    def _clear(self) -> None:
+        for rec in self.layers:
+            rec.x = rec.delta = None
+
+    @contextmanager
+    def posterior_mean(self) -> Iterator[None]:
+        """Temporarily load the posterior mean W_post into the layers (parameters hold the prior mean)."""
+        saved = []
+        for rec in self.layers:
+            st = self.state.get(rec.weight, {})
+            if "mu_post" in st:
+                saved.append((rec, rec.weight_matrix().clone()))
+                rec.write_matrix(st["mu_post"])
+        try:
+            yield
+        finally:
+            for rec, W in saved:
+                rec.write_matrix(W)
+
+    def _check_finite(self, rec: LayerRecord, G: Tensor) -> None:
+        if not all_finite(G):
+            raise ValueError(f"gradient of layer {rec.name!r} contains NaN or inf")
+
+    def _precision_blocks(self) -> list[tuple[LayerRecord, Tensor, Tensor]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def posterior_precision(self) -> Any:
+        """Posterior precision as a :class:`curvkit.linalg.kron.KroneckerOperator` (one block per layer,
+        G = output-side, A = input-side factor, row-major W_hat layout), in summed-log-likelihood units."""
+        from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
+
+        blocks = [KroneckerBlock(G, A, rec.weight_name, rec.bias_name) for rec, G, A in self._precision_blocks()]
+        return KroneckerOperator(self._layout(), blocks)
+
+    def _cov_diagonals(self, rec: LayerRecord) -> tuple[Tensor, Tensor]:  # pragma: no cover - abstract
+        """Diagonals of (Sigma^delta (M,), Sigma^x (N,)) of one layer (summed-log-likelihood units)."""
+        raise NotImplementedError
+
+    def _regime(self, rec: LayerRecord, s: Tensor) -> tuple[float, float]:  # pragma: no cover - abstract
+        """(sgd_like, adam_like) of one layer given its per-weight posterior variances ``s`` (M, N)."""
+        raise NotImplementedError
+
+    def _user_scale(self) -> float:
+        ls = self.loss_scale
+        return ls.factor() if ls.reduction == "mean" and ls.batch_size else 1.0
+
+    def _variance_matrix(self, rec: LayerRecord) -> Tensor:
+        """Per-weight posterior variance diag(Sigma^delta) diag(Sigma^x)^T, shaped like W_hat (M, N)."""
+        dd, dx = self._cov_diagonals(rec)
+        return torch.outer(dd, dx)
+
+    def effective_lr(self) -> dict[str, Tensor]:
+        """Per-weight effective SGD learning rate on the user's loss: the posterior variance of each weight
+        (the diagonal of Sigma^x (x) Sigma^delta) times the loss scale, returned per parameter tensor
+        (weight and bias) like the factorised filters. It is the SGD step size that would move that weight
+        by the same amount for a gradient along it alone; the Kronecker step also mixes weights.
+        Costs O(M N) (KFWhiten: O(M^2 + N^2)), cheap enough to log every step."""
+        scale = self._user_scale()
+        out = {}
+        for rec in self.layers:
+            if not self.state.get(rec.weight):
+                continue
+            S = self._variance_matrix(rec) * scale
+            k = rec.weight[0].numel()
+            out[rec.weight_name] = S[:, :k].reshape(rec.weight.shape)
+            if rec.bias_name is not None:
+                out[rec.bias_name] = S[:, k]
+        return out
+
+    def diagnostics(self) -> list[dict[str, Any]]:
+        """Per-layer effective learning rate (statistics over the layer's weights, bias included) and
+        regime indicators in [0, 1] (digest K11, adapted per class: see ``_regime`` of each optimiser;
+        medians, as for the factorised filters): ``sgd_like`` -> 1 in the SGD limit, ``adam_like`` -> 1 in
+        the Adam (whitening) limit; ``regime`` names the larger. Cheap (no inversions)."""
+        rows = []
+        scale = self._user_scale()
+        for rec in self.layers:
+            if not self.state.get(rec.weight):
+                continue
+            s = self._variance_matrix(rec)
+            lr = s * scale
+            sgd, adam = self._regime(rec, s)
+            rows.append({
+                "name": rec.name, "lr_mean": float(lr.mean()), "lr_median": float(lr.median()),
+                "lr_min": float(lr.min()), "lr_max": float(lr.max()),
+                "sgd_like": sgd, "adam_like": adam, "regime": "sgd" if sgd > adam else "adam",
+            })
+        return rows
+
+
+class KFBayes(_KroneckerBase):
+    """Kronecker-factored filter with weight drift (O8). ``lr`` = eta; eta = 0 gives O7.
+
+    Args:
+        model: the network (all trainable parameters must sit in ``nn.Linear`` layers).
+        lr: eta, the per-step diffusion sd of the optimum.
+        sigma2: stationary prior variance (inf: no weight decay).
+        s0: initial posterior variance per weight; Sigma^x = Sigma^delta = sqrt(s0) I (digest A5);
+            default ``lr_sgd / batch_size``.
+        fisher_samples: examples per step used for the covariance update (None: all); see module doc.
+        sample_update: 'sequential' (Eq. 24 per sample, paper) or 'batched' (summed first-order increments).
+        projection: 'first_order' (Eqs. 24, 28) or 'exact' (dense + KL flip-flop; tiny layers).
+        inv_every: refresh period of Lambda_x, Lambda_delta in Eq. 28.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, sigma2: float = math.inf, s0: float | None = None,
+                 lr_sgd: float = 0.1, fisher_samples: int | None = 8, sample_update: str = "sequential",
+                 projection: str = "first_order", inv_every: int = 10, reduction: Reduction = "mean",
+                 batch_size: int | None = None):
+        check_positive("lr", lr, allow_zero=True)
+        check_positive("sigma2", sigma2, allow_inf=True)
+        check_positive("lr_sgd", lr_sgd)
+        if s0 is not None:
+            check_positive("s0", s0)
+        if fisher_samples is not None and (int(fisher_samples) != fisher_samples or fisher_samples < 1):
+            raise ValueError(f"fisher_samples must be a positive integer or None, got {fisher_samples!r}")
+        if sample_update not in ("sequential", "batched"):
+            raise ValueError(f"sample_update must be 'sequential' or 'batched', got {sample_update!r}")
+        if projection not in ("first_order", "exact"):
+            raise ValueError(f"projection must be 'first_order' or 'exact', got {projection!r}")
+        if int(inv_every) != inv_every or inv_every < 1:
+            raise ValueError(f"inv_every must be a positive integer, got {inv_every!r}")
+        s_init = s0 if s0 is not None else lr_sgd / (batch_size or 1)
+        defaults = {"lr": float(lr), "sigma2": float(sigma2), "s0": float(s_init), "fisher_samples": fisher_samples,
+                    "sample_update": sample_update, "projection": projection, "inv_every": int(inv_every)}
+        super().__init__(model, defaults, reduction, batch_size)
+        if projection == "exact":
+            for rec in self.layers:
+                if rec.in_dim * rec.out_dim > 4096:
+                    raise ValueError(f"projection='exact' forms dense covariances; layer {rec.name!r} has "
+                                     f"{rec.in_dim * rec.out_dim} weights (limit 4096)")
+
+    def _decay(self) -> float:
+        g = self._group()
+        return 1.0 if math.isinf(g["sigma2"]) else 1.0 - g["lr"] ** 2 / (2.0 * g["sigma2"])
+
+    def _init(self, rec: LayerRecord) -> dict[str, Any]:
+        st = self.state[rec.weight]
+        if not st:
+            r = math.sqrt(self._group()["s0"])
+            dt, dev = rec.weight.dtype, rec.weight.device
+            st["Sx"] = torch.eye(rec.in_dim, dtype=dt, device=dev) * r
+            st["Sd"] = torch.eye(rec.out_dim, dtype=dt, device=dev) * r
+            st["step"] = 0
+        return st
+
+    def _predict(self, st: dict[str, Any]) -> None:
+        grp = self._group()
+        eta = grp["lr"]
+        if eta == 0 and math.isinf(grp["sigma2"]):
+            return
+        if st["step"] % grp["inv_every"] == 0 or "lam_x" not in st:
+            st["lam_x"] = torch.diagonal(torch.linalg.inv(st["Sx"])).mean()
+            st["lam_d"] = torch.diagonal(torch.linalg.inv(st["Sd"])).mean()
+        st["Sx"], st["Sd"] = drift_project(st["Sx"], st["Sd"], eta, self._decay(), st["lam_x"], st["lam_d"])
+
+    def _exact_step(self, st: dict[str, Any], X: Tensor, D: Tensor) -> None:
+        grp = self._group()
+        Sx, Sd = st["Sx"], st["Sd"]
+        N, M = Sx.shape[0], Sd.shape[0]
+        S = torch.kron(Sx, Sd)
+        if grp["lr"] > 0 or math.isfinite(grp["sigma2"]):
+            S = self._decay() ** 2 * S + grp["lr"] ** 2 * torch.eye(N * M, dtype=S.dtype, device=S.device)
+        for x, d in zip(X, D):
+            e = torch.kron(x, d)
+            Se = S @ e
+            S = S - torch.outer(Se, Se) / (1.0 + e @ Se)
+        st["Sx"], st["Sd"] = kl_project(0.5 * (S + S.T), N, M, init=(Sx, Sd))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, fisher_samples: dict[str, Any] | None = None,
+             batch_size: int | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grp = self._group()
+        scale = self.loss_scale.factor(batch_size)
+        for rec in self.layers:
+            st = self._init(rec)
+            G = rec.weight_matrix_grad().mul(-scale)
+            self._check_finite(rec, G)
+            X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
+            X, D = X.to(G.dtype), D.to(G.dtype)
+            if grp["projection"] == "exact":
+                self._exact_step(st, X, D)
+            else:
+                self._predict(st)
+                if grp["sample_update"] == "batched":
+                    st["Sx"], st["Sd"] = project_first_order_batched(st["Sx"], st["Sd"], X, D)
+                else:
+                    Sx, Sd = st["Sx"], st["Sd"]
+                    for x, d in zip(X, D):
+                        Sx, Sd = project_first_order(Sx, Sd, x, d)
+                    st["Sx"], st["Sd"] = Sx, Sd
+                st["Sx"], st["Sd"] = rebalance(0.5 * (st["Sx"] + st["Sx"].T), 0.5 * (st["Sd"] + st["Sd"].T))
+            factors = self._grad_factors(rec, scale, G.dtype)
+            W_post = rec.weight_matrix() + kron_sandwich(st["Sd"], G, st["Sx"], factors)
+            decay = self._decay()
+            W_next = W_post if decay == 1.0 else W_post * decay
+            st["step"] += 1
+            _store_posterior(st, W_post, W_next)
+            rec.write_matrix(W_next)
+        self._clear()
+        return loss
+
+    def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Posterior covariance factors per layer: {name: (Sigma^x (N, N), Sigma^delta (M, M))}."""
+        return {rec.name: (self.state[rec.weight]["Sx"], self.state[rec.weight]["Sd"])
+                for rec in self.layers if self.state.get(rec.weight)}
+
+    def _precision_blocks(self) -> list[tuple[LayerRecord, Tensor, Tensor]]:
+        out = []
+        for rec in self.layers:
+            st = self.state.get(rec.weight)
+            if not st:
+                raise RuntimeError("the optimiser has no posterior yet: call step() first")
+            out.append((rec, torch.linalg.inv(st["Sd"]), torch.linalg.inv(st["Sx"])))
+        return out
+
+    def _cov_diagonals(self, rec: LayerRecord) -> tuple[Tensor, Tensor]:
+        st = self.state.get(rec.weight)
+        if not st:
+            raise RuntimeError("the optimiser has no posterior yet: call step() first")
+        return torch.diagonal(st["Sd"]), torch.diagonal(st["Sx"])
+
+    def _regime(self, rec: LayerRecord, s: Tensor) -> tuple[float, float]:
+        """As the factorised filters without a running v: ``sgd_like`` = s/cap (cap = sigma^2, or s0 when
+        sigma^2 = inf), clipped to 1, and ``adam_like`` = sqrt(1 - sgd_like) from the steady-state identity
+        v s^2 = eta^2 (1 - s/sigma^2); 0 when eta = 0 (O7 has no steady state, its s decays like 1/t)."""
+        grp = self._group()
+        cap = grp["sigma2"] if math.isfinite(grp["sigma2"]) else grp["s0"]
+        sgd = (s / cap).clamp(max=1.0)
+        adam = (1 - sgd).sqrt() if grp["lr"] > 0 else torch.zeros_like(sgd)
+        return float(sgd.median()), float(adam.median())
+
+
+class KFNatGrad(KFBayes):
+    """Kronecker-factored natural gradient with static weights (O7): :class:`KFBayes` with eta = 0."""
+
+    def __init__(self, model: nn.Module, s0: float | None = None, lr_sgd: float = 0.1,
+                 fisher_samples: int | None = 8, sample_update: str = "sequential",
+                 projection: str = "first_order", reduction: Reduction = "mean", batch_size: int | None = None):
+        super().__init__(model, lr=0.0, sigma2=math.inf, s0=s0, lr_sgd=lr_sgd, fisher_samples=fisher_samples,
+                         sample_update=sample_update, projection=projection, reduction=reduction,
+                         batch_size=batch_size)
+
+
+def _damped_gains(d: Tensor, bc: float, damping: float) -> tuple[Tensor, float]:
+    """Per-direction gains (d/bc + lam)^{-1/2} of one factor and lam = damping * mean(d/bc).
+
+    ``d`` holds the second moments of the factor along its (possibly stale) eigenbasis, so mean(d/bc) is
+    tr(C_hat)/dim, the mean eigenvalue of the bias-corrected covariance C_hat = C/bc. The damping is
+    therefore relative to the factor's own scale, which keeps the whitened step invariant to the loss scale;
+    it is floored at 1e-30 so that an all-zero factor (e.g. a layer whose ReLUs are all inactive) gives
+    finite gains (its gradient is zero then)."""
+    dh = d / bc
+    lam = max(damping * float(dh.mean()), 1e-30)
+    return (dh + lam).rsqrt(), lam
+
+
+class KFWhiten(_KroneckerBase):
+    """Steady-state Kronecker filter, the whitening "Kronecker RMSProp/Adam" (O9).
+
+    Math (paper end of Sec. 2.1.3; digest O9): Sigma^x = sqrt(eta) C_x^{-1/2}, Sigma^delta = sqrt(eta)
+    C_delta^{-1/2}, so the mean update (6) is W_post = W_prior + eta C_delta^{-1/2} G C_x^{-1/2}, with
+
+        C_x = EMA_beta(mean_n x_n x_n^T)  (N, N),   C_delta = EMA_beta(sum_n delta_n delta_n^T)  (M, M),
+
+    bias-corrected (divided by 1 - beta^t), delta_n in summed-log-likelihood units and G (M, N) the ascent
+    gradient of the summed log-likelihood (``-batch_size * p.grad`` for a mean loss).
+
+    Amortised inversion (``inv_every = k``). Every k steps (and at step 1) each factor is eigendecomposed,
+    C = V diag(d) V^T. In between, the basis V is kept but the second moments along it,
+    d = diag(V^T C V), are updated at every step from the new samples (cost K*dim^2, like the EMA itself),
+    and the update uses C ~ V diag(d) V^T. At a refresh step this is exactly C^{-1/2}. Keeping the
+    *normaliser* current is what the filter requires (Sec. 2.2.5: the posterior includes the current
+    sample before the step): a whitening step whose inverse roots are frozen for k steps is not scale
+    invariant, since it grows linearly with any growth of the gradient since the last refresh. In a deep
+    network that growth feeds back (larger steps in the top layers enlarge the backpropagated delta of the
+    lower ones), which made an earlier version with frozen inverse roots diverge within a few steps at
+    eta = 1e-3 on a repeated minibatch. With current d the step obeys, for every entry in the rotated basis,
+        |(V_d^T (W_post - W_prior) V_x)_ij| <= eta sqrt(K) (1 - beta^t) / (1 - beta)
+    for empirical Fisher samples (K = rows of the minibatch), whatever the gradient scale (Cauchy-Schwarz;
+    the current samples enter C with weight (1 - beta)/(1 - beta^t)). The bound holds for any orthonormal
+    basis; note that inside a degenerate eigenspace of C at a refresh (typically the null space of a
+    rank-deficient C early on) the kept basis is arbitrary, so the gains there depend on it, and a
+    rounding-level change of C can change later steps by more than rounding.
+
+    Damping (digest O9 "damping lambda ~ tr/dim"): each factor gets lam = ``damping`` * tr(C_hat)/dim added to
+    its eigenvalues, i.e. relative to its own mean eigenvalue, so the update stays invariant to the loss
+    scale. Directions the statistics have not seen (a rank-deficient single-batch C at step 1) get the gain
+    of lam, which is at most sqrt(1/damping) times the typical gain.
+
+    Args:
+        model: network whose trainable parameters sit in ``nn.Linear`` or ``nn.Conv2d`` layers (Conv2d: the
+            KFC-style patch statistics, x = unfolded patches, delta per position).
+        lr: eta (the Adam/RMSProp learning rate of the steady state).
+        beta: EMA factor of the covariances (bias-corrected).
+        damping: relative Tikhonov damping (see above).
+        inv_every: eigendecomposition period k.
+        eta_p: momentum (0 = none): M_p <- (1 - eta_p) M_p + eta_p U, W <- W + eta M_p. An extrapolation by
+            analogy with O6; the paper does not derive it.
+        sigma2: prior variance; the parameters decay by 1 - eta^2/(2 sigma^2) per step (inf: none).
+    """
+
+    supported = (nn.Linear, nn.Conv2d)
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, beta: float = 0.99, damping: float = 1e-3,
+                 inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
+                 reduction: Reduction = "mean", batch_size: int | None = None):
+        check_positive("lr", lr)
+        check_unit_interval("beta", beta)
+        check_positive("damping", damping)
+        check_positive("sigma2", sigma2, allow_inf=True)
+        check_unit_interval("eta_p", eta_p, closed_left=True)
+        if int(inv_every) != inv_every or inv_every < 1:
+            raise ValueError(f"inv_every must be a positive integer, got {inv_every!r}")
+        defaults = {"lr": float(lr), "beta": beta, "damping": damping, "inv_every": int(inv_every),
+                    "eta_p": eta_p, "sigma2": float(sigma2)}
+        super().__init__(model, defaults, reduction, batch_size)
+
+    def _decay(self) -> float:
+        g = self._group()
+        return 1.0 if math.isinf(g["sigma2"]) else 1.0 - g["lr"] ** 2 / (2.0 * g["sigma2"])
+
+    def _update_statistics(self, st: dict[str, Any], X: Tensor, D: Tensor) -> tuple[Tensor, Tensor] | None:
+        """EMA of the factors, then either a fresh eigendecomposition (returns None) or the per-step update
+        of d along the kept basis (returns the rotated samples (D V_d, X V_x) for reuse)."""
+        grp = self._group()
+        beta, K = grp["beta"], X.shape[0]
+        st["Cx"].mul_(beta).addmm_(X.T, X, alpha=(1 - beta) / K)
+        st["Cd"].mul_(beta).addmm_(D.T, D, alpha=1 - beta)
+        if (st["step"] - 1) % grp["inv_every"] == 0:
+            for C, d, V in (("Cx", "dx", "Vx"), ("Cd", "dd", "Vd")):
+                w, st[V] = torch.linalg.eigh(st[C])
+                st[d] = w.clamp(min=0)
+            return None
+        XV, DV = X @ st["Vx"], D @ st["Vd"]
+        st["dx"].mul_(beta).add_(XV.square().sum(0), alpha=(1 - beta) / K)
+        st["dd"].mul_(beta).add_(DV.square().sum(0), alpha=1 - beta)
+        return DV, XV
+
+    def _gains(self, st: dict[str, Any]) -> tuple[Tensor, float, Tensor, float]:
+        grp = self._group()
+        bc = 1.0 - grp["beta"] ** st["step"]
+        sx, lx = _damped_gains(st["dx"], bc, grp["damping"])
+        sd, ld = _damped_gains(st["dd"], bc, grp["damping"])
+        return sx, lx, sd, ld
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, fisher_samples: dict[str, Any] | None = None,
+             batch_size: int | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grp = self._group()
+        check_positive("lr", grp["lr"])
+        scale = self.loss_scale.factor(batch_size)
+        for rec in self.layers:
+            st = self.state[rec.weight]
+            G = rec.weight_matrix_grad().mul(-scale)
+            self._check_finite(rec, G)
+            X, D = self._samples(rec, scale, fisher_samples, None)
+            X, D = X.to(G.dtype), D.to(G.dtype)
+            if not st:
+                st["Cx"] = torch.zeros(rec.in_dim, rec.in_dim, dtype=G.dtype, device=G.device)
+                st["Cd"] = torch.zeros(rec.out_dim, rec.out_dim, dtype=G.dtype, device=G.device)
+                st["step"] = 0
+                if grp["eta_p"] > 0:
+                    st["mu_p"] = torch.zeros_like(G)
+            st["step"] += 1
+            rotated = self._update_statistics(st, X, D)
+            sx, _, sd, _ = self._gains(st)
+            factors = self._grad_factors(rec, scale, G.dtype)
+            if factors is not None and low_rank_is_cheaper(factors[0].shape[0], rec.out_dim, rec.in_dim):
+                own = fisher_samples is None or rec.name not in fisher_samples   # then D = -D_ascent
+                reuse = (-rotated[0], rotated[1]) if rotated is not None and own else None
+                U = whitened_gradient(G, st["Vd"], sd, st["Vx"], sx, factors, reuse)
+            else:
+                U = whitened_gradient(G, st["Vd"], sd, st["Vx"], sx)
+            W = rec.weight_matrix()
+            if grp["eta_p"] > 0:
+                st["mu_p"].mul_(1 - grp["eta_p"]).add_(U, alpha=grp["eta_p"])
+                W_post = W
+                W_next = W_post * self._decay() + grp["lr"] * st["mu_p"]
+            else:
+                W_post = W.add_(U, alpha=grp["lr"])
+                W_next = W_post if self._decay() == 1.0 else W_post * self._decay()
+            _store_posterior(st, W_post, W_next)
+            rec.write_matrix(W_next)
+        self._clear()
+        return loss
+
+    def _state(self, rec: LayerRecord) -> dict[str, Any]:
+        st = self.state.get(rec.weight)
+        if not st:
+            raise RuntimeError("the optimiser has no posterior yet: call step() first")
+        return st
+
+    def _precision_blocks(self) -> list[tuple[LayerRecord, Tensor, Tensor]]:
+        """Precision (Sigma^x (x) Sigma^delta)^{-1} = eta^{-1} C_x^{1/2} (x) C_delta^{1/2}, split evenly."""
+        out = []
+        r = 1.0 / math.sqrt(self._group()["lr"])
+        for rec in self.layers:
+            st = self._state(rec)
+            sx, _, sd, _ = self._gains(st)
+            Rx = (st["Vx"] / sx) @ st["Vx"].T
+            Rd = (st["Vd"] / sd) @ st["Vd"].T
+            out.append((rec, 0.5 * (Rd + Rd.T) * r, 0.5 * (Rx + Rx.T) * r))
+        return out
+
+    def _cov_diagonals(self, rec: LayerRecord) -> tuple[Tensor, Tensor]:
+        st = self._state(rec)
+        sx, _, sd, _ = self._gains(st)
+        r = math.sqrt(self._group()["lr"])
+        return st["Vd"].square() @ sd * r, st["Vx"].square() @ sx * r
+
+    def _regime(self, rec: LayerRecord, s: Tensor) -> tuple[float, float]:
+        """Per eigen-direction pair (i, j) the gain is eta ((d_i + lam_d)(d_j + lam_x))^{-1/2}: SGD-like
+        (a constant gain eta/sqrt(lam_d lam_x), the damping acting as the prior) when the damping dominates,
+        Adam-like (eta/sqrt(d_i d_j), whitening) when the curvature does. ``sgd_like`` = gain/(SGD gain),
+        ``adam_like`` = gain * sqrt(d_i d_j)/eta, both medians over all M N pairs."""
+        st = self._state(rec)
+        bc = 1.0 - self._group()["beta"] ** st["step"]
+        sx, lx, sd, ld = self._gains(st)
+        sgd = torch.outer(sd * math.sqrt(ld), sx * math.sqrt(lx))
+        adam = torch.outer(sd * (st["dd"] / bc).sqrt(), sx * (st["dx"] / bc).sqrt())
+        return float(sgd.median()), float(adam.median())
