@@ -229,3 +229,27 @@ def test_diagnostics_of_momentum_and_exact_filters():
     exact.step()
     row = exact.diagnostics()[0]
     assert row["regime"] == "sgd" and row["sgd_like"] == 1.0 and row["adam_like"] == 0.0
+
+
+def test_filtering_vs_adam_drift_task_and_resume(tmp_path):
+    """The experiment's drift task runs for filters and baselines (finite, the exact Kalman filter tracks),
+    and a finished run is reused from its JSON file instead of being recomputed."""
+    from curvkit.experiments.filtering_vs_adam import _cached, run_drift
+
+    for name in ("DenseKalman", "KFWhiten", "BFAdam", "Adam"):
+        r = run_drift(name, seed=0, steps=40)
+        assert r["diverged"] is None and all(math.isfinite(v) for v in r["tracking_error"])
+    kf = run_drift("DenseKalman", seed=0, steps=40)["tracking_error"]
+    assert kf[-1] < 0.2 * kf[0]
+    calls = []
+
+    def work():
+        calls.append(1)
+        return {"x": [1.0, 2.0]}
+
+    key = {"task": "t", "seed": 0}
+    assert _cached(tmp_path / "r.json", key, work) == {"x": [1.0, 2.0]}
+    assert _cached(tmp_path / "r.json", key, work) == {"x": [1.0, 2.0]}
+    assert len(calls) == 1
+    _cached(tmp_path / "r.json", {"task": "t", "seed": 1}, work)   # another configuration: recomputed
+    assert len(calls) == 2
