@@ -1,1 +1,34 @@
-"""(populated by the module authors)"""
+"""Singular learning theory diagnostics (digest 003): LLC by vectorised SGLD, WBIC, Hessian trace,
+effective dimension."""
+
+from curvkit.slt.diagnostics import plot_chains, summary
+from curvkit.slt.hessian import (
+    TraceEstimate,
+    effective_dimension,
+    hessian_spectrum,
+    hessian_trace,
+    operator_trace,
+    thresholded_rank,
+)
+from curvkit.slt.llc import LLCResult, estimate_llc, estimate_llc_potential, gelman_rubin, quadratic_llc
+from curvkit.slt.sampler import MinibatchStream, SGLDConfig, SGLDDivergenceError, run_sgld
+
+__all__ = [
+    "LLCResult",
+    "MinibatchStream",
+    "SGLDConfig",
+    "SGLDDivergenceError",
+    "TraceEstimate",
+    "effective_dimension",
+    "estimate_llc",
+    "estimate_llc_potential",
+    "gelman_rubin",
+    "hessian_spectrum",
+    "hessian_trace",
+    "operator_trace",
+    "plot_chains",
+    "quadratic_llc",
+    "run_sgld",
+    "summary",
+    "thresholded_rank",
+]
