@@ -152,6 +152,8 @@ def test_vmap_fallback_over_columns(monkeypatch):
     monkeypatch.setattr(exact_mod, "vmap", broken_vmap)
     for cls, ref in [(GGNOperator, ref_G), (HessianOperator, ref_H)]:
         op = cls(model, lik, data)
+        if isinstance(op, HessianOperator):  # its default double-backward products use no vmap:
+            op._use_double_backward = False  # test the vmapped forward-over-reverse fallback here
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = op @ torch.eye(op.layout.dim, dtype=D64)

@@ -19,9 +19,10 @@ from curvkit.curvature.exact import (
     fisher,
     ggn,
     hessian,
+    hessian_trace,
     mc_fisher,
+    piecewise_linear_reason,
 )
-
 from curvkit.curvature.kronecker import empirical_kfac, kfac, kflr, kfra
 from curvkit.curvature.output_space import output_fisher, output_fisher_sqrt
 from curvkit.curvature.recursion import BlockDiagonalCurvature, blockdiag_ggn, blockdiag_hessian
@@ -42,10 +43,12 @@ __all__ = [
     "fisher",
     "ggn",
     "hessian",
+    "hessian_trace",
     "kfac",
     "kflr",
     "kfra",
     "mc_fisher",
     "output_fisher",
     "output_fisher_sqrt",
+    "piecewise_linear_reason",
 ]

@@ -129,6 +129,11 @@ def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Tensor, y
     """Model output (B, C) at the snapshot, validated: shape (B, C), finite, targets as the head needs."""
     with torch.no_grad():
         f = fmodel(fmodel.params, X)
+    return check_output(f, likelihood, X, y, batch_index)
+
+
+def check_output(f: Any, likelihood: Likelihood, X: Tensor, y: Tensor | None, batch_index: int) -> Tensor:
+    """Validate an already computed model output ``f`` for batch ``X`` (see :func:`checked_output`)."""
     if not isinstance(f, Tensor):
         raise TypeError(f"the model must return one tensor of shape (batch, outputs), got {type(f).__name__}")
     if f.dim() != 2 or f.shape[0] != X.shape[0]:
@@ -136,5 +141,5 @@ def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Tensor, y
             f"batch {batch_index}: the model output must have shape (batch, outputs) = ({X.shape[0]}, C), "
             f"got {tuple(f.shape)}; flatten or reshape it inside the model (e.g. end with nn.Flatten())"
         )
-    likelihood.check(f, y)
+    likelihood.check(f.detach(), y)
     return f

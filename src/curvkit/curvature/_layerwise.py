@@ -19,6 +19,7 @@ the caller then falls back to generic per-sample gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,12 @@ def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
 
 
 def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tensor,
-                       S: Tensor) -> dict[str, Tensor]:
-    """sum_{n,r} (per-sample gradient of s_{n,r}^T f_n)^2 per parameter name; S is (B, C, R)."""
+                       S: Tensor | Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """sum_{n,r} (per-sample gradient of s_{n,r}^T f_n)^2 per parameter name; S is (B, C, R).
+
+    ``S`` may also be a function of the (detached) model output f (B, C) returning S: it is then
+    evaluated on the output of the hooked forward pass itself (no separate forward pass for S).
+    """
     inputs: dict[int, Tensor] = {}
     eps: dict[int, Tensor] = {}
 
@@ -91,6 +96,8 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tenso
             h.remove()
     if len(eps) != len(specs):
         raise Unsupported("a layer was not run in the forward pass")
+    if callable(S):
+        S = S(f.detach())
     U = S.permute(2, 0, 1).contiguous()  # (R, B, C)
     deltas = torch.autograd.grad(f, [eps[i] for i in range(len(specs))], grad_outputs=U,
                                  is_grads_batched=True, allow_unused=True, materialize_grads=True)

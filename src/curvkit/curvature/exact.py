@@ -19,7 +19,10 @@ change an existing operator; build a new one to follow the model. See
 The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dtheta (C, d)):
 
 * :class:`HessianOperator` - H = w sum_n d^2 L^n / dtheta^2 (thesis Lemma 3.15 structure), products by
-  forward-over-reverse differentiation (``torch.func.jvp`` of ``torch.func.grad``).
+  reverse-over-reverse differentiation (one double-backward pass per column through the graph of the
+  gradient, which is cached between products for single-batch data; ``cache_graph``). For networks that
+  are piecewise linear in each layer's parameters, ``trace(..., piecewise_linear=True)`` uses
+  tr(H) = tr(G) (thesis Lemma 3.23; :func:`piecewise_linear_reason` verifies the structure).
 * :class:`GGNOperator` - G = w sum_n J_n^T H_L^n J_n (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
 * :class:`FisherOperator` - type-2 Fisher F = w sum_n J_n^T F_L^n J_n with the exact expectation over
   model labels (Eqs. 3.35-3.36); F_L from its definition in :mod:`curvkit.curvature.output_space`.
@@ -31,7 +34,11 @@ The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dth
   (not the thesis's Fisher; differs from the GGN in general).
 
 The last four share one form, w sum_n J_n^T S_n S_n^T J_n with an output-space factor S_n (C, R):
-products apply J (``jvp``, batched over columns with ``vmap``), S S^T in output space, then J^T (``vjp``).
+products apply J (a Jacobian-vector product), S S^T in output space, then J^T (a backward pass); a single
+column takes ONE forward pass carrying primal and tangent together (forward-mode dual numbers) and one
+backward pass, several columns use ``jvp`` vmapped over the columns and a vmapped ``vjp``. Quadratic forms
+v^T C v = w sum_n ||S_n^T J_n v||^2 (``quadratic_form``, and hence ``trace('hutchinson')``) need only the
+Jacobian-vector products.
 Their exact ``diagonal()`` is w sum_n sum_r (J_n^T s_nr)^2 and ``to_dense()`` is w V^T V with
 V = [J_n^T s_nr] stacked over n and r; they need N * R per-sample backward passes (vmapped), not d
 products, and the diagonal of a model whose parameters all sit in Linear/Conv2d layers only R batched
@@ -60,9 +67,10 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import grad, jvp, vjp, vmap
 
@@ -70,6 +78,7 @@ from curvkit.curvature._functional import (
     FunctionalModel,
     Params,
     as_batches,
+    check_output,
     checked_output,
     cols_to_params,
     params_to_cols,
@@ -78,7 +87,7 @@ from curvkit.curvature._functional import (
 from curvkit.curvature._layerwise import LayerSpec, Unsupported, layer_specs, layerwise_diagonal
 from curvkit.curvature.output_space import output_fisher_sqrt
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
+from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -112,10 +121,26 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.weight = 1.0 if likelihood.reduction == "sum" else 1.0 / self.num_data
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
-        self._setup([checked_output(self.fmodel, likelihood, X, y, i) for i, (X, y) in enumerate(self.batches)])
+        self._setup([self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)])
+
+    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+        """The validated output (B, C) of one batch at construction (subclasses may keep its graph)."""
+        return checked_output(self.fmodel, self.likelihood, X, y, batch_index)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         """Hook for subclasses that need the outputs at the snapshot (e.g. to sample labels)."""
+
+    def _leaves(self) -> Params:
+        """Fresh autograd leaves sharing the snapshot's storage (the snapshot itself never requires grad)."""
+        return tuple(p.detach().requires_grad_() for p in self.params)
+
+    def _sibling(self, cls: type[ExactCurvatureOperator]) -> Any:
+        """An operator of class ``cls`` on the SAME snapshot and data (no re-validation, no new snapshot)."""
+        op = cls.__new__(cls)
+        CurvatureOperator.__init__(op, self.layout, self.dtype, self.device)
+        op.fmodel, op.likelihood, op.batches = self.fmodel, self.likelihood, self.batches
+        op.num_data, op.weight, op.chunk_size, op._use_vmap = self.num_data, self.weight, self.chunk_size, True
+        return op
 
     @property
     def params(self) -> Params:
@@ -157,18 +182,98 @@ class ExactCurvatureOperator(CurvatureOperator):
 class HessianOperator(ExactCurvatureOperator):
     """Exact Hessian H = w sum_n d^2 L^n / dtheta^2 of the loss over all data (module doc for w).
 
-    Products: for each batch, Hessian-vector products by forward-over-reverse differentiation,
-    ``jvp(grad(loss_batch), (theta,), (v,))``, vmapped over the columns of the (d, k) input (chunks of
-    ``chunk_size`` columns). Cost per product with k columns ~ k gradient passes over the data.
-    The Hessian is symmetric but NOT positive semi-definite in general: ``solve`` (CG) raises if it meets
-    negative curvature; add damping or use the GGN.
+    Products (reverse-over-reverse): per batch, the gradient g(theta) = grad L_batch is formed once with
+    ``create_graph=True``; then H v = d(g^T v)/dtheta is one more backward pass through that graph per
+    column v of the (d, k) input. Cost per product with k columns ~ one gradient pass (building the
+    graph, unless cached) + k double-backward passes over the data.
+
+    Graph caching (``cache_graph``): with ``True`` the differentiable gradient of every batch is kept
+    between products (built from the construction-time forward pass), so repeated products (traces,
+    Lanczos, CG) pay only the double-backward passes. The memory trade-off: the operator then holds the
+    batch's activations plus the gradient's graph (a few times the memory of one gradient pass per batch,
+    O(B * width), never O(d^2)) for as long as it lives. ``None`` (default) caches when ``data`` is a
+    single batch and recomputes per product otherwise; ``False`` never caches. A cached graph freezes
+    the module's train/eval mode as it was at construction.
+
+    If the model has an operation without a double-backward formula, products fall back (once, with a
+    warning) to forward-over-reverse differentiation (``torch.func.jvp`` of ``torch.func.grad``, vmapped
+    over the columns). The Hessian is symmetric but NOT positive semi-definite in general: ``solve`` (CG)
+    raises if it meets negative curvature; add damping or use the GGN.
     """
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
+                 cache_graph: bool | None = None):
+        if cache_graph not in (None, True, False):
+            raise ValueError(f"cache_graph must be None (auto), True or False, got {cache_graph!r}")
+        self.cache_graph = cache_graph
+        self._graphs: dict[int, tuple[Params, Any]] = {}  # batch -> (leaves, output f or gradient tuple)
+        self._use_double_backward = True
+        super().__init__(model, likelihood, data, chunk_size=chunk_size)
+
+    @property
+    def caches_graph(self) -> bool:
+        """Whether differentiable gradients are kept between products (see the class doc)."""
+        return self.cache_graph if self.cache_graph is not None else len(self.batches) == 1
+
+    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+        if not self.caches_graph:
+            return super()._construction_output(batch_index, X, y)
+        leaves = self._leaves()
+        with torch.enable_grad():
+            f = check_output(self.fmodel(leaves, X), self.likelihood, X, y, batch_index)
+        self._graphs[batch_index] = (leaves, f)  # the gradient is formed lazily on the first product
+        return f.detach()
 
     def _batch_loss(self, params: Params, X: Tensor, y: Tensor) -> Tensor:
         f = self.fmodel(params, X)
         return self.likelihood.nll_per_sample(f, y).sum() * self.weight
 
+    def _batch_gradient(self, i: int, X: Tensor, y: Tensor) -> tuple[Params, Params]:
+        """(leaves, differentiable gradient of batch i's weighted loss w.r.t. the leaves)."""
+        cached = self._graphs.get(i)
+        if cached is not None and isinstance(cached[1], tuple):
+            return cached
+        with torch.enable_grad():
+            if cached is not None:
+                leaves, f = cached
+            else:
+                leaves = self._leaves()
+                f = self.fmodel(leaves, X)
+            loss = self.likelihood.nll_per_sample(f, y).sum() * self.weight
+            g = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
+        if self.caches_graph:
+            self._graphs[i] = (leaves, g)
+        return leaves, g
+
     def _matmat_chunk(self, M: Tensor) -> Tensor:
+        if self._use_double_backward:
+            try:
+                return self._matmat_double_backward(M)
+            except (RuntimeError, NotImplementedError) as err:
+                self._use_double_backward = False
+                self._graphs.clear()
+                warnings.warn(f"HessianOperator: double backward failed ({err}); falling back to "
+                              "forward-over-reverse products", RuntimeWarning, stacklevel=3)
+        return self._matmat_forward_over_reverse(M)
+
+    def _matmat_double_backward(self, M: Tensor) -> Tensor:
+        Mt = M.T.contiguous()  # (k, d): every column's parameter pieces are contiguous views
+        rows = torch.zeros_like(Mt)
+        pieces = list(zip(self.layout.offsets, self.layout.numels, self.layout.shapes))
+        for i, (X, y) in enumerate(self.batches):
+            leaves, g = self._batch_gradient(i, X, y)
+            live = [j for j, t in enumerate(g) if t.requires_grad]  # entries depending on theta
+            if not live:
+                continue  # the loss is linear in theta on this batch: zero Hessian
+            for c in range(M.shape[1]):
+                v = [Mt[c, o:o + n].view(shape) for o, n, shape in pieces]
+                hv = torch.autograd.grad([g[j] for j in live], leaves, [v[j] for j in live],
+                                         retain_graph=True, allow_unused=True, materialize_grads=True)
+                for (o, n, _), t in zip(pieces, hv):
+                    rows[c, o:o + n] += t.reshape(-1)
+        return rows.T
+
+    def _matmat_forward_over_reverse(self, M: Tensor) -> Tensor:
         V = cols_to_params(self.layout, M)
         out = torch.zeros_like(M)
         for X, y in self.batches:
@@ -179,6 +284,41 @@ class HessianOperator(ExactCurvatureOperator):
 
             out += params_to_cols(self._map(hvp, (V,), M.shape[1]))
         return out
+
+    def trace(
+        self,
+        method: TraceMethod = "exact",
+        num_probes: int = 100,
+        generator: torch.Generator | None = None,
+        distribution: Literal["rademacher", "gaussian"] = "rademacher",
+        piecewise_linear: bool | Literal["auto"] = False,
+    ) -> Tensor:
+        """Trace of H: ``exact`` (sum of the exact diagonal, d products) or ``hutchinson``/``hutch++``.
+
+        ``piecewise_linear``: for networks that are piecewise linear in every layer's parameters (only
+        Linear/Conv layers, each used once, and piecewise-linear parameter-free modules such as ReLU or
+        max-pooling, see :func:`piecewise_linear_reason`), the diagonal blocks of H and of the GGN G
+        coincide (thesis Lemma 3.23), hence tr(H) = tr(G) EXACTLY. With ``True`` the trace is then taken
+        of G instead: ``exact`` from G's cheap exact diagonal, ``hutchinson`` from G's quadratic forms
+        z^T G z = w sum_n ||S_n^T J_n z||^2 (one Jacobian-vector product per probe, no backward pass).
+        The Hutchinson estimate stays unbiased for tr(H) (E[z^T G z] = tr(G) = tr(H)) but its variance is
+        that of z^T G z, not z^T H z (the off-diagonal blocks differ). ``True`` raises a ValueError if the
+        model cannot be verified to be piecewise linear; ``"auto"`` uses G when verified and Hessian-vector
+        products otherwise; ``False`` (default) always uses Hessian-vector products.
+        """
+        if piecewise_linear not in (True, False, "auto"):
+            raise ValueError(f"piecewise_linear must be True, False or 'auto', got {piecewise_linear!r}")
+        if piecewise_linear:
+            reason = piecewise_linear_reason(self.fmodel.module)
+            if reason is None:
+                ggn_op: GGNOperator = self._sibling(GGNOperator)
+                return ggn_op.trace(method, num_probes=num_probes, generator=generator,
+                                    distribution=distribution)
+            if piecewise_linear is True:
+                raise ValueError(f"piecewise_linear=True, but the model is not verifiably piecewise linear in "
+                                 f"its parameters: {reason}; pass piecewise_linear='auto' (falls back to "
+                                 "Hessian-vector products) or False")
+        return super().trace(method, num_probes=num_probes, generator=generator, distribution=distribution)
 
     def diagonal(self, max_dim: int | None = 20_000) -> DiagonalOperator:
         """Exact diagonal by d unit-vector Hessian-vector products, in chunks of ``chunk_size`` columns.
@@ -218,11 +358,28 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
 
+    _use_dual = True  # single-column products by forward-mode dual numbers (falls back once on error)
+
     def _matmat_chunk(self, M: Tensor) -> Tensor:
+        """C M for a (d, k) block: J (tangent), S S^T in output space, J^T (backward), per batch.
+
+        One column: ONE forward pass carries the primal (with its graph recorded) and the tangent J v
+        together (``torch.autograd.forward_ad`` dual numbers), then one backward pass. Several columns:
+        ``vjp`` for the primal and its backward, and ``jvp`` vmapped over the columns for the tangents.
+        """
         k = M.shape[1]
         V = cols_to_params(self.layout, M)
         out = torch.zeros_like(M)
         for i, (X, y) in enumerate(self.batches):
+            if k == 1 and self._use_dual:
+                try:
+                    out += self._product_dual(i, X, y, tuple(v[0] for v in V))
+                    continue
+                except (RuntimeError, NotImplementedError) as err:
+                    self._use_dual = False
+                    warnings.warn(f"{type(self).__name__}: forward-mode AD failed ({err}); falling back to "
+                                  "separate jvp and vjp passes", RuntimeWarning, stacklevel=3)
+
             def fn(p: Params, X: Tensor = X) -> Tensor:
                 return self.fmodel(p, X)
 
@@ -232,6 +389,50 @@ class OutputFactorOperator(ExactCurvatureOperator):
             U = torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, Jv)) * self.weight
             JtU = self._map(lambda u, vjp_fn=vjp_fn: vjp_fn(u)[0], (U,), k)
             out += params_to_cols(JtU)
+        return out
+
+    def _product_dual(self, i: int, X: Tensor, y: Tensor, v: Params) -> Tensor:
+        """(d, 1) product for one column v with one dual-number forward pass and one backward pass."""
+        leaves = self._leaves()
+        with torch.enable_grad(), fwAD.dual_level():
+            dual_out = self.fmodel(tuple(fwAD.make_dual(p, t) for p, t in zip(leaves, v)), X)
+            f, Jv = fwAD.unpack_dual(dual_out)
+        f = f.view_as(f)  # plain tensor (still on the primal graph)
+        Jv = torch.zeros_like(f) if Jv is None else Jv.detach()  # (B, C)
+        S = self.output_factor(i, f.detach(), y)
+        U = torch.einsum("bcr,br->bc", S, torch.einsum("bcr,bc->br", S, Jv)) * self.weight
+        if not f.requires_grad:
+            return torch.zeros(self.layout.dim, 1, dtype=self.dtype, device=self.device)
+        JtU = torch.autograd.grad(f, leaves, U, allow_unused=True, materialize_grads=True)
+        return torch.cat([t.reshape(-1) for t in JtU])[:, None]
+
+    def quadratic_form(self, M: Tensor) -> Tensor:
+        """v^T C v for every column v of M (d, k) (or a flat (d,) vector): shape (k,) (or 0-d).
+
+        v^T C v = w sum_n ||S_n^T J_n v||^2 needs only the Jacobian-vector products J_n v (one forward
+        pass carrying the tangents; no backward pass), about half the cost of a product. Used by
+        ``trace(method='hutchinson')``.
+        """
+        if M.dim() == 1:
+            return self.quadratic_form(M[:, None])[0]
+        M = M.to(device=self.device, dtype=self.dtype)
+        if M.dim() != 2 or M.shape[0] != self.layout.dim:
+            raise ValueError(f"quadratic_form needs a ({self.layout.dim}, k) matrix or a flat vector of length "
+                             f"{self.layout.dim}, got shape {tuple(M.shape)}")
+        return torch.cat([self._quadratic_form_chunk(M[:, s:s + self.chunk_size])
+                          for s in range(0, M.shape[1], self.chunk_size)])
+
+    def _quadratic_form_chunk(self, M: Tensor) -> Tensor:
+        k = M.shape[1]
+        V = cols_to_params(self.layout, M)
+        out = torch.zeros(k, dtype=self.dtype, device=self.device)
+        for i, (X, y) in enumerate(self.batches):
+            def fn(p: Params, X: Tensor = X) -> Tensor:
+                return self.fmodel(p, X)
+
+            f, Jv = self._map(lambda v, fn=fn: jvp(fn, (self.params,), (v,)), (V,), k)  # (k, B, C) each
+            S = self.output_factor(i, f[0].detach(), y)  # (B, C, R)
+            out += torch.einsum("bcr,kbc->kbr", S, Jv).pow(2).sum((1, 2)) * self.weight
         return out
 
     def _factor_rows(self) -> Iterator[Tensor]:
@@ -277,9 +478,10 @@ class OutputFactorOperator(ExactCurvatureOperator):
         acc = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
                for n, s in zip(self.layout.names, self.layout.shapes)}
         for i, (X, y) in enumerate(self.batches):
-            with torch.no_grad():
-                f = self.fmodel(self.params, X)
-            for name, val in layerwise_diagonal(self.fmodel, specs, X, self.output_factor(i, f, y)).items():
+            def S_of(f: Tensor, i: int = i, y: Tensor = y) -> Tensor:  # S from the hooked forward's output
+                return self.output_factor(i, f, y)
+
+            for name, val in layerwise_diagonal(self.fmodel, specs, X, S_of).items():
                 acc[name] += val
         return DiagonalOperator(self.layout, [acc[n] * self.weight for n in self.layout.names])
 
@@ -383,3 +585,50 @@ def empirical_fisher(model: nn.Module, likelihood: Likelihood, data: Any,
                      **kwargs: Any) -> EmpiricalFisherOperator:
     """:class:`EmpiricalFisherOperator` (gradients at the data labels) at the current parameters."""
     return EmpiricalFisherOperator(model, likelihood, data, **kwargs)
+
+
+# Parameter-free modules whose output is piecewise linear in their input (a.e.), and parametrised modules
+# whose output is affine in (input, parameters) separately and jointly in their own parameters.
+_PIECEWISE_LINEAR = (nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Identity, nn.Flatten, nn.Unflatten,
+                     nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
+_AFFINE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+def piecewise_linear_reason(model: nn.Module) -> str | None:
+    """None if ``model`` is VERIFIABLY piecewise linear in each layer's parameters, else the reason why not.
+
+    Verified structurally (the forward code of arbitrary modules cannot be inspected): the model is an
+    ``nn.Sequential`` (possibly nested) of ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` layers, each
+    module instance used once, and the parameter-free piecewise-linear modules ReLU, LeakyReLU, ReLU6,
+    Hardtanh, Identity, Flatten, Unflatten, Max/AvgPool1d/2d (and Dropout in eval mode). Then the output
+    is linear in each layer's (weight, bias) with the other layers fixed (almost everywhere), so the
+    output's Hessian has zero diagonal blocks and the loss Hessian's diagonal blocks equal the GGN's
+    (thesis Lemma 3.23).
+    """
+    if not isinstance(model, nn.Module):
+        return f"{type(model).__name__} is not an nn.Module"
+    seen: set[int] = set()
+    for name, mod in model.named_modules(remove_duplicate=False):
+        label = name or "<root>"
+        if id(mod) in seen:
+            return f"module {label!r} is used more than once"
+        seen.add(id(mod))
+        if isinstance(mod, nn.Sequential) and type(mod) is nn.Sequential:
+            continue
+        if type(mod) in _AFFINE_LAYERS or type(mod) in _PIECEWISE_LINEAR:
+            continue
+        if type(mod) is nn.Dropout and not mod.training:
+            continue
+        return (f"module {label!r} ({type(mod).__name__}) is not a plain nn.Sequential, an affine layer "
+                f"({', '.join(c.__name__ for c in _AFFINE_LAYERS)}) or a known piecewise-linear module")
+    return None
+
+
+def hessian_trace(model: nn.Module, likelihood: Likelihood, data: Any, method: TraceMethod = "hutchinson",
+                  num_probes: int = 100, generator: torch.Generator | None = None,
+                  distribution: Literal["rademacher", "gaussian"] = "rademacher",
+                  piecewise_linear: bool | Literal["auto"] = False, **kwargs: Any) -> Tensor:
+    """tr(H) of ``likelihood`` on ``data``: :meth:`HessianOperator.trace` (see there for ``piecewise_linear``)."""
+    return HessianOperator(model, likelihood, data, **kwargs).trace(
+        method, num_probes=num_probes, generator=generator, distribution=distribution,
+        piecewise_linear=piecewise_linear)

@@ -45,6 +45,7 @@ This is KFC's Omega (x) Gamma under spatial homogeneity and spatially uncorrelat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -110,8 +111,8 @@ def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
     return cols.transpose(1, 2)
 
 
-def _layer_input(layer: _Layer, x: Tensor) -> Tensor:
-    """Augmented inputs a_hat: (B, T, in_aug) (T = 1 for Linear)."""
+def _layer_input(layer: _Layer, x: Tensor, augment: bool = True) -> Tensor:
+    """Augmented inputs a_hat: (B, T, in_aug) (T = 1 for Linear); without the bias 1 if not ``augment``."""
     m = layer.module
     if isinstance(m, nn.Conv2d):
         if x.dim() != 4:
@@ -122,9 +123,29 @@ def _layer_input(layer: _Layer, x: Tensor) -> Tensor:
             raise ValueError(f"module {layer.name!r} (Linear): the Kronecker factors need a (batch, features) "
                              f"input, got shape {tuple(x.shape)}; flatten extra dimensions first")
         a = x[:, None, :]
-    if layer.bias_name is not None:
+    if augment and layer.bias_name is not None:
         a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
     return a
+
+
+def _input_gram(layer: _Layer, x: Tensor) -> Tensor:
+    """sum over samples and locations of a_hat a_hat^T (in_aug, in_aug), a_hat = [a, 1] with a bias.
+
+    The bias row/column is filled from sum(a) and the count instead of concatenating a column of ones
+    to the inputs (same numbers, no copy of the inputs).
+    """
+    a = _layer_input(layer, x, augment=False)
+    a = a.reshape(-1, a.shape[-1])  # (B*T, in)
+    if layer.bias_name is None:
+        return a.T @ a
+    n = a.shape[1]
+    out = a.new_empty(n + 1, n + 1)
+    torch.mm(a.T, a, out=out[:n, :n])
+    s = a.sum(0)
+    out[:n, n] = s
+    out[n, :n] = s
+    out[n, n] = a.shape[0]
+    return out
 
 
 def _layer_grad(layer: _Layer, g: Tensor) -> Tensor:
@@ -182,9 +203,7 @@ def _hook_factors(model: nn.Module, likelihood: Likelihood, data: Data, vectors:
         N += X.shape[0]
         outs = [o[0] for o in rec.outputs]
         for i, lay in enumerate(layers):
-            a = _layer_input(lay, rec.inputs[i][0])
-            a = a.reshape(-1, a.shape[-1])  # (B*T, in_aug): sum over samples and locations
-            A_sum[i] = _add(A_sum[i], a.T @ a)
+            A_sum[i] = _add(A_sum[i], _input_gram(lay, rec.inputs[i][0]))
         for V, w in vectors(f.detach(), y):
             grads = torch.autograd.grad(f, outs, grad_outputs=V.to(f.dtype), retain_graph=True,
                                         allow_unused=True)
@@ -206,7 +225,13 @@ def _operator(layout: ParamLayout, layers: list[_Layer], A_sum: list[Tensor | No
     for lay, A_i, G_i in zip(layers, A_sum, G_sum):
         if A_i is None or G_i is None:  # pragma: no cover - every layer is visited for every batch
             raise RuntimeError(f"no data reached layer {lay.name!r}")
-        blocks.append(KroneckerBlock((s / N) * G_i, A_i / N, lay.weight_name, lay.bias_name))
+        for what, M in (("G", G_i), ("A", A_i)):
+            if not math.isfinite(float(M.sum())):  # one reduction; NaN/inf anywhere makes the sum non-finite
+                raise ValueError(f"the {what} factor of layer {lay.name!r} contains NaN or inf entries; check "
+                                 "the inputs and the model's parameters")
+        # G_i, A_i are sums of Gram matrices (symmetric by construction): skip the generic validation
+        blocks.append(KroneckerBlock.from_gram(G_i, A_i, lay.weight_name, lay.bias_name,
+                                               scale_G=s / N, scale_A=1.0 / N))
     return KroneckerOperator(layout, blocks)
 
 

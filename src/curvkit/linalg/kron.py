@@ -132,6 +132,20 @@ class KroneckerBlock:
         self.G = _symmetrise(self.G)
         self.A = _symmetrise(self.A)
 
+    @classmethod
+    def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
+                  scale_G: float = 1.0, scale_A: float = 1.0) -> KroneckerBlock:
+        """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
+        ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
+        several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
+        result is exactly symmetric in floating point, as a validated block is.
+        """
+        blk = cls.__new__(cls)
+        blk.G = torch.add(G, G.T).mul_(0.5 * scale_G)
+        blk.A = torch.add(A, A.T).mul_(0.5 * scale_A)
+        blk.weight_name, blk.bias_name = weight_name, bias_name
+        return blk
+
     @property
     def out_dim(self) -> int:
         return int(self.G.shape[0])
@@ -194,13 +208,21 @@ class _BlockIndex:
             raise ValueError(f"bias {bias_name!r} has shape {tuple(shapes[bias_name])}, expected ({self.out},) "
                              f"to match weight {weight_name!r} of shape {wshape}")
         self.in_aug = self.in_w + int(self.has_bias)
-        w0 = slices[weight_name].start
-        idx = w0 + torch.arange(self.out * self.in_w, device=device).reshape(self.out, self.in_w)
-        if bias_name is not None:
-            b0 = slices[bias_name].start
-            idx = torch.cat([idx, (b0 + torch.arange(self.out, device=device))[:, None]], dim=1)
-        self.perm = idx.reshape(-1)  # W_hat row-major position -> flat parameter index
+        self._w0 = slices[weight_name].start
+        self._b0 = slices[bias_name].start if bias_name is not None else None
+        self._device = device
+        self._perm: Tensor | None = None
         self.size = self.out * self.in_aug
+
+    @property
+    def perm(self) -> Tensor:
+        """W_hat row-major position -> flat parameter index (built on first use)."""
+        if self._perm is None:
+            idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
+            if self._b0 is not None:
+                idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
+            self._perm = idx.reshape(-1)
+        return self._perm
 
     def gather(self, M: Tensor) -> Tensor:
         """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j]."""

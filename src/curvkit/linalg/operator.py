@@ -90,6 +90,13 @@ class CurvatureOperator:
             out[s:s + e.shape[1]] = self._matmat(e)[s + idx, idx]
         return DiagonalOperator.from_flat(self.layout, out)
 
+    def quadratic_form(self, M: Tensor) -> Tensor:
+        """v^T A v for each column v of M (d, k) -> (k,) (a flat (d,) vector -> 0-d). Default (M * A M).sum(0);
+        subclasses with a cheaper form override it (used by ``trace(method='hutchinson')``)."""
+        if M.dim() == 1:
+            return self.quadratic_form(M[:, None])[0]
+        return (M * self._matmat(M.to(self.dtype))).sum(0)
+
     # ------------------------------------------------------------------ spectral / trace / solve
     def trace(
         self,
@@ -105,7 +112,8 @@ class CurvatureOperator:
             return self.diagonal().flat.sum()
         if method == "hutchinson":
             return _trace.hutchinson(self._matmat, self.layout.dim, num_probes, self.dtype, self.device,
-                                     generator=generator, distribution=distribution)
+                                     generator=generator, distribution=distribution,
+                                     quadform=self.quadratic_form)
         if method == "hutch++":
             return _trace.hutchpp(self._matmat, self.layout.dim, num_probes, self.dtype, self.device,
                                   generator=generator, distribution=distribution)

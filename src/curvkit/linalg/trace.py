@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 MatMat = Callable[[Tensor], Tensor]
+QuadForm = Callable[[Tensor], Tensor]
 Distribution = Literal["rademacher", "gaussian"]
 
 DEFAULT_BATCH_SIZE = 32
@@ -55,7 +56,11 @@ def probes(
 ) -> Tensor:
     """A (d, k) block of random probes with E[z z^T] = I (Rademacher +-1 or standard Gaussian)."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    if distribution == "rademacher":
+    if distribution == "rademacher" and gen_device.type == "cpu" and dtype.is_floating_point:
+        # drawn directly in the floating dtype: on CPU the same numbers as the int64 draw below, without
+        # the (d, k) int64 temporary and two extra passes
+        Z = torch.randint(0, 2, (d, k), generator=generator, device=gen_device, dtype=dtype).mul_(2).sub_(1)
+    elif distribution == "rademacher":
         Z = torch.randint(0, 2, (d, k), generator=generator, device=gen_device).to(dtype) * 2 - 1
     elif distribution == "gaussian":
         Z = torch.randn(d, k, generator=generator, device=gen_device, dtype=dtype)
@@ -81,12 +86,15 @@ def hutchinson_values(
     distribution: Distribution = "rademacher",
     tol: float | None = None,
     batch_size: int | None = None,
+    quadform: QuadForm | None = None,
 ) -> Tensor:
     """The per-probe values z_i^T A z_i, shape (m,), with m <= ``num_probes`` probes actually used.
 
     Probes are drawn in blocks of ``batch_size`` (default 32) columns. With ``tol`` the loop stops after
     the first block at which the standard error of the running mean is <= tol * |mean| (at least two
-    probes), so m may be smaller than ``num_probes``.
+    probes), so m may be smaller than ``num_probes``. ``quadform`` (optional): a function (d, k) -> (k,)
+    returning z_i^T A z_i directly, used instead of ``(Z * matmat(Z)).sum(0)`` when the operator has a
+    cheaper quadratic form (e.g. ||S^T J z||^2 for a GGN: no backward pass).
     """
     bs = _check_args(d, num_probes, batch_size, distribution)
     if tol is not None and not tol > 0:
@@ -96,7 +104,7 @@ def hutchinson_values(
     while done < num_probes:
         k = min(bs, num_probes - done)
         Z = probes(d, k, dtype, device, generator, distribution)
-        values.append((Z * matmat(Z)).sum(0))
+        values.append(quadform(Z) if quadform is not None else (Z * matmat(Z)).sum(0))
         done += k
         if tol is not None and done >= 2:
             mean, err = _mean_stderr(torch.cat(values))
@@ -115,6 +123,7 @@ def hutchinson_with_error(
     distribution: Distribution = "rademacher",
     tol: float | None = None,
     batch_size: int | None = None,
+    quadform: QuadForm | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Hutchinson estimate of tr(A) and its standard error, as two 0-d tensors.
 
@@ -123,7 +132,8 @@ def hutchinson_with_error(
     :func:`hutchinson_values` directly to learn how many probes an early stop (``tol``) used.
     """
     return _mean_stderr(hutchinson_values(matmat, d, num_probes, dtype, device, generator=generator,
-                                          distribution=distribution, tol=tol, batch_size=batch_size))
+                                          distribution=distribution, tol=tol, batch_size=batch_size,
+                                          quadform=quadform))
 
 
 def _mean_stderr(v: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,6 +154,7 @@ def hutchinson(
     distribution: Distribution = "rademacher",
     tol: float | None = None,
     batch_size: int | None = None,
+    quadform: QuadForm | None = None,
 ) -> Tensor:
     """Hutchinson estimate of tr(A) (a 0-d tensor); see :func:`hutchinson_values` for the arguments.
 
@@ -152,7 +163,8 @@ def hutchinson(
     10.0
     """
     return hutchinson_with_error(matmat, d, num_probes, dtype, device, generator=generator,
-                                 distribution=distribution, tol=tol, batch_size=batch_size)[0]
+                                 distribution=distribution, tol=tol, batch_size=batch_size,
+                                 quadform=quadform)[0]
 
 
 def hutchpp(
