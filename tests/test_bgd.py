@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -15,13 +14,6 @@ from curvkit.posterior import MCGradients
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a shared, loaded CPU two threads make these tiny ops many times slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def tiny():

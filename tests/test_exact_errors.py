@@ -24,12 +24,6 @@ D64 = torch.float64
 OPERATORS = [HessianOperator, GGNOperator, FisherOperator, MCFisherOperator, EmpiricalFisherOperator]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _setup():

@@ -35,12 +35,6 @@ from reference import dense_empirical_fisher, dense_ggn, dense_hessian
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data(act: str = "tanh", n: int = 6):

@@ -31,12 +31,6 @@ from reference import dense_fisher_categorical
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data(n: int, lik_name: str, in_dim: int = 3, out_dim: int = 3, seed: int = 0):

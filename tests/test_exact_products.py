@@ -38,13 +38,6 @@ ATOL = 1e-10
 N = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a loaded machine (100x slowdowns seen)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_model(name: str) -> nn.Module:

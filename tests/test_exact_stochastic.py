@@ -22,12 +22,6 @@ from reference import dense_ggn, dense_hessian, per_sample_jacobians
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _setup(lik_name: str, n: int = 4):

@@ -25,17 +25,6 @@ from curvkit.optim.filters import (
 )
 from curvkit.optim.filters.mapping import regime, rmsprop_fixed_point
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These problems are tiny: one intra-op thread avoids OpenMP spin-waiting on a shared 2-core machine
-    (the difference was 60x in wall time under load). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 FACTORISED = {
     "natgrad": lambda ps: BFNatGrad(ps, batch_size=8),
     "rmsprop": lambda ps: BFRMSProp(ps, lr=1e-2, sigma2=0.5, batch_size=8, fisher="centered"),

@@ -17,17 +17,6 @@ from curvkit.optim.filters.mapping import (
     rmsprop_fixed_point,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These problems are tiny: one intra-op thread avoids OpenMP spin-waiting on a shared 2-core machine
-    (the difference was 60x in wall time under load). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 DT = torch.float64
 
 

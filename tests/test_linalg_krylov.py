@@ -10,13 +10,6 @@ from curvkit.linalg.krylov import NotPositiveDefiniteError, conjugate_gradient, 
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: intra-op threads only add contention on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _spectrum_matrix(ev: torch.Tensor, seed: int) -> torch.Tensor:

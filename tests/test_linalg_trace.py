@@ -17,13 +17,6 @@ from curvkit.linalg.trace import hutchinson, hutchinson_values, hutchinson_with_
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: intra-op threads only add contention on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _psd(d: int, seed: int, decay: float = 0.0) -> torch.Tensor:

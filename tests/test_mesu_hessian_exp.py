@@ -5,7 +5,6 @@ the correlation / binning metrics."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
@@ -16,13 +15,6 @@ from reference import dense_hessian
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a shared, loaded CPU two threads make these tiny ops many times slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def test_exact_diagonals_match_dense_hessian_averaged_over_the_same_weight_samples():

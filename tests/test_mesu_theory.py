@@ -23,13 +23,6 @@ from curvkit.posterior import MCGradients, likelihood_loss, mc_gradients, sample
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a shared, loaded CPU two threads make these tiny ops many times slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 H = torch.logspace(-3, 1.7, 24, dtype=DT)  # curvatures in [1e-3, 50], all below 1/sigma_0^2 = 100
 
 

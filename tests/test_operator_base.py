@@ -21,13 +21,6 @@ from curvkit.linalg.operator import (
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: intra-op threads only add contention on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 LAYOUT = ParamLayout(("w", "b"), (torch.Size([2, 3]), torch.Size([2])))  # d = 8
 
 

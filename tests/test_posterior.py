@@ -13,13 +13,6 @@ from curvkit.posterior import mc_gradients, mc_gradients_loop, predict_map, pred
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a shared, loaded CPU two threads make these tiny ops many times slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _sum_ce(f, y):

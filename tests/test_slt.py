@@ -195,6 +195,17 @@ def test_hutchinson_exact_for_diagonal_hessian():
     assert est.value == pytest.approx(11.5, abs=1e-12)
 
 
+def test_hutchinson_tol_reports_probes_used():
+    """With ``tol`` the estimate stops early and reports the real probe count (not a placeholder)."""
+    _, _, _, H = _hessian_op()
+    op = DenseOperator(ParamLayout.from_tensors([H[0]]), H)
+    loose = operator_trace(op, num_probes=4096, tol=0.05, generator=torch.Generator().manual_seed(0))
+    full = operator_trace(op, num_probes=4096, generator=torch.Generator().manual_seed(0))
+    assert 2 <= loose.num_probes < 4096 and full.num_probes == 4096
+    assert loose.stderr <= 0.05 * abs(loose.value) + 1e-12
+    assert abs(loose.value - float(torch.trace(H))) < 5 * loose.stderr
+
+
 def test_hessian_trace_from_engine():
     curvature = pytest.importorskip("curvkit.curvature")
     if not hasattr(curvature, "HessianOperator"):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +51,7 @@ def mlp(
     if seed is not None:
         torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(a, b, bias=bias))
         if i < len(sizes) - 2:
             layers.append(activation(activation_name))
@@ -101,7 +102,7 @@ def autoencoder(
     h = [max(1, round(w * width)) for w in (1000, 500, 250)]
     sizes = [input_dim, *h, code_dim, *reversed(h), input_dim]
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(activation(activation_name))
