@@ -11,14 +11,21 @@ Settings (issue 5, section 5): MNIST (bundled), 2-hidden-layer 256-unit ReLU MLP
 * ``devinterp`` - only if ``import devinterp`` works and exposes the v1 API
   ``estimate_learning_coeff_with_summary``; otherwise the row is omitted and the table says so.
 
-Prints a markdown table with times, speed-up over the sequential loop and the estimates (mean ± std over
-chains). Usage: ``python benchmarks/llc.py [--draws 1000] [--chains 4] [--threads N]``.
+Prints a markdown table with times, time per SGLD step of one chain, speed-up over the sequential loop
+and the estimates (mean ± std over chains). Usage:
+``python benchmarks/llc.py [--draws 1000] [--chains 4] [--threads 1] [--repeats 1] [--no-devinterp]``.
+Runs with the project venv alone (devinterp absent: the table compares against our sequential loop and
+says so) or, for the devinterp row, from a venv that has devinterp: ``PYTHONPATH=src /path/to/venv/bin/python
+benchmarks/llc.py``. ``--threads`` defaults to 1: on a shared machine several torch threads per process
+oversubscribe the cores and make every arm many times slower and noisier (the cause of the earlier
+104 s / 277 s measurements for 100 draws, see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import math
 import platform
 import time
@@ -102,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draws", type=int, default=1000)
     ap.add_argument("--chains", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-devinterp", action="store_true")
     args = ap.parse_args()
@@ -128,7 +135,10 @@ def main() -> None:
                  f"{res.llc_mean:.2f} ± {res.llc_std:.2f}"))
     note = "devinterp row: devinterp.slt.llc.llc (v2 API), same model, data and settings"
     if args.no_devinterp:
-        note = "devinterp skipped (--no-devinterp)"
+        note = "devinterp skipped (--no-devinterp); baseline = our own sequential loop"
+    elif importlib.util.find_spec("devinterp") is None:
+        note = ("devinterp is not installed in this environment; baseline = our own sequential loop "
+                "(run from a venv with devinterp, PYTHONPATH=src, for the devinterp row)")
     else:
         try:
             t0 = time.perf_counter()
@@ -142,15 +152,17 @@ def main() -> None:
           f"threads {torch.get_num_threads()}; {args.chains} chains x {args.draws} draws, batch 128, "
           f"2HL-256 MLP (d = 269,322), MNIST; best of {args.repeats}")
     print(f"note: {note}\n")
-    print("| method | seconds | speed-up vs sequential | λ̂ (mean ± std over chains) |")
-    print("|---|---|---|---|")
+    print("| method | seconds | ms per chain-step | speed-up vs sequential | λ̂ (mean ± std over chains) |")
+    print("|---|---|---|---|---|")
     for name, sec, sp, est in rows:
-        print(f"| {name} | {sec:.1f} | {sp:.2f}x | {est} |")
+        print(f"| {name} | {sec:.1f} | {1e3 * sec / (args.chains * args.draws):.2f} | {sp:.2f}x | {est} |")
     for name, sec, _, est in rows:
         if name.startswith("devinterp"):
             print(f"\nvectorised vs devinterp: {sec / tv:.2f}x faster (devinterp {est})")
     se = math.sqrt((res.llc_std**2 + seq[1] ** 2) / args.chains)
-    print(f"\n|difference of means| = {abs(res.llc_mean - seq[0]):.2f}; combined standard error = {se:.2f}")
+    print(f"\n|difference of means| = {abs(res.llc_mean - seq[0]):.2f}; combined standard error = {se:.2f} "
+          "(over chains only: each arm's L(w*) is the mean of its own first minibatches, an error shared by "
+          "all its chains and not in this standard error; short runs also still carry the transient from w*)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from curvkit.experiments._report import machine_info, markdown_table, write_json
-from curvkit.experiments.ngd_common import Data, Measure, RunSpec, load_data, plot_series, train_run
+from curvkit.experiments.ngd_common import (
+    SMOKE_NOTE,
+    Data,
+    Measure,
+    RunSpec,
+    load_data,
+    plot_series,
+    train_run,
+)
 from curvkit.experiments.registry import register
 
 PAPER = {"ngd": {"val": (0.307, 0.583), "trace": (190, 452), "llc": (22.5, 41.9), "wbic": (76853, 96864)},
@@ -76,5 +84,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
         md.append("\nFashion-MNIST files were not supplied (CURVKIT_FASHION_MNIST_DIR); this run used "
                   f"{data.name} instead, so the paper's numbers are not directly comparable.")
     md.append("\nFigures: fig7_llc.png, fig7_trace_h.png, fig7_wbic.png, fig7_val_loss.png.")
+    if scale == "smoke":
+        md[1:1] = [SMOKE_NOTE, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return results

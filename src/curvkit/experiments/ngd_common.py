@@ -27,6 +27,8 @@ from curvkit.models import mlp
 from curvkit.optim.kaldi_ngd import KaldiNGD
 from curvkit.slt import SGLDConfig, estimate_llc, hessian_trace
 
+SMOKE_NOTE = ("**Smoke scale is a plumbing check** (CI-sized: synthetic blobs, tiny networks, short chains); "
+              "its numbers test that the pipeline runs end to end, not the paper's claims.")
 
 @dataclass(frozen=True)
 class Measure:

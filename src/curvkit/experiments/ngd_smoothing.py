@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from curvkit.experiments._report import machine_info, markdown_table, write_json
-from curvkit.experiments.ngd_common import Measure, RunSpec, load_data, train_run
+from curvkit.experiments.ngd_common import SMOKE_NOTE, Measure, RunSpec, load_data, train_run
 from curvkit.experiments.registry import register
 
 PAPER_ALPHA = {0: 55.2, 1e-4: 56.4, 1e-3: 56.7, 1e-2: 56.0, 0.1: 56.4, 0.5: 53.6, 1: 51.6, 2: 49.1, 5: 47.0,
@@ -88,5 +88,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           f"- Larger α lowers λ̂_NGD (smallest vs largest α): {'holds' if holds_alpha else 'does NOT hold'}.",
           f"- Larger ε lowers λ̂_NGD (smallest vs largest ε): {'holds' if holds_eps else 'does NOT hold'}.",
           "", "Figure: fig3_smoothing.png."]
+    if scale == "smoke":
+        md[1:1] = [SMOKE_NOTE, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return results

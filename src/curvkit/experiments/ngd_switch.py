@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from curvkit.experiments._report import machine_info, markdown_table, write_json
-from curvkit.experiments.ngd_common import Measure, RunSpec, load_data, plot_series, train_run
+from curvkit.experiments.ngd_common import SMOKE_NOTE, Measure, RunSpec, load_data, plot_series, train_run
 from curvkit.experiments.registry import register
 
 # digest E3 (MNIST, cut-off 15 / 50, SGD lr 1e-4 before): final λ̂ after the split
@@ -70,5 +70,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           f"- λ̂ rises after switching to NGD (every NGD branch): {'holds' if holds_rise else 'does NOT hold'}.",
           f"- Final λ̂ of every NGD branch above every SGD branch (incl. raised SGD lr): "
           f"{'holds' if holds_above else 'does NOT hold'}.", "", "Figures: fig5_llc.png, fig4_update_norm.png."]
+    if scale == "smoke":
+        md[1:1] = [SMOKE_NOTE, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return results

@@ -15,6 +15,7 @@ from typing import Any
 
 from curvkit.experiments._report import machine_info, markdown_table, write_json
 from curvkit.experiments.ngd_common import (
+    SMOKE_NOTE,
     Measure,
     RunSpec,
     load_data,
@@ -38,8 +39,8 @@ PAPER_E1B = {1: (40.2, 51.0, 159.3, 214.7), 5: (43.7, 54.3, 126.1, 120.7), 10: (
 def _settings(scale: str) -> dict[str, Any]:
     if scale == "smoke":
         return dict(sizes=[(16, 1), (16, 2)], seeds=[1, 2], epochs=5, fig2=(16, 2),
-                    m1=Measure(llc_chains=2, llc_draws=100, llc_epochs=(4, 5), trace_epochs=()),
-                    m2=Measure(llc_chains=2, llc_draws=100, llc_epochs=(1, 5), trace_probes=10, trace_points=256,
+                    m1=Measure(llc_chains=2, llc_draws=60, llc_epochs=(4, 5), trace_epochs=()),
+                    m2=Measure(llc_chains=2, llc_draws=60, llc_epochs=(1, 5), trace_probes=10, trace_points=256,
                                trace_epochs=(1, 5)))
     sizes = [(64, 1), (128, 1), (256, 1), (64, 2), (128, 2), (256, 2)]
     if scale == "medium":
@@ -123,5 +124,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           f"- Tr(H) of SGD decreases from epoch 1 to the end: {'holds' if tr_sgd[-1] < tr_sgd[0] else 'does NOT hold'}.",
           "", "Figures: fig2_llc.png, fig2_trace.png. At smoke scale the data are synthetic and the networks tiny, "
           "so only the qualitative ordering is comparable with the paper, not the magnitudes."]
+    if scale == "smoke":
+        md[1:1] = [SMOKE_NOTE, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return results

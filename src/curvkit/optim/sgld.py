@@ -58,7 +58,7 @@ class SGLD(Optimizer):
                         f"SGLD got a NaN/inf gradient (lr={lr:g}, nbeta={nbeta:g}, localization={gamma:g}); "
                         "the chain diverged: reduce lr or increase localization")
                 anchor = self.state[p]["anchor"]
-                drift = nbeta * p.grad + gamma * (p - anchor)
+                drift = (p - anchor).mul_(gamma).add_(p.grad, alpha=nbeta)  # nβ g + γ (w - w*)
                 gen_dev = self.generator.device if self.generator is not None else p.device
                 noise = torch.randn(p.shape, generator=self.generator, dtype=p.dtype, device=gen_dev)
                 p.add_(drift, alpha=-0.5 * lr).add_(noise.to(p.device), alpha=group["noise_level"] * math.sqrt(lr))

@@ -54,14 +54,17 @@ def operator_trace(op: CurvatureOperator, method: Literal["hutchinson", "exact"]
         return TraceEstimate(float(op.trace("exact")), math.nan, 0)
     if method != "hutchinson":
         raise ValueError(f"method must be 'hutchinson' or 'exact', got {method!r}")
-    from curvkit.linalg.trace import hutchinson_with_error, probes
+    from curvkit.linalg.trace import hutchinson_values, probes
 
     d = op.layout.dim
     if protocol == "curvkit":
-        mean, err = hutchinson_with_error(op._matmat, d, num_probes, op.dtype, op.device, generator=generator,
-                                          distribution=distribution, tol=tol)
-        # with tol the engine may stop early without saying after how many probes: reported as -1
-        return TraceEstimate(float(mean), float(err), num_probes if tol is None else -1)
+        # per-probe values v_i^T H v_i: with ``tol`` the engine may stop early, and their count is the
+        # number of probes actually used
+        vals = hutchinson_values(op._matmat, d, num_probes, op.dtype, op.device, generator=generator,
+                                 distribution=distribution, tol=tol).to(torch.float64)
+        m = int(vals.numel())
+        sem = float(vals.std(unbiased=True)) / math.sqrt(m) if m > 1 else math.nan
+        return TraceEstimate(float(vals.mean()), sem, m)
     if protocol != "pyhessian":
         raise ValueError(f"protocol must be 'curvkit' or 'pyhessian', got {protocol!r}")
     values: list[float] = []

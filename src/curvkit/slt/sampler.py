@@ -157,37 +157,73 @@ def _divergence_message(cfg: SGLDConfig, nbeta: float, step: int, chains: list[i
 
 
 def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_axis: int | None,
-             config: SGLDConfig, nbeta: float, generator: torch.Generator) -> SGLDRun:
+             config: SGLDConfig, nbeta: float, generator: torch.Generator,
+             check_every: int = 100) -> SGLDRun:
     """Run ``config.num_chains`` SGLD chains from ``w_star`` in lock-step.
 
     ``loss_fn(params, batch) -> scalar`` is the mean loss of one chain (params: name -> tensor of the
     parameter's own shape); ``batches()`` returns the next batch, stacked over chains along
     ``batch_axis`` (or shared when ``batch_axis`` is None). Returns the pre-update losses of the kept
     draws as a (C, num_draws) tensor.
+
+    Cost per step: one vmap'd forward/backward (the matrix products), C·d Gaussian draws and four
+    in-place passes over the (C, d) parameters. Nothing is copied to the host inside the loop: the
+    losses of all steps stay in a (C, num_steps) buffer on the parameters' device, checked for NaN/inf
+    every ``check_every`` steps and at the end (a divergence is still reported at its first step).
     """
+    if check_every < 1:
+        raise ValueError(f"check_every must be a positive integer, got {check_every}")
     C = int(config.num_chains)
     anchor = {k: v.detach() for k, v in w_star.items()}
+    names = list(anchor)
     params = {k: v.unsqueeze(0).repeat(C, *([1] * v.dim())).clone() for k, v in anchor.items()}
+    plist = [params[k] for k in names]
+    alist = [anchor[k].unsqueeze(0) for k in names]  # broadcast over the chain axis
+    # noise buffers on the generator's device (same draws as torch.randn(shape, generator=...))
+    noise = [torch.empty(p.shape, dtype=p.dtype, device=generator.device) for p in plist]
     step_fn = vmap(grad_and_value(loss_fn), in_dims=(0, batch_axis))
     eps, gamma = float(config.epsilon), float(config.gamma)
     noise_scale = math.sqrt(eps)
-    losses = torch.empty(C, int(config.num_draws), dtype=torch.float64)
-    kept = 0
+    T = config.num_steps
+    trace: Tensor | None = None  # (C, T) losses of every step, allocated with the loss's dtype/device
+    checked = 0
+
+    def check(upto: int) -> None:
+        nonlocal checked
+        if trace is not None and upto > checked:
+            block = trace[:, checked:upto]
+            finite = torch.isfinite(block)
+            if not bool(finite.all()):
+                col = int((~finite).any(dim=0).nonzero()[0])
+                bad = (~finite[:, col]).nonzero().flatten().tolist()
+                raise SGLDDivergenceError(_divergence_message(config, nbeta, checked + col, bad,
+                                                              "loss is NaN/inf"))
+            checked = upto
+
     t0 = time.perf_counter()
-    for step in range(config.num_steps):
+    for step in range(T):
         grads, values = step_fn(params, batches())
-        finite = torch.isfinite(values)
-        if not bool(finite.all()):
-            bad = (~finite).nonzero().flatten().tolist()
-            raise SGLDDivergenceError(_divergence_message(config, nbeta, step, bad, "loss is NaN/inf"))
+        if trace is None:
+            trace = torch.empty(C, T, dtype=values.dtype, device=values.device)
+        trace[:, step] = values.detach()
         with torch.no_grad():
-            for k, p in params.items():
-                drift = nbeta * grads[k] + gamma * (p - anchor[k])
-                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=generator.device)
-                p.add_(drift, alpha=-0.5 * eps).add_(noise.to(p.device), alpha=noise_scale)
-        if step >= config.num_burnin and (step - config.num_burnin) % config.thinning == 0:
-            losses[:, kept] = values.detach().to(torch.float64).cpu()
-            kept += 1
+            # w <- w - (ε/2)(nβ g + γ (w - w*)) + sqrt(ε) ξ, written as in-place passes
+            diffs = torch._foreach_sub(plist, alist)
+            torch._foreach_mul_(diffs, gamma)
+            torch._foreach_add_(diffs, [grads[k] for k in names], alpha=nbeta)
+            torch._foreach_add_(plist, diffs, alpha=-0.5 * eps)
+            for z in noise:
+                torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device, out=z)
+            if noise[0].device == plist[0].device:
+                torch._foreach_add_(plist, noise, alpha=noise_scale)
+            else:
+                torch._foreach_add_(plist, [z.to(plist[0].device) for z in noise], alpha=noise_scale)
+        if (step + 1) % check_every == 0:
+            check(step + 1)
+    check(T)
+    kept = torch.arange(int(config.num_burnin), T, int(config.thinning))[: int(config.num_draws)]
+    assert trace is not None  # num_steps >= 1
+    losses = trace[:, kept.to(trace.device)].to(torch.float64).cpu()
     bad_params = [c for c in range(C) if not all(bool(torch.isfinite(p[c]).all()) for p in params.values())]
     if bad_params:
         raise SGLDDivergenceError(_divergence_message(config, nbeta, config.num_steps, bad_params,
