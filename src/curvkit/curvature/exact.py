@@ -72,7 +72,7 @@ from typing import Any, Literal
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, jvp, linearize, vjp, vmap
 
 from curvkit.curvature._functional import (
     FunctionalModel,
@@ -351,9 +351,94 @@ class OutputFactorOperator(ExactCurvatureOperator):
 
     Subclasses implement ``output_factor(batch_index, f, y) -> S`` of shape (B, C, R) from the batch's
     model outputs ``f`` (B, C) at the snapshot and its targets ``y``.
+
+    Linearisation caching (``cache_linearisation``): with ``True`` each batch keeps, for the operator's
+    lifetime, (a) the autograd graph of the construction-time (validating) forward pass, so J^T u is one
+    backward pass through it, and (b) from the first quadratic form, multi-column product or second
+    product on, a tangent-only Jacobian-vector product (``torch.func.linearize``: its jvp skips the
+    primal computation). A product then costs one tangent pass + one backward pass and a quadratic form
+    one tangent pass. Memory trade-off: the batch's activations are held twice (graph and linearised
+    constants; O(B * width), never O(d^2)) as long as the operator lives; building the linearisation
+    costs about ten forward passes once. ``None`` (default) caches for single-batch ``data`` only;
+    ``False`` never caches (every product then recomputes the primal). The parameters are snapshotted in
+    any case, so the cache never goes stale; a cached graph freezes the module's train/eval mode as it
+    was at construction.
     """
 
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
+                 cache_linearisation: bool | None = None):
+        if cache_linearisation not in (None, True, False):
+            raise ValueError(f"cache_linearisation must be None (auto), True or False, got {cache_linearisation!r}")
+        self.cache_linearisation = cache_linearisation
+        super().__init__(model, likelihood, data, chunk_size=chunk_size)
+
+    @property
+    def caches_linearisation(self) -> bool:
+        """Whether the linearisation is kept between products (see the class doc)."""
+        flag = getattr(self, "cache_linearisation", None)
+        return flag if flag is not None else len(self.batches) == 1
+
+    def _lin_cache(self) -> dict[int, dict[str, Any]]:
+        return self.__dict__.setdefault("_lin", {})  # type: ignore[no-any-return]
+
+    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+        if not self.caches_linearisation:
+            return super()._construction_output(batch_index, X, y)
+        leaves = self._leaves()
+        with torch.enable_grad():
+            f = check_output(self.fmodel(leaves, X), self.likelihood, X, y, batch_index)
+        self._lin_cache()[batch_index] = {"leaves": leaves, "f": f, "uses": 0}
+        return f.detach()
+
+    def _cached(self, i: int, X: Tensor, y: Tensor) -> dict[str, Any]:
+        """Batch i's cache: leaves, output f with its graph, output factor S (built on first use)."""
+        c = self._lin_cache().get(i)
+        if c is None:  # e.g. a sibling operator sharing an already validated snapshot
+            leaves = self._leaves()
+            with torch.enable_grad():
+                f = self.fmodel(leaves, X)
+            c = self._lin_cache()[i] = {"leaves": leaves, "f": f, "uses": 0}
+        if "S" not in c:
+            c["S"] = self.output_factor(i, c["f"].detach(), y)
+        return c
+
+    def _cached_tangents(self, i: int, X: Tensor, y: Tensor, V: Params, k: int, build: bool) -> Tensor:
+        """J_i v for every column (k, B, C): linearised jvp when built, else an ordinary jvp."""
+        c = self._cached(i, X, y)
+        c["uses"] += 1
+        if "jvp" not in c and (build or k > 1 or c["uses"] > 1):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch.fx const-folding chatter
+                c["jvp"] = linearize(lambda p, X=X: self.fmodel(p, X), self.params)[1]
+        if "jvp" in c:  # vmapped in blocks of 16 columns (measured faster than 64 on a 784-512-512-10 MLP)
+            return torch.cat([self._map(c["jvp"], (tuple(t[s:s + 16] for t in V),), min(16, k - s))
+                              for s in range(0, k, 16)])
+
+        def fn(p: Params, X: Tensor = X) -> Tensor:
+            return self.fmodel(p, X)
+
+        return self._map(lambda v: jvp(fn, (self.params,), (v,))[1], (V,), k)  # type: ignore[no-any-return]
+
+    def _product_cached(self, i: int, X: Tensor, y: Tensor, V: Params, k: int) -> Tensor:
+        """(d, k) product of batch i from the cached linearisation: tangent pass + one backward pass."""
+        Jv = self._cached_tangents(i, X, y, V, k, build=False)
+        c = self._cache_entry(i)
+        f, leaves, S = c["f"], c["leaves"], c["S"]
+        if not f.requires_grad:
+            return torch.zeros(self.layout.dim, k, dtype=self.dtype, device=self.device)
+        U = torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, Jv)) * self.weight
+        if k == 1:
+            grads = torch.autograd.grad(f, leaves, U[0], retain_graph=True, allow_unused=True,
+                                        materialize_grads=True)
+            return torch.cat([t.reshape(-1) for t in grads])[:, None]
+        grads = torch.autograd.grad(f, leaves, U, retain_graph=True, allow_unused=True,
+                                    materialize_grads=True, is_grads_batched=True)
+        return params_to_cols(grads)
+
+    def _cache_entry(self, i: int) -> dict[str, Any]:
+        return self._lin_cache()[i]
 
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
@@ -371,6 +456,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         V = cols_to_params(self.layout, M)
         out = torch.zeros_like(M)
         for i, (X, y) in enumerate(self.batches):
+            if self.caches_linearisation:
+                out += self._product_cached(i, X, y, V, k)
+                continue
             if k == 1 and self._use_dual:
                 try:
                     out += self._product_dual(i, X, y, tuple(v[0] for v in V))
@@ -427,6 +515,12 @@ class OutputFactorOperator(ExactCurvatureOperator):
         V = cols_to_params(self.layout, M)
         out = torch.zeros(k, dtype=self.dtype, device=self.device)
         for i, (X, y) in enumerate(self.batches):
+            if self.caches_linearisation:
+                Jv = self._cached_tangents(i, X, y, V, k, build=True)
+                S = self._cache_entry(i)["S"]
+                out += torch.einsum("bcr,kbc->kbr", S, Jv).pow(2).sum((1, 2)) * self.weight
+                continue
+
             def fn(p: Params, X: Tensor = X) -> Tensor:
                 return self.fmodel(p, X)
 
@@ -531,13 +625,13 @@ class MCFisherOperator(OutputFactorOperator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, mc_samples: int = 1,
-                 seed: int = 0, chunk_size: int = 64):
+                 seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None):
         if int(mc_samples) < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples}")
         self.mc_samples = int(mc_samples)
         self.seed = int(seed)
         self.labels: list[list[Tensor]] = []
-        super().__init__(model, likelihood, data, chunk_size=chunk_size)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
