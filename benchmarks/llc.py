@@ -91,6 +91,11 @@ def devinterp_llc(model: nn.Module, X: torch.Tensor, y: torch.Tensor, chains: in
                   gamma: float, seed: int) -> tuple[float, float]:
     """devinterp >= 2.0 (``devinterp.slt.llc.llc``): its sampler expects an HF dataset of token ids and a
     per-token loss, so each example is the "sequence" [index, 0] and the loss looks the example up."""
+    import sys
+
+    # transformers (imported by devinterp) imports torchvision when present; PyPI's torchvision wheel does
+    # not match the CPU build of torch here, so hide it (devinterp does not need it).
+    sys.modules.setdefault("torchvision", None)  # type: ignore[arg-type]
     from datasets import Dataset
     from devinterp.slt.llc import llc
 
