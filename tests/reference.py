@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
 from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.linalg.layout import ParamLayout
 
 
 def flat_params(model: nn.Module) -> tuple[list[str], list[torch.Size], Tensor]:
@@ -119,3 +120,26 @@ def dense_empirical_fisher(model: nn.Module, lik: Likelihood, data) -> Tensor:
             g = torch.func.grad(L)(flat, X[n:n + 1], y[n:n + 1])
             F += torch.outer(g, g)
     return F / (N if lik.reduction == "mean" else 1)
+
+
+def block_mask(model: nn.Module) -> torch.Tensor:
+    """Boolean (d, d) mask of the per-module diagonal blocks (weight and bias of a layer together)."""
+    lay = ParamLayout.from_module(model)
+    groups: dict[str, list[int]] = {}
+    for name, sl in lay.slices().items():
+        groups.setdefault(name.rsplit(".", 1)[0], []).extend(range(sl.start, sl.stop))
+    M = torch.zeros(lay.dim, lay.dim, dtype=torch.bool)
+    for idx in groups.values():
+        t = torch.tensor(idx)
+        M[t[:, None], t[None, :]] = True
+    return M
+
+
+def make_data(lik_name: str, n: int, seed: int = 0, d_in: int = 4, c: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d_in, generator=g)
+    if lik_name == "ce":
+        return X, torch.randint(0, c, (n,), generator=g)
+    if lik_name == "bce":
+        return X, torch.rand(n, c, generator=g)
+    return X, torch.randn(n, c, generator=g)

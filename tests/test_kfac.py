@@ -199,8 +199,7 @@ class TwoTower(nn.Module):
 
 
 def test_arbitrary_module_tree_kflr_exact_for_one_datum():
-    from reference import dense_ggn
-    from test_recursion import block_mask
+    from reference import block_mask, dense_ggn
 
     torch.manual_seed(4)
     model = TwoTower().double()

@@ -7,34 +7,10 @@ from torch import nn
 from curvkit.curvature.recursion import blockdiag_ggn, blockdiag_hessian
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.linalg.kron import BlockDiagonalOperator
-from curvkit.linalg.layout import ParamLayout
 from curvkit.models import mlp
-from reference import dense_ggn, dense_hessian
+from reference import block_mask, dense_ggn, dense_hessian, make_data
 
 pytestmark = pytest.mark.usefixtures("float64_default")
-
-
-def block_mask(model: nn.Module) -> torch.Tensor:
-    """Boolean (d, d) mask of the per-module diagonal blocks (weight and bias of a layer together)."""
-    lay = ParamLayout.from_module(model)
-    groups: dict[str, list[int]] = {}
-    for name, sl in lay.slices().items():
-        groups.setdefault(name.rsplit(".", 1)[0], []).extend(range(sl.start, sl.stop))
-    M = torch.zeros(lay.dim, lay.dim, dtype=torch.bool)
-    for idx in groups.values():
-        t = torch.tensor(idx)
-        M[t[:, None], t[None, :]] = True
-    return M
-
-
-def make_data(lik_name: str, n: int, seed: int = 0, d_in: int = 4, c: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, d_in, generator=g)
-    if lik_name == "ce":
-        return X, torch.randint(0, c, (n,), generator=g)
-    if lik_name == "bce":
-        return X, torch.rand(n, c, generator=g)
-    return X, torch.randn(n, c, generator=g)
 
 
 LIKS = {"ce": CrossEntropy, "bce": BernoulliBCE, "mse": Gaussian}

@@ -7,8 +7,7 @@ from curvkit.curvature.kronecker import kfac, kflr, kfra
 from curvkit.curvature.recursion import blockdiag_ggn, blockdiag_hessian
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.models import mlp
-from reference import dense_ggn, dense_hessian, per_sample_jacobians
-from test_recursion import block_mask, make_data
+from reference import block_mask, dense_ggn, dense_hessian, make_data, per_sample_jacobians
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
