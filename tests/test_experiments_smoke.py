@@ -1,5 +1,5 @@
-"""Every registered experiment runs end to end at its smoke scale and writes a report (slow: about 1-3
-minutes each on 2 cores; run with ``bash scripts/test.sh -m slow``)."""
+"""Every registered experiment runs end to end at its smoke scale and writes a report and figures
+(about 2 minutes for all of them on 2 idle cores, so they are part of the default suite)."""
 
 import pytest
 
@@ -8,7 +8,6 @@ from curvkit.experiments import registry
 NAMES = sorted(registry.load_all())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_smoke_scale_writes_a_report(name, tmp_path):
     registry.run(name, "smoke", tmp_path, seed=0)

@@ -100,7 +100,6 @@ def test_minimally_singular_model_is_r_over_4():
     assert r.llc_mean == pytest.approx(0.75, abs=0.08)
 
 
-@pytest.mark.slow
 def test_product_model_normal_crossing():
     """C3: K = (w1 w2)², λ = ½ with multiplicity 2: slow convergence, loose band [0.3, 0.6]."""
     cfg = SGLDConfig(epsilon=1e-4, gamma=1.0, nbeta=1000.0, num_chains=64, num_draws=20000, num_burnin=2000)
@@ -228,7 +227,6 @@ def test_effective_dimension_and_rank():
         effective_dimension(h, 0.0)
 
 
-@pytest.mark.slow
 def test_quadratic_prediction_on_trained_net_c8():
     """C8 (CI-sized): near a minimum of a small net, λ̂ from a long chain is within 25% of ½Σnβh/(nβh+γ)."""
     torch.manual_seed(0)
