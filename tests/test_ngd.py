@@ -224,3 +224,20 @@ def test_kfac_ngd_runs_and_decreases_loss():
         opt.step((X, y))
     assert float(nn.functional.cross_entropy(net(X), y)) < first
     assert opt.last_kappa > 0
+
+
+def test_switch_to_sgd_at_another_learning_rate_changes_the_optimiser(tmp_path):
+    """ngd-switch's raised-SGD-lr branch: after the cut-off the run must train at the NEW learning rate
+    (a regression test: the phase label once named only the optimiser, so SGD -> SGD kept the old lr)."""
+    from curvkit.experiments.ngd_common import Measure, RunSpec, load_data, train_run
+
+    data = load_data("smoke", "mnist", seed=0)
+    measure = Measure(llc_chains=1, llc_draws=2, llc_epochs=(), trace_epochs=())
+    runs = {}
+    for lr in (1e-4, 1e-1):
+        spec = RunSpec(f"sw-{lr:g}", 8, 1, "sgd", lr=lr, epochs=2, seed=0, switch_epoch=1, lr_before=1e-4,
+                       batch_size=64)
+        runs[lr] = train_run(spec, data, measure, tmp_path)
+    assert runs[1e-4][1]["train_loss"] == runs[1e-1][1]["train_loss"]  # identical before the switch
+    assert runs[1e-4][2]["phase"] == "sgd@0.0001" and runs[1e-1][2]["phase"] == "sgd@0.1"
+    assert runs[1e-1][2]["update_norm"] > 10 * runs[1e-4][2]["update_norm"]

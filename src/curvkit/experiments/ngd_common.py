@@ -148,9 +148,12 @@ def train_run(spec: RunSpec, data: Data, measure: Measure, ckpt_dir: Path) -> li
     switch = spec.switch_epoch or 0
 
     def opt_for(epoch: int) -> tuple[str, torch.optim.Optimizer]:
+        """(phase label, optimiser) of an epoch. The label names optimiser AND learning rate, so a switch
+        from SGD to SGD at another learning rate also replaces the optimiser."""
         if epoch <= switch:
-            return "sgd", make_optimizer("sgd", model, spec.lr_before, spec.alpha, spec.epsilon)
-        return spec.optimizer, make_optimizer(spec.optimizer, model, spec.lr, spec.alpha, spec.epsilon)
+            return f"sgd@{spec.lr_before:g}", make_optimizer("sgd", model, spec.lr_before, spec.alpha, spec.epsilon)
+        return (f"{spec.optimizer}@{spec.lr:g}",
+                make_optimizer(spec.optimizer, model, spec.lr, spec.alpha, spec.epsilon))
 
     phase, opt = opt_for(1)
     records: list[dict[str, Any]] = []
