@@ -50,6 +50,7 @@ import torch
 from scipy import stats
 from torch import nn
 
+from curvkit.experiments._mesu_common import kaiming_uniform_mlp, mnist_flat
 from curvkit.experiments._report import (
     machine_info,
     markdown_table,
@@ -60,7 +61,6 @@ from curvkit.experiments._report import (
 )
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import CrossEntropy
-from curvkit.models import mlp
 from curvkit.optim import BGD, MESU, MeanFieldOptimizer, MESUNoReg
 
 BATCH = 100
@@ -88,33 +88,8 @@ PROTOCOLS = {
 
 
 # ------------------------------------------------------------------------------------------ setup
-def _data(n_train: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, to_unit
-
-    Xa, ya = mnist(train=True)
-    Xb, yb = mnist(train=False)
-    Xa, Xb = flatten(to_unit(Xa)), flatten(to_unit(Xb))
-    if n_train is not None:
-        Xa, ya = Xa[:n_train], ya[:n_train]
-    return Xa, ya, Xb, yb
-
-
-def _kaiming_mlp(seed: int) -> nn.Sequential:
-    """784-100-10 ReLU; weights U(+-sqrt(6/fan_in)), biases U(+-1/sqrt(fan_in)) (digest 7 item 12)."""
-    model = mlp([784, 100, 10], "relu", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                layer.weight.uniform_(-math.sqrt(6.0 / layer.in_features), math.sqrt(6.0 / layer.in_features),
-                                      generator=g)
-                layer.bias.uniform_(-1 / math.sqrt(layer.in_features), 1 / math.sqrt(layer.in_features), generator=g)
-    return model
-
-
 def _pretrain(X: torch.Tensor, y: torch.Tensor, epochs: int, seed: int, path: Path, show: bool) -> nn.Module:
-    model = _kaiming_mlp(seed)
+    model = kaiming_uniform_mlp([784, 100, 10], seed)
     if path.exists():
         model.load_state_dict(torch.load(path, weights_only=True))
         return model
@@ -299,7 +274,7 @@ def run(scale: str, out: Path, seed: int = 0, show_progress: bool = True) -> dic
     for sub in ("runs", "hessian"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    Xa, ya, Xb, yb = _data(proto.n_train)
+    Xa, ya, Xb, yb = mnist_flat(proto.n_train)
     Xh, yh = Xa[: proto.n_hess], ya[: proto.n_hess]
     pre = _pretrain(Xa, ya, proto.pretrain_epochs, seed, out / "runs" / "pretrained.pt", show_progress)
     with torch.no_grad():

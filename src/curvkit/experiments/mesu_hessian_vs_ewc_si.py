@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,10 +47,10 @@ from curvkit.continual import (
     TorchLearner,
     diagonal_fisher,
 )
+from curvkit.experiments._mesu_common import kaiming_uniform_mlp, mnist_flat
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import CrossEntropy
-from curvkit.models import mlp
 
 METHODS = ("mesu", "mesu-noreg", "bgd", "sgd")
 ESTIMATES = {"mesu": ["mesu_eq7"], "mesu-noreg": ["noreg_eq9"], "bgd": ["bgd"],
@@ -76,35 +75,10 @@ PROTOCOLS = {
 }
 
 
-def _data(n_train: int | None) -> tuple[torch.Tensor, ...]:
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, to_unit
-
-    Xa, ya = mnist(train=True)
-    Xb, yb = mnist(train=False)
-    Xa, Xb = flatten(to_unit(Xa)), flatten(to_unit(Xb))
-    if n_train is not None:
-        Xa, ya = Xa[:n_train], ya[:n_train]
-    return Xa, ya, Xb, yb
-
-
-def _model(seed: int) -> nn.Sequential:
-    model = mlp([784, 100, 10], "relu", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                bound = math.sqrt(6.0 / layer.in_features)
-                layer.weight.uniform_(-bound, bound, generator=g)
-                b = 1.0 / math.sqrt(layer.in_features)
-                layer.bias.uniform_(-b, b, generator=g)
-    return model
-
-
 def _learner(method: str, seed: int, proto: Protocol) -> Learner:
     from curvkit.optim import BGD, MESU, MESUNoReg
 
-    model = _model(seed)
+    model = kaiming_uniform_mlp([784, 100, 10], seed)
     K, s = proto.train_mc, seed + 1000
     if method == "mesu":
         return MeanFieldLearner(model, MESU(model, sigma_prior=0.06, sigma_res=10.0, sigma_init=0.06, mc_samples=K, seed=s))
@@ -192,7 +166,7 @@ def run(scale: str, out: Path, seed: int = 0, progress: bool = True) -> dict[str
     proto = PROTOCOLS[scale]
     out = Path(out)
     (out / "hessian").mkdir(parents=True, exist_ok=True)
-    Xa, ya, Xb, yb = _data(proto.n_train)
+    Xa, ya, Xb, yb = mnist_flat(proto.n_train)
     Xh, yh = Xa[: proto.n_hess].double(), ya[: proto.n_hess]
     n_max = proto.checkpoints[-1]
     records: list[dict[str, Any]] = []

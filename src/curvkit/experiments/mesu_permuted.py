@@ -26,7 +26,6 @@ checkpoints under ``out/runs/<method>/seed<k>`` and a re-invocation resumes it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +48,9 @@ from curvkit.continual import (
     TorchLearner,
     iters_per_epoch,
 )
+from curvkit.experiments._mesu_common import kaiming_uniform_mlp
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
-from curvkit.models import mlp
 
 BAYESIAN = ("mesu", "bgd")
 
@@ -100,16 +99,7 @@ def load_permuted_mnist(n_train: int | None) -> tuple[torch.Tensor, ...]:
 
 def build_model(seed: int) -> nn.Sequential:
     """1024-200-200-10 ReLU MLP, Kaiming-uniform weights (default gain), biases U(+-1/sqrt(fan_in))."""
-    model = mlp([1024, 200, 200, 10], "relu", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                bound = math.sqrt(6.0 / layer.in_features)
-                layer.weight.uniform_(-bound, bound, generator=g)
-                b = 1.0 / math.sqrt(layer.in_features)
-                layer.bias.uniform_(-b, b, generator=g)
-    return model
+    return kaiming_uniform_mlp([1024, 200, 200, 10], seed)
 
 
 def build_learner(method: str, seed: int, proto: Protocol, device: torch.device) -> Learner:
