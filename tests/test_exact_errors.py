@@ -26,6 +26,17 @@ OPERATORS = [HessianOperator, GGNOperator, FisherOperator, MCFisherOperator, Emp
 
 
 
+class _Call(nn.Module):
+    """A model that is not a plain nn.Sequential (the exact operators then use torch.func throughout)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def _setup():
     torch.manual_seed(0)
     model = mlp([3, 4, 3], "relu", dtype=D64)
@@ -145,7 +156,7 @@ def test_vmap_fallback_over_columns(monkeypatch):
 
     monkeypatch.setattr(exact_mod, "vmap", broken_vmap)
     for cls, ref in [(GGNOperator, ref_G), (HessianOperator, ref_H)]:
-        op = cls(model, lik, data)
+        op = cls(_Call(model), lik, data)  # not a plain Sequential: products go through torch.func's vmap
         if isinstance(op, HessianOperator):  # its default double-backward products use no vmap:
             op._use_double_backward = False  # test the vmapped forward-over-reverse fallback here
         with warnings.catch_warnings(record=True) as caught:

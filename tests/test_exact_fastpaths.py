@@ -35,10 +35,20 @@ from reference import dense_empirical_fisher, dense_ggn, dense_hessian
 D64 = torch.float64
 
 
+class _Wrapped(nn.Module):
+    """Not a plain nn.Sequential: the operators use torch.func (dual numbers, vjp + vmapped jvp) for it."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
 
 
-def _data(act: str = "tanh", n: int = 6):
+def _data(act: str = "tanh", n: int = 6, wrap: bool = False):
     model = mlp([3, 4, 3], act, dtype=D64, seed=0)
+    model = _Wrapped(model) if wrap else model
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(n, 3, dtype=D64, generator=gen)
     y = torch.randint(0, 3, (n,), generator=gen)
@@ -54,7 +64,7 @@ def _small_cnn():
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_single_column_dual_product_matches_dense_and_batched_path(reduction):
-    model, data = _data()
+    model, data = _data(wrap=True)
     lik = CrossEntropy(reduction)
     refs = {GGNOperator: dense_ggn(model, lik, data), FisherOperator: dense_ggn(model, lik, data),
             EmpiricalFisherOperator: dense_empirical_fisher(model, lik, data)}
@@ -62,6 +72,7 @@ def test_single_column_dual_product_matches_dense_and_batched_path(reduction):
     for cls, ref in refs.items():
         op = cls(model, lik, data)
         torch.testing.assert_close(op @ v, ref @ v, atol=1e-12, rtol=0)  # one column: dual numbers
+        assert not op._sequential_ok()  # not a plain Sequential: the torch.func paths ran
         assert op._use_dual  # the fast path ran (no fallback)
         two = op @ torch.stack([v, 2 * v], 1)  # several columns: vjp + vmapped jvp
         torch.testing.assert_close(two[:, 0], ref @ v, atol=1e-12, rtol=0)
@@ -70,7 +81,7 @@ def test_single_column_dual_product_matches_dense_and_batched_path(reduction):
 
 
 def test_dual_product_falls_back_when_forward_ad_fails(monkeypatch):
-    model, data = _data()
+    model, data = _data(wrap=True)
     lik = CrossEntropy("sum")
     op = GGNOperator(model, lik, data)
 

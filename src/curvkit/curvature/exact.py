@@ -21,7 +21,7 @@ The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dth
 * :class:`HessianOperator` - H = w sum_n d^2 L^n / dtheta^2 (thesis Lemma 3.15 structure), products by
   reverse-over-reverse differentiation (one double-backward pass per column through the graph of the
   gradient, which is cached between products for single-batch data; ``cache_graph``). For networks that
-  are piecewise linear in each layer's parameters, ``trace(..., piecewise_linear=True)`` uses
+  are piecewise linear in each layer's parameters, ``trace()`` uses (by default, ``piecewise_linear="auto"``)
   tr(H) = tr(G) (thesis Lemma 3.23; :func:`piecewise_linear_reason` verifies the structure).
 * :class:`GGNOperator` - G = w sum_n J_n^T H_L^n J_n (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
 * :class:`FisherOperator` - type-2 Fisher F = w sum_n J_n^T F_L^n J_n with the exact expectation over
@@ -85,6 +85,7 @@ from curvkit.curvature._functional import (
     params_to_rows,
 )
 from curvkit.curvature._layerwise import LayerSpec, Unsupported, layer_specs, layerwise_diagonal
+from curvkit.curvature._tangent import SequentialTangent, sequential_layers
 from curvkit.curvature.output_space import output_fisher_sqrt
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
@@ -291,7 +292,7 @@ class HessianOperator(ExactCurvatureOperator):
         num_probes: int = 100,
         generator: torch.Generator | None = None,
         distribution: Literal["rademacher", "gaussian"] = "rademacher",
-        piecewise_linear: bool | Literal["auto"] = False,
+        piecewise_linear: bool | Literal["auto"] = "auto",
     ) -> Tensor:
         """Trace of H: ``exact`` (sum of the exact diagonal, d products) or ``hutchinson``/``hutch++``.
 
@@ -303,8 +304,9 @@ class HessianOperator(ExactCurvatureOperator):
         z^T G z = w sum_n ||S_n^T J_n z||^2 (one Jacobian-vector product per probe, no backward pass).
         The Hutchinson estimate stays unbiased for tr(H) (E[z^T G z] = tr(G) = tr(H)) but its variance is
         that of z^T G z, not z^T H z (the off-diagonal blocks differ). ``True`` raises a ValueError if the
-        model cannot be verified to be piecewise linear; ``"auto"`` uses G when verified and Hessian-vector
-        products otherwise; ``False`` (default) always uses Hessian-vector products.
+        model cannot be verified to be piecewise linear; ``"auto"`` (default) uses G when verified and
+        Hessian-vector products otherwise; ``False`` always uses Hessian-vector products (z^T H z per probe,
+        e.g. to reproduce another library's per-probe values).
         """
         if piecewise_linear not in (True, False, "auto"):
             raise ValueError(f"piecewise_linear must be True, False or 'auto', got {piecewise_linear!r}")
@@ -386,27 +388,51 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
         if not self.caches_linearisation:
             return super()._construction_output(batch_index, X, y)
-        leaves = self._leaves()
-        with torch.enable_grad():
-            f = check_output(self.fmodel(leaves, X), self.likelihood, X, y, batch_index)
-        self._lin_cache()[batch_index] = {"leaves": leaves, "f": f, "uses": 0}
-        return f.detach()
+        entry = self._forward(X, graph=True)
+        check_output(entry["f"], self.likelihood, X, y, batch_index)
+        self._lin_cache()[batch_index] = entry
+        return entry["f"].detach()  # type: ignore[no-any-return]
+
+    def _forward(self, X: Tensor, graph: bool) -> dict[str, Any]:
+        """One forward pass at the snapshot: {"leaves", "f", "uses": 0, "tangent"}.
+
+        ``graph``: record the autograd graph of f w.r.t. fresh leaves (for J^T u by one backward pass).
+        ``tangent``: a :class:`curvkit.curvature._tangent.SequentialTangent` holding the pass's
+        activations (J v without recomputing the primal) for plain ``nn.Sequential`` models, else None.
+        """
+        leaves = self._leaves() if graph else self.params
+        layers = self.__dict__.get("_seq_layers", False)
+        if layers is False:
+            layers = self._seq_layers = sequential_layers(self.fmodel.module)
+        tangent = None if layers is None else SequentialTangent(
+            layers, {n: j for j, n in enumerate(self.layout.names)},
+            {m: n for n, m in self.fmodel.module.named_modules()})
+        with torch.set_grad_enabled(graph):
+            if tangent is None:
+                f = self.fmodel(leaves, X)
+            else:
+                try:
+                    f = tangent.record(lambda: self.fmodel(leaves, X))
+                except RuntimeError:
+                    self._seq_layers, tangent = None, None
+                    f = self.fmodel(leaves, X)
+        return {"leaves": leaves, "f": f, "uses": 0, "tangent": tangent}
 
     def _cached(self, i: int, X: Tensor, y: Tensor) -> dict[str, Any]:
         """Batch i's cache: leaves, output f with its graph, output factor S (built on first use)."""
         c = self._lin_cache().get(i)
         if c is None:  # e.g. a sibling operator sharing an already validated snapshot
-            leaves = self._leaves()
-            with torch.enable_grad():
-                f = self.fmodel(leaves, X)
-            c = self._lin_cache()[i] = {"leaves": leaves, "f": f, "uses": 0}
+            c = self._lin_cache()[i] = self._forward(X, graph=True)
         if "S" not in c:
             c["S"] = self.output_factor(i, c["f"].detach(), y)
         return c
 
     def _cached_tangents(self, i: int, X: Tensor, y: Tensor, V: Params, k: int, build: bool) -> Tensor:
-        """J_i v for every column (k, B, C): linearised jvp when built, else an ordinary jvp."""
+        """J_i v for every column (k, B, C): from the recorded activations of a Sequential model, else
+        the linearised jvp when built, else an ordinary jvp."""
         c = self._cached(i, X, y)
+        if c["tangent"] is not None:
+            return c["tangent"](V)  # type: ignore[no-any-return]
         c["uses"] += 1
         if "jvp" not in c and (build or k > 1 or c["uses"] > 1):
             with warnings.catch_warnings():
@@ -425,7 +451,10 @@ class OutputFactorOperator(ExactCurvatureOperator):
         """(d, k) product of batch i from the cached linearisation: tangent pass + one backward pass."""
         Jv = self._cached_tangents(i, X, y, V, k, build=False)
         c = self._cache_entry(i)
-        f, leaves, S = c["f"], c["leaves"], c["S"]
+        return self._backward_product(c["f"], c["leaves"], c["S"], Jv, k)
+
+    def _backward_product(self, f: Tensor, leaves: Params, S: Tensor, Jv: Tensor, k: int) -> Tensor:
+        """(d, k) columns J^T S S^T (J v) w from the tangents Jv (k, B, C) and f's graph w.r.t. ``leaves``."""
         if not f.requires_grad:
             return torch.zeros(self.layout.dim, k, dtype=self.dtype, device=self.device)
         U = torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, Jv)) * self.weight
@@ -439,6 +468,10 @@ class OutputFactorOperator(ExactCurvatureOperator):
 
     def _cache_entry(self, i: int) -> dict[str, Any]:
         return self._lin_cache()[i]
+
+    def _sequential_ok(self) -> bool:
+        """Whether the model may be a plain Sequential handled by the recorded tangent (decided once)."""
+        return self.__dict__.get("_seq_layers", True) is not None
 
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
@@ -458,6 +491,11 @@ class OutputFactorOperator(ExactCurvatureOperator):
         for i, (X, y) in enumerate(self.batches):
             if self.caches_linearisation:
                 out += self._product_cached(i, X, y, V, k)
+                continue
+            entry = self._forward(X, graph=True) if self._sequential_ok() else None
+            if entry is not None and entry["tangent"] is not None:
+                S = self.output_factor(i, entry["f"].detach(), y)
+                out += self._backward_product(entry["f"], entry["leaves"], S, entry["tangent"](V), k)
                 continue
             if k == 1 and self._use_dual:
                 try:
@@ -519,6 +557,11 @@ class OutputFactorOperator(ExactCurvatureOperator):
                 Jv = self._cached_tangents(i, X, y, V, k, build=True)
                 S = self._cache_entry(i)["S"]
                 out += torch.einsum("bcr,kbc->kbr", S, Jv).pow(2).sum((1, 2)) * self.weight
+                continue
+            entry = self._forward(X, graph=False) if self._sequential_ok() else None
+            if entry is not None and entry["tangent"] is not None:
+                S = self.output_factor(i, entry["f"], y)
+                out += torch.einsum("bcr,kbc->kbr", S, entry["tangent"](V)).pow(2).sum((1, 2)) * self.weight
                 continue
 
             def fn(p: Params, X: Tensor = X) -> Tensor:
@@ -721,7 +764,7 @@ def piecewise_linear_reason(model: nn.Module) -> str | None:
 def hessian_trace(model: nn.Module, likelihood: Likelihood, data: Any, method: TraceMethod = "hutchinson",
                   num_probes: int = 100, generator: torch.Generator | None = None,
                   distribution: Literal["rademacher", "gaussian"] = "rademacher",
-                  piecewise_linear: bool | Literal["auto"] = False, **kwargs: Any) -> Tensor:
+                  piecewise_linear: bool | Literal["auto"] = "auto", **kwargs: Any) -> Tensor:
     """tr(H) of ``likelihood`` on ``data``: :meth:`HessianOperator.trace` (see there for ``piecewise_linear``)."""
     return HessianOperator(model, likelihood, data, **kwargs).trace(
         method, num_probes=num_probes, generator=generator, distribution=distribution,

@@ -54,19 +54,23 @@ def probes(
     generator: torch.Generator | None = None,
     distribution: Distribution = "rademacher",
 ) -> Tensor:
-    """A (d, k) block of random probes with E[z z^T] = I (Rademacher +-1 or standard Gaussian)."""
+    """A (d, k) block of random probes with E[z z^T] = I (Rademacher +-1 or standard Gaussian).
+
+    The block is the transpose of a row-major (k, d) draw (probe after probe), so each probe is contiguous
+    in memory: operators that split a column into parameter tensors then need no copy.
+    """
     gen_device = generator.device if generator is not None else torch.device("cpu")
     if distribution == "rademacher" and gen_device.type == "cpu" and dtype.is_floating_point:
         # drawn directly in the floating dtype: on CPU the same numbers as the int64 draw below, without
-        # the (d, k) int64 temporary and two extra passes
-        Z = torch.randint(0, 2, (d, k), generator=generator, device=gen_device, dtype=dtype).mul_(2).sub_(1)
+        # the int64 temporary and two extra passes
+        Z = torch.randint(0, 2, (k, d), generator=generator, device=gen_device, dtype=dtype).mul_(2).sub_(1)
     elif distribution == "rademacher":
-        Z = torch.randint(0, 2, (d, k), generator=generator, device=gen_device).to(dtype) * 2 - 1
+        Z = torch.randint(0, 2, (k, d), generator=generator, device=gen_device).to(dtype) * 2 - 1
     elif distribution == "gaussian":
-        Z = torch.randn(d, k, generator=generator, device=gen_device, dtype=dtype)
+        Z = torch.randn(k, d, generator=generator, device=gen_device, dtype=dtype)
     else:
         raise ValueError(f"unknown probe distribution {distribution!r}; use 'rademacher' or 'gaussian'")
-    return Z.to(device=device, dtype=dtype)
+    return Z.to(device=device, dtype=dtype).T
 
 
 def _apply(matmat: MatMat, M: Tensor, batch_size: int) -> Tensor:
