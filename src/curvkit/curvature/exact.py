@@ -34,9 +34,11 @@ The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dth
   (not the thesis's Fisher; differs from the GGN in general).
 
 The last four share one form, w sum_n J_n^T S_n S_n^T J_n with an output-space factor S_n (C, R):
-products apply J (a Jacobian-vector product), S S^T in output space, then J^T (a backward pass); a single
-column takes ONE forward pass carrying primal and tangent together (forward-mode dual numbers) and one
-backward pass, several columns use ``jvp`` vmapped over the columns and a vmapped ``vjp``. Quadratic forms
+products apply J (a Jacobian-vector product), S S^T in output space, then J^T (a backward pass). For plain
+``nn.Sequential`` models J v comes from the activations recorded in the forward pass by tangent propagation
+alone (:mod:`curvkit.curvature._tangent`); for other models a single column takes ONE forward pass carrying
+primal and tangent together (forward-mode dual numbers) and one backward pass, several columns use ``jvp``
+vmapped over the columns and a vmapped ``vjp``. Quadratic forms
 v^T C v = w sum_n ||S_n^T J_n v||^2 (``quadratic_form``, and hence ``trace('hutchinson')``) need only the
 Jacobian-vector products.
 Their exact ``diagonal()`` is w sum_n sum_r (J_n^T s_nr)^2 and ``to_dense()`` is w V^T V with
@@ -354,17 +356,23 @@ class OutputFactorOperator(ExactCurvatureOperator):
     Subclasses implement ``output_factor(batch_index, f, y) -> S`` of shape (B, C, R) from the batch's
     model outputs ``f`` (B, C) at the snapshot and its targets ``y``.
 
+    Jacobian-vector products. For a plain ``nn.Sequential`` of Linear/Conv layers and parameter-free
+    modules (:func:`curvkit.curvature._tangent.sequential_layers`) every forward pass records the layer
+    activations, and J v for all columns comes from them by tangent propagation alone
+    (:class:`curvkit.curvature._tangent.SequentialTangent`: no primal recomputation, about two forward
+    passes' worth of matrix products per direction). Other models use ``torch.func`` (forward-mode dual
+    numbers for one column, vmapped ``jvp`` for several, ``torch.func.linearize`` once cached).
+
     Linearisation caching (``cache_linearisation``): with ``True`` each batch keeps, for the operator's
-    lifetime, (a) the autograd graph of the construction-time (validating) forward pass, so J^T u is one
-    backward pass through it, and (b) from the first quadratic form, multi-column product or second
-    product on, a tangent-only Jacobian-vector product (``torch.func.linearize``: its jvp skips the
-    primal computation). A product then costs one tangent pass + one backward pass and a quadratic form
-    one tangent pass. Memory trade-off: the batch's activations are held twice (graph and linearised
-    constants; O(B * width), never O(d^2)) as long as the operator lives; building the linearisation
-    costs about ten forward passes once. ``None`` (default) caches for single-batch ``data`` only;
-    ``False`` never caches (every product then recomputes the primal). The parameters are snapshotted in
-    any case, so the cache never goes stale; a cached graph freezes the module's train/eval mode as it
-    was at construction.
+    lifetime, the autograd graph and the recorded activations of the construction-time (validating)
+    forward pass, so a product costs one tangent pass + one backward pass through that graph and a
+    quadratic form one tangent pass, with no further forward pass. (For models that are not plain
+    Sequentials, the tangent pass is a ``torch.func.linearize`` jvp, built on the first quadratic form,
+    multi-column product or second product at a one-off cost of about ten forward passes.) Memory
+    trade-off: the batch's activations (O(B * width), never O(d^2)) are held as long as the operator
+    lives. ``None`` (default) caches for single-batch ``data`` only; ``False`` never caches (every
+    product then repeats the forward pass). The parameters are snapshotted in any case, so the cache never
+    goes stale; a cached graph freezes the module's train/eval mode as it was at construction.
     """
 
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
