@@ -133,3 +133,18 @@ def test_unsupported_models_are_recognised_and_still_exact(model):
 def test_shared_module_is_rejected():
     lin = nn.Linear(3, 3)
     assert sequential_layers(nn.Sequential(lin, nn.ReLU(), lin)) is None
+
+
+def test_reduced_output_factor_drops_only_common_null_directions():
+    from curvkit.curvature.output_space import reduced_factor
+
+    f = torch.randn(6, 4, dtype=D64, generator=torch.Generator().manual_seed(0))
+    S = CrossEntropy("sum").output_hessian_sqrt(f)
+    R = reduced_factor(S)
+    assert R.shape == (6, 4, 3)  # softmax: the all-ones direction is null for every sample
+    torch.testing.assert_close(R @ R.mT, S @ S.mT, atol=1e-14, rtol=0)
+    G = Gaussian(reduction="sum").output_hessian_sqrt(f)
+    assert reduced_factor(G) is G  # full rank: nothing to drop
+    S2 = S.clone()
+    S2[0] = torch.randn(4, 4, dtype=D64)  # one sample of full rank keeps every direction
+    assert reduced_factor(S2).shape == (6, 4, 4)

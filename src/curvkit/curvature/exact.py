@@ -88,7 +88,7 @@ from curvkit.curvature._functional import (
 )
 from curvkit.curvature._layerwise import LayerSpec, Unsupported, layer_specs, layerwise_diagonal
 from curvkit.curvature._tangent import SequentialTangent, sequential_layers
-from curvkit.curvature.output_space import output_fisher_sqrt
+from curvkit.curvature.output_space import output_fisher_sqrt, reduced_factor
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
 
@@ -586,7 +586,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         for i, (X, y) in enumerate(self.batches):
             with torch.no_grad():
                 f = self.fmodel(self.params, X)
-            S = self.output_factor(i, f, y)
+            S = reduced_factor(self.output_factor(i, f, y))
             n = max(1, _ROW_BUDGET // (S.shape[2] * d))
             for s in range(0, X.shape[0], n):
                 Xs, Ss = X[s:s + n], S[s:s + n]
@@ -624,7 +624,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
                for n, s in zip(self.layout.names, self.layout.shapes)}
         for i, (X, y) in enumerate(self.batches):
             def S_of(f: Tensor, i: int = i, y: Tensor = y) -> Tensor:  # S from the hooked forward's output
-                return self.output_factor(i, f, y)
+                return reduced_factor(self.output_factor(i, f, y))
 
             for name, val in layerwise_diagonal(self.fmodel, specs, X, S_of).items():
                 acc[name] += val

@@ -53,3 +53,23 @@ def output_fisher(likelihood: Likelihood, f: Tensor) -> Tensor:
     """(B, C, C) per-sample output Fisher F_L = S S^T."""
     S = output_fisher_sqrt(likelihood, f)
     return S @ S.transpose(-1, -2)
+
+
+def reduced_factor(S: Tensor) -> Tensor:
+    """A factor S' (B, C, R') with S' S'^T = S S^T per sample and R' <= R: output directions that are null
+    for EVERY sample of the batch are dropped.
+
+    Per sample, S S^T = U diag(lam) U^T (``eigh``); S' keeps the columns U_j sqrt(lam_j) whose eigenvalue
+    exceeds C * eps(dtype) * max(lam) for at least one sample (the others are zero up to rounding). For
+    softmax cross-entropy the all-ones vector is always null (diag(p) - p p^T) 1 = 0, so R' = C - 1; the
+    exact diagonal and the dense matrix then need one backward pass / factor row fewer per sample.
+    Returns S itself when nothing can be dropped.
+    """
+    if S.dim() != 3 or S.shape[1] < 2:
+        return S
+    lam, U = torch.linalg.eigh(S @ S.transpose(-1, -2))
+    tol = S.shape[1] * torch.finfo(S.dtype).eps * lam[:, -1:].clamp_min(0)
+    keep = (lam > tol).any(0)
+    if int(keep.sum()) >= S.shape[2]:
+        return S
+    return U[:, :, keep] * lam[:, keep].clamp_min(0).sqrt()[:, None, :]
