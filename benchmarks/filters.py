@@ -14,7 +14,8 @@ minibatches of the bundled real MNIST (scaled to [0, 1]), a pool of 32 distinct 
 * **Targets** (issue 4): factorised filters <= 1.3x Adam per training step; Kronecker filters <= 2x Adam
   with the factor inversion amortised every k steps.
 
-Run: ``.venv/bin/python benchmarks/filters.py`` (full) or ``--quick`` (one short round, for development).
+Run: ``.venv/bin/python benchmarks/filters.py`` (full) or ``--quick`` (one short round, for development);
+``--batch B`` sets the minibatch size (default 128), ``--only KF`` times only the matching optimisers (and Adam).
 ``--out FILE.md`` also writes the table to a file. Default: one torch thread (``--threads``), the most stable
 setting on a shared CPU.
 """
@@ -74,12 +75,18 @@ def optimisers(B: int, k: int) -> dict[str, Entry]:
         f"KFWhiten (O9, k={k})": Entry(lambda m: KFWhiten(m, lr=1e-3, batch_size=B, inv_every=k), "kronecker", k),
         f"KFWhiten (O9, k={5 * k})": Entry(lambda m: KFWhiten(m, lr=1e-3, batch_size=B, inv_every=5 * k),
                                            "kronecker", 5 * k),
-        f"KFBayes (O8, batched, k={k})": Entry(lambda m: KFBayes(m, lr=1e-3, batch_size=B, sample_update="batched",
-                                                                 fisher_samples=None, inv_every=k), "kronecker", k),
-        f"KFBayes (O8, sequential 8, k={k})": Entry(lambda m: KFBayes(m, lr=1e-3, batch_size=B, fisher_samples=8,
-                                                                      inv_every=k), "kronecker", k),
-        "KFNatGrad (O7, batched)": Entry(lambda m: KFNatGrad(m, batch_size=B, sample_update="batched",
-                                                             fisher_samples=None), "kronecker"),
+        f"KFBayes (O8, batched all rows, k={k})": Entry(
+            lambda m: KFBayes(m, lr=1e-3, batch_size=B, sample_update="batched", fisher_samples=None, inv_every=k),
+            "kronecker", k),
+        f"KFBayes (O8, default: sequential 8, k={k})": Entry(
+            lambda m: KFBayes(m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=k), "kronecker", k),
+        f"KFBayes (O8, sequential 8, k={5 * k})": Entry(
+            lambda m: KFBayes(m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=5 * k), "kronecker", 5 * k),
+        "KFNatGrad (O7, batched all rows)": Entry(
+            lambda m: KFNatGrad(m, batch_size=B, sample_update="batched", fisher_samples=None), "kronecker"),
+        "KFNatGrad (O7, default: sequential 8)": Entry(lambda m: KFNatGrad(m, batch_size=B), "kronecker"),
+        "KFNatGrad (O7, sequential all rows)": Entry(lambda m: KFNatGrad(m, batch_size=B, fisher_samples=None),
+                                                     "kronecker"),
     }
 
 
@@ -137,6 +144,8 @@ def main() -> None:
     ap.add_argument("--inv-every", type=int, default=20, help="refresh period k of the Kronecker filters")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one round of 10 steps (development only)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated substrings: time only the optimisers whose name contains one (Adam always)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     args = ap.parse_args()
     if args.quick:
@@ -144,6 +153,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches = mnist_batches(args.batch, 32)
     opts = optimisers(args.batch, args.inv_every)
+    if args.only:
+        keys = [w.strip() for w in args.only.split(",")]
+        opts = {n: e for n, e in opts.items() if n == "Adam (baseline)" or any(w in n for w in keys)}
     res: dict[str, list[tuple[float, float, int]]] = {n: [] for n in opts}
     failed: dict[str, str] = {}
     names = list(opts)
@@ -165,7 +177,8 @@ def main() -> None:
         f"784-512-512-10 ReLU MLP (669,706 parameters), float32, real MNIST minibatches of {args.batch}, "
         f"{args.steps} timed steps (Kronecker: whole refresh periods) x {args.rounds} rounds, median; "
         f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), {datetime.date.today().isoformat()}.",
+        f"({platform.processor() or platform.machine()}), load average at the end {os.getloadavg()[0]:.1f}, "
+        f"{datetime.date.today().isoformat()}.",
         "",
         "Targets (issue 4): factorised filters <= 1.3x Adam per training step; Kronecker filters <= 2x Adam "
         "with the inversion amortised every k steps.",

@@ -11,16 +11,25 @@ import torch
 
 from curvkit.optim.filters import KFBayes, KFNatGrad, KFWhiten
 from curvkit.optim.filters.kron_math import (
+    apply_root,
     drift_project,
+    first_order_coefficients,
     gradient_residual,
     kl_project,
     kron_sandwich,
     low_rank_is_cheaper,
+    low_rank_update,
+    mean_inverse_diagonal,
     project_first_order,
     project_first_order_as_printed,
+    project_first_order_batched,
     rank1_posterior,
+    rebalance,
     robust_eigh,
+    rows_after_update,
+    sandwich_costs,
     whitened_gradient,
+    whitening_low_rank_is_cheaper,
 )
 
 DT = torch.float64
@@ -298,11 +307,14 @@ def test_kronecker_filters_do_not_depend_on_the_product_route(monkeypatch, l2):
     gen = torch.Generator().manual_seed(12)
     data = [(torch.randn(3, 7, generator=gen, dtype=DT), torch.randint(0, 4, (3,), generator=gen)) for _ in range(4)]
     assert low_rank_is_cheaper(3, 8, 8) and low_rank_is_cheaper(3, 4, 9)
+    assert whitening_low_rank_is_cheaper(3, 8, 8, False) and whitening_low_rank_is_cheaper(3, 4, 9, True)
+    assert all(sandwich_costs(3, 3, M, N, True)[0] < sandwich_costs(3, 3, M, N, True)[1] for M, N in ((8, 8), (4, 9)))
     out = {}
     for route in ("low", "direct"):
         if route == "direct":
             monkeypatch.setattr(kron_math, "low_rank_is_cheaper", lambda K, M, N: False)
-            monkeypatch.setattr(kronecker, "low_rank_is_cheaper", lambda K, M, N: False)
+            monkeypatch.setattr(kronecker, "whitening_low_rank_is_cheaper", lambda *a: False)
+            monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (1, 0))
         for name, make in (("bayes", lambda m: KFBayes(m, lr=1e-2, batch_size=3, fisher_samples=None,
                                                         sample_update="batched")),
                            ("whiten", lambda m: KFWhiten(m, lr=1e-2, batch_size=3, inv_every=2))):
@@ -456,3 +468,110 @@ def test_robust_eigh_falls_back_when_lapack_fails(monkeypatch):
     torch.testing.assert_close(d, torch.diagonal(Vprev.T @ C @ Vprev).clamp(min=0), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="eigendecomposition"):
         robust_eigh(C)
+
+
+# ------------------------------------------------------------------------------- fast exact forms (benchmark)
+class _LoopKFBayes(KFBayes):
+    """KFBayes with the straightforward first-order step (the pre-optimisation code path): drift_project with
+    explicit inverses, the Python loop of Eq. 24 per sample (or the batched sum), rebalance of the symmetric
+    parts, and the dense product Sd G Sx."""
+
+    def _first_order_step(self, rec, st, G, X, D, scale, own):
+        grp = self._group()
+        if not (grp["lr"] == 0 and math.isinf(grp["sigma2"])):
+            if st["step"] % grp["inv_every"] == 0 or "lam_x" not in st:
+                st["lam_x"] = torch.diagonal(torch.linalg.inv(st["Sx"])).mean()
+                st["lam_d"] = torch.diagonal(torch.linalg.inv(st["Sd"])).mean()
+            st["Sx"], st["Sd"] = drift_project(st["Sx"], st["Sd"], grp["lr"], self._decay(), st["lam_x"], st["lam_d"])
+        Sx, Sd = st["Sx"], st["Sd"]
+        if grp["sample_update"] == "batched":
+            Sx, Sd = project_first_order_batched(Sx, Sd, X, D)
+        else:
+            for x, d in zip(X, D):
+                Sx, Sd = project_first_order(Sx, Sd, x, d)
+        st["Sx"], st["Sd"] = rebalance(0.5 * (Sx + Sx.T), 0.5 * (Sd + Sd.T))
+        return st["Sd"] @ G @ st["Sx"]
+
+
+def _trajectory(cls, kwargs, l2=0.0, given=False, steps=5):
+    gen = torch.Generator().manual_seed(21)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    opt = cls(net, batch_size=5, **kwargs)
+    for _ in range(steps):
+        Xin, y = torch.randn(5, 6, generator=gen, dtype=DT), torch.randint(0, 3, (5,), generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(Xin), y)
+        (loss + l2 * sum(p.square().sum() for p in net.parameters())).backward()
+        fs = None
+        if given:   # sampled Fisher samples for the first layer only (not the minibatch's own rows)
+            fs = {"0": (torch.randn(3, 7, generator=gen, dtype=DT), torch.randn(3, 7, generator=gen, dtype=DT))}
+        opt.step(fisher_samples=fs)
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return params, opt.factors()
+
+
+@pytest.mark.parametrize("route", ["low", "dense"])
+@pytest.mark.parametrize("kwargs, l2, given", [
+    ({"lr": 3e-2, "fisher_samples": 2}, 0.0, False),                            # default: sequential, subsampled
+    ({"lr": 3e-2, "fisher_samples": None, "sigma2": 0.5, "inv_every": 2}, 0.3, False),   # all rows, decay, L2
+    ({"lr": 3e-2, "fisher_samples": None, "sample_update": "batched"}, 0.0, False),
+    ({"lr": 0.0, "fisher_samples": 3}, 0.0, True),                              # O7, given samples
+])
+def test_kfbayes_fast_step_equals_the_per_sample_loop(monkeypatch, route, kwargs, l2, given):
+    """The span-of-samples form of K sequential (or batched) Eq. 24 updates, the folded drift/rebalance and the
+    low-rank mean product give the trajectory of the straightforward loop (float64, 1e-10)."""
+    from curvkit.optim.filters import kronecker
+
+    if route == "dense":
+        monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (1, 0))
+    else:
+        monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (0, 1))
+    p_new, f_new = _trajectory(KFBayes, kwargs, l2, given)
+    p_old, f_old = _trajectory(_LoopKFBayes, kwargs, l2, given)
+    torch.testing.assert_close(p_new, p_old, atol=1e-10, rtol=1e-10)
+    for name in f_old:
+        for a, b in zip(f_new[name], f_old[name]):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+            assert torch.equal(a, a.T) or _rel(a, a.T) < 1e-14
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_first_order_coefficients_equal_rank1_loop(sequential):
+    gen = torch.Generator().manual_seed(22)
+    Sx, Sd = _spd(5, gen, 0.7), _spd(4, gen, 1.3)
+    X, D = torch.randn(6, 5, generator=gen, dtype=DT), torch.randn(6, 4, generator=gen, dtype=DT)
+    U0, V0 = X @ Sx, D @ Sd
+    up = first_order_coefficients(U0 @ X.T, V0 @ D.T, 5, 4, sequential)
+    Sx_new = low_rank_update(Sx, up.Rx @ U0, up.alpha, up.sx)
+    Sd_new = low_rank_update(Sd, up.Rd @ V0, up.alpha, up.sd)
+    if sequential:
+        want_x, want_d = Sx, Sd
+        for x, d in zip(X, D):
+            want_x, want_d = project_first_order(want_x, want_d, x, d)
+    else:
+        want_x, want_d = project_first_order_batched(Sx, Sd, X, D)
+    torch.testing.assert_close(Sx_new, want_x, atol=1e-13, rtol=0)
+    torch.testing.assert_close(Sd_new, want_d, atol=1e-13, rtol=0)
+    assert _rel(Sx_new, Sx_new.T) < 1e-15   # the Gram form keeps the factor symmetric
+    Xg = torch.randn(3, 5, generator=gen, dtype=DT)
+    torch.testing.assert_close(rows_after_update(Xg @ Sx, Xg, up.Rx @ U0, up.alpha, up.sx), Xg @ Sx_new,
+                               atol=1e-13, rtol=0)
+    if not sequential:   # from the Gram diagonals only: the same update with R diagonal
+        upd = first_order_coefficients((U0 * X).sum(1), (V0 * D).sum(1), 5, 4, False)
+        assert upd.Rx.shape == (6,) and upd.alpha == pytest.approx(up.alpha, rel=1e-14)
+        torch.testing.assert_close(low_rank_update(Sx, apply_root(upd.Rx, U0), upd.alpha, upd.sx), want_x,
+                                   atol=1e-13, rtol=0)
+        torch.testing.assert_close(low_rank_update(Sd, apply_root(upd.Rd, V0), upd.alpha, upd.sd), want_d,
+                                   atol=1e-13, rtol=0)
+    with pytest.raises(ValueError, match="must both be"):
+        first_order_coefficients(U0 @ X.T, (V0 * D).sum(1), 5, 4, sequential)
+
+
+def test_mean_inverse_diagonal_matches_inverse():
+    gen = torch.Generator().manual_seed(23)
+    S = _spd(6, gen, 0.2)
+    want = torch.diagonal(torch.linalg.inv(S)).mean()
+    torch.testing.assert_close(mean_inverse_diagonal(S), want, atol=0, rtol=1e-12)
+    indefinite = S - 2 * torch.eye(6, dtype=DT) * torch.linalg.eigvalsh(S)[0]   # not PD: falls back to inv
+    torch.testing.assert_close(mean_inverse_diagonal(indefinite), torch.diagonal(torch.linalg.inv(indefinite)).mean())

@@ -11,7 +11,9 @@ Sigma^delta (x) Sigma^x (a :class:`~curvkit.linalg.kron.KroneckerBlock` with G =
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -71,6 +73,143 @@ def project_first_order_batched(Sx: Tensor, Sd: Tensor, X: Tensor, Dm: Tensor) -
     return Sx_new, Sd_new
 
 
+class SampleUpdate(NamedTuple):
+    """K first-order data updates in the span of the samples (:func:`first_order_coefficients`):
+
+        Sx' = alpha Sx - U0^T Rx^T diag(sx) Rx U0,   Sd' = alpha Sd - V0^T Rd^T diag(sd) Rd V0,
+
+    Rx, Rd (K, K) (batched from Gram diagonals: their diagonals (K,), see :func:`apply_root`), signs sx, sd
+    (K,) (all +1 unless rounding made a factor indefinite)."""
+
+    alpha: float
+    Rx: Tensor
+    Rd: Tensor
+    sx: Tensor
+    sd: Tensor
+
+
+def first_order_coefficients(Gx: Tensor, Gd: Tensor, N: int, M: int, sequential: bool = True) -> SampleUpdate:
+    """The corrected Eq. 24 applied to K rank-1 samples, in the K-dimensional span of the samples.
+
+    With the prior factors Sx (N, N), Sd (M, M), the samples X (K, N), Dm (K, M), U0 = X Sx, V0 = Dm Sd and
+    the Gram matrices ``Gx`` = X Sx X^T, ``Gd`` = Dm Sd Dm^T (K, K), the K updates give
+    Sx' = alpha Sx - U0^T Px U0, Sd' = alpha Sd - V0^T Pd V0 with Px = Rx^T diag(sx) Rx (see
+    :class:`SampleUpdate`; the square-root form keeps Sx' symmetric without a transpose pass).
+
+    ``sequential=True``: Eq. 24 sample after sample (the paper's rank-1 updates, digest A3). Each update
+    maps Sx to a Sx - p u u^T with u = Sx x, a = 1 + Dt Xt / (2 D) (the same a for both factors),
+    p = Dt / D (x side) or Xt / D (delta side), so by induction every u_j lies in the row span of U0:
+    u_j = U0^T c_j with c_j = alpha_j e_j - P_j Gx e_j, x_j^T u_j = c_j^T Gx e_j, and
+    alpha_{j+1} = a_j alpha_j, P_{j+1} = a_j P_j + p_j c_j c_j^T (rows of R: sqrt(|p_j| prod_{l>j} a_l) c_j).
+    Exact (nothing beyond Eq. 24 itself), O(K^3) work instead of K passes over the N x N and M x M factors.
+
+    ``sequential=False``: the summed increments of :func:`project_first_order_batched` (all samples at the
+    prior): alpha = 1 + sum_j Dt_j Xt_j / (2 D_j), Px = diag(Dt / D), Pd = diag(Xt / D).
+
+    The small recursion runs in float64; the result is in the dtype and on the device of ``Gx``.
+    """
+    K = Gx.shape[0]
+    square = Gx.shape == (K, K) and Gd.shape == (K, K)
+    if not (square or (not sequential and Gx.shape == (K,) and Gd.shape == (K,))):
+        raise ValueError(f"Gx and Gd must both be (K, K) (or, batched, their diagonals (K,)), got {tuple(Gx.shape)} "
+                         f"and {tuple(Gd.shape)}")
+    if not square:   # batched with the diagonals only: R is diagonal, returned as its diagonal (K,)
+        Xt, Dt = Gx.double() / N, Gd.double() / M
+        den_t = 1.0 + (M * Dt) * (N * Xt)
+        wxt, wdt = Dt / den_t, Xt / den_t
+        one = torch.ones_like(wxt)
+        return SampleUpdate(1.0 + 0.5 * float((Dt * Xt / den_t).sum()), wxt.abs().sqrt().to(Gx.dtype),
+                            wdt.abs().sqrt().to(Gx.dtype), torch.where(wxt < 0, -one, one).to(Gx.dtype),
+                            torch.where(wdt < 0, -one, one).to(Gx.dtype))
+    gx = Gx.detach().to("cpu", torch.float64).numpy()
+    gd = Gd.detach().to("cpu", torch.float64).numpy()
+    if sequential:
+        Px, Pd = np.zeros((K, K)), np.zeros((K, K))
+        Cx, Cd = np.zeros((K, K)), np.zeros((K, K))
+        px, pd, acum = np.zeros(K), np.zeros(K), np.ones(K)
+        alpha = 1.0
+        for j in range(K):
+            cx = -(Px @ gx[:, j])
+            cd = -(Pd @ gd[:, j])
+            cx[j] += alpha
+            cd[j] += alpha
+            xt = float(cx @ gx[:, j]) / N
+            dt = float(cd @ gd[:, j]) / M
+            den = 1.0 + (M * dt) * (N * xt)
+            a = 1.0 + 0.5 * dt * xt / den
+            Px *= a
+            Px += (dt / den) * np.outer(cx, cx)
+            Pd *= a
+            Pd += (xt / den) * np.outer(cd, cd)
+            Cx[j], Cd[j], px[j], pd[j] = cx, cd, dt / den, xt / den
+            acum[:j] *= a
+            alpha *= a
+        wx, wd = px * acum, pd * acum
+        Rx, Rd = Cx * np.sqrt(np.abs(wx))[:, None], Cd * np.sqrt(np.abs(wd))[:, None]
+    else:
+        xv, dv = np.diagonal(gx) / N, np.diagonal(gd) / M
+        den_v = 1.0 + (M * dv) * (N * xv)
+        alpha = 1.0 + 0.5 * float((dv * xv / den_v).sum())
+        wx, wd = dv / den_v, xv / den_v
+        Rx, Rd = np.diag(np.sqrt(np.abs(wx))), np.diag(np.sqrt(np.abs(wd)))
+
+    def out(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=Gx.dtype, device=Gx.device)
+
+    return SampleUpdate(alpha, out(Rx), out(Rd), out(np.where(wx < 0, -1.0, 1.0)), out(np.where(wd < 0, -1.0, 1.0)))
+
+
+def apply_root(R: Tensor, U0: Tensor) -> Tensor:
+    """W = R U0 for R (K, K), or diag(R) U0 for R (K,) (the batched update)."""
+    return R[:, None] * U0 if R.dim() == 1 else R @ U0
+
+
+def low_rank_update(S0: Tensor, W: Tensor, alpha: float, sign: Tensor) -> Tensor:
+    """alpha S0 - W^T diag(sign) W (S0 (n, n), W = R U0 (K, n)): a factor after :func:`first_order_coefficients`.
+    With all signs +1 (the normal case) the product is a Gram matrix, so a symmetric S0 stays symmetric."""
+    if bool((sign > 0).all()):
+        return torch.addmm(S0, W.T, W, beta=alpha, alpha=-1.0)
+    S = torch.addmm(S0, (W * sign[:, None]).T, W, beta=alpha, alpha=-1.0)
+    return S.add(S.T).mul_(0.5)
+
+
+def rows_after_update(Y: Tensor, Xg: Tensor, W: Tensor, alpha: float, sign: Tensor) -> Tensor:
+    """Xg S' for S' = alpha S0 - W^T diag(sign) W, given Y = Xg S0 (B, n): alpha Y - (Xg W^T) diag(sign) W,
+    O(B K n)."""
+    return torch.addmm(Y, (Xg @ W.T) * sign, W, beta=alpha, alpha=-1.0)
+
+
+def symmetrise(S: Tensor) -> Tensor:
+    """(S + S^T)/2."""
+    return S.add(S.T).mul_(0.5)
+
+
+def mean_inverse_diagonal(S: Tensor) -> Tensor:
+    """tr(S^{-1})/n for a symmetric positive definite S (n, n) (Lambda of Eq. 28): ||L^{-1}||_F^2 / n with the
+    Cholesky factor S = L L^T, about a third of the work of an explicit inverse; falls back to
+    ``torch.linalg.inv`` when S is not numerically positive definite."""
+    L, info = torch.linalg.cholesky_ex(S)
+    if int(info) == 0:
+        eye = torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
+        return torch.linalg.solve_triangular(L, eye, upper=False).square().sum() / S.shape[0]
+    return torch.diagonal(torch.linalg.inv(S)).mean()
+
+
+def sandwich_costs(B: int, K: int, M: int, N: int, shared_rows: bool) -> tuple[int, int]:
+    """Flops (low-rank route, dense route) of one first-order KFBayes step for a layer with B gradient rows,
+    K Fisher samples, M outputs, N inputs, beyond what both routes share (the factor updates, 2K(M^2 + N^2)).
+
+    Low-rank: Y = Xg S0x, Z = Dg S0d (2B(N^2 + M^2); U0, V0 are K of their rows when ``shared_rows``),
+    the corrections of :func:`rows_after_update` (4BK(N + M)) and Z'^T Y' (2BMN). Dense: U0, V0
+    (2K(N^2 + M^2)) and Sd' G Sx' (2MN(M + N))."""
+    low = 2 * B * (N * N + M * M) + 4 * B * K * (N + M) + 2 * B * M * N
+    dense = 2 * M * N * (M + N)
+    if not shared_rows:
+        low += 2 * K * (N * N + M * M)
+    dense += 2 * K * (N * N + M * M)
+    return low, dense
+
+
 def kl_project(Sigma: Tensor, N: int, M: int, init: tuple[Tensor, Tensor] | None = None,
                iters: int = 500, tol: float = 1e-13) -> tuple[Tensor, Tensor]:
     """Exact KL(P || Q) projection of a dense column-stacking covariance (NM, NM) onto A (x) B
@@ -125,6 +264,15 @@ def low_rank_is_cheaper(K: int, M: int, N: int) -> bool:
     """Whether L G R (L (M, M), R (N, N), G = D^T X with K rows) is cheaper through the factors:
     about 2K(M^2 + N^2 + MN) (plus the rotations of :func:`whitened_gradient`) against 2MN(M + N)."""
     return K * (2 * M * M + 2 * N * N + 2 * M * N) < 2 * M * N * (M + N)
+
+
+def whitening_low_rank_is_cheaper(K: int, M: int, N: int, rotated: bool) -> bool:
+    """Whether :func:`whitened_gradient` is cheaper through the gradient's K per-example rows: the rotations
+    D V_d, X V_x (2K(M^2 + N^2), free when ``rotated``: KFWhiten computes them for its second moments anyway),
+    the back-rotations (2K(M^2 + N^2)) and the product (2KMN), against the four dense products of the direct
+    route, 4MN(M + N)."""
+    low = 2 * K * (M * M + N * N) * (1 if rotated else 2) + 2 * K * M * N
+    return low < 4 * M * N * (M + N)
 
 
 def gradient_residual(G: Tensor, D: Tensor, X: Tensor) -> Tensor | None:

@@ -21,7 +21,11 @@ covariance Sigma^x (x) Sigma^delta in the paper's column-stacking vec (:mod:`.kr
 
 Products with the factors: Sigma^delta G Sigma^x (O7/O8) and the whitening (O9) use the gradient's
 per-example factors G = D^T X when that is cheaper (minibatch small against the layer widths), with an
-exact correction for any part of G the factors do not explain (:mod:`.kron_math`).
+exact correction for any part of G the factors do not explain (:mod:`.kron_math`). In O7/O8 the K Eq. 24
+updates (sequential or batched) are computed in the span of the K samples (a K x K recursion, then one
+rank-K product per factor) and the drift and rebalancing are folded into that product, so a step costs
+O(K(N^2 + M^2)) for the factors plus the mean product, not K passes over each factor; the result equals
+the per-sample loop up to rounding (tested). Lambda_x, Lambda_delta use a Cholesky factor, not an inverse.
 
 Diagnostics: ``effective_lr()`` (per weight, the posterior variance times the loss scale) and
 ``diagnostics()`` (per layer: effective-lr statistics and the SGD-like / Adam-like regime) cost no
@@ -56,15 +60,18 @@ from torch.optim import Optimizer
 from curvkit.optim.filters._base import LossScale, Reduction, all_finite, check_positive, check_unit_interval
 from curvkit.optim.filters.kron_capture import Capture, LayerRecord, collect_layers
 from curvkit.optim.filters.kron_math import (
-    drift_project,
+    apply_root,
+    first_order_coefficients,
+    gradient_residual,
     kl_project,
     kron_sandwich,
-    low_rank_is_cheaper,
-    project_first_order,
-    project_first_order_batched,
-    rebalance,
+    mean_inverse_diagonal,
     robust_eigh,
+    rows_after_update,
+    sandwich_costs,
+    symmetrise,
     whitened_gradient,
+    whitening_low_rank_is_cheaper,
 )
 
 
@@ -274,15 +281,21 @@ class KFBayes(_KroneckerBase):
             st["step"] = 0
         return st
 
-    def _predict(self, st: dict[str, Any]) -> None:
+    def _drift(self, st: dict[str, Any]) -> tuple[float, Tensor | float, Tensor | float]:
+        """Coefficients (c, ex, ed) of the prior step (Eq. 28, :func:`~.kron_math.drift_project`):
+        Sx_prior = c Sx + ex I, Sd_prior = c Sd + ed I, with c = decay - eta^2 Lx Ld / 2, ex = eta^2 Ld,
+        ed = eta^2 Lx; Lambda_x = tr(Sx^{-1})/N, Lambda_delta = tr(Sd^{-1})/M refreshed every ``inv_every``
+        steps (digest A10). (1, 0, 0) without drift (O7)."""
         grp = self._group()
         eta = grp["lr"]
         if eta == 0 and math.isinf(grp["sigma2"]):
-            return
+            return 1.0, 0.0, 0.0
         if st["step"] % grp["inv_every"] == 0 or "lam_x" not in st:
-            st["lam_x"] = torch.diagonal(torch.linalg.inv(st["Sx"])).mean()
-            st["lam_d"] = torch.diagonal(torch.linalg.inv(st["Sd"])).mean()
-        st["Sx"], st["Sd"] = drift_project(st["Sx"], st["Sd"], eta, self._decay(), st["lam_x"], st["lam_d"])
+            st["lam_x"] = mean_inverse_diagonal(st["Sx"])
+            st["lam_d"] = mean_inverse_diagonal(st["Sd"])
+        e2 = eta * eta
+        cf = self._decay() - 0.5 * e2 * float(st["lam_x"]) * float(st["lam_d"])
+        return cf, e2 * st["lam_d"], e2 * st["lam_x"]
 
     def _exact_step(self, st: dict[str, Any], X: Tensor, D: Tensor) -> None:
         grp = self._group()
@@ -296,6 +309,84 @@ class KFBayes(_KroneckerBase):
             Se = S @ e
             S = S - torch.outer(Se, Se) / (1.0 + e @ Se)
         st["Sx"], st["Sd"] = kl_project(0.5 * (S + S.T), N, M, init=(Sx, Sd))
+
+    def _first_order_step(self, rec: LayerRecord, st: dict[str, Any], G: Tensor, X: Tensor, D: Tensor,
+                          scale: float, own: bool) -> Tensor:
+        """Prior step (Eq. 28), data step (corrected Eq. 24 for the K Fisher samples, sequential or batched),
+        rebalance (digest A10), and the mean increment Sigma^delta G Sigma^x with the updated factors.
+        Updates ``st`` and returns the increment (M, N).
+
+        Work-saving forms, all equal (up to rounding) to drift_project, the per-sample loop of
+        :func:`~.kron_math.project_first_order` (or :func:`~.kron_math.project_first_order_batched`),
+        rebalance and Sd' G Sx':
+
+        * the prior factors S0 = c S + e I are never formed: U0 = X S0 = c X S + e X;
+        * the K updates act in the span of the samples (:func:`~.kron_math.first_order_coefficients`):
+          Sx' = alpha S0x - W^T W with W = R U0 (K, N); with the rebalancing scale r (computed from traces,
+          tr(W^T W) = ||W||_F^2) the new factor is a single product r alpha c Sx - r W^T W (+ diagonal), one pass
+          over the N x N matrix instead of K (sequential) or several;
+        * the mean increment goes through the gradient's per-example factors G = Dg^T Xg (B rows) when that is
+          cheaper (:func:`~.kron_math.sandwich_costs`): Xg Sx' = alpha Xg S0x - (Xg W^T) W reuses Y = Xg S0x,
+          whose first K rows are U0 when the Fisher samples are the minibatch's own (X = Xg[:K],
+          D = -sqrt(B/K) Dg[:K]); r cancels in Sd' G Sx'. A part of G the factors do not explain (an L2 term)
+          is added by the direct route.
+        """
+        grp = self._group()
+        Sx, Sd = st["Sx"], st["Sd"]
+        N, M = Sx.shape[0], Sd.shape[0]
+        K = X.shape[0]
+        cf, ex, ed = self._drift(st)
+        factors = self._grad_factors(rec, scale, G.dtype)
+        low = None
+        if factors is not None:
+            Dg, Xg = factors
+            B = Xg.shape[0]
+            shared = own and K <= B
+            c_low, c_dense = sandwich_costs(B, K, M, N, shared)
+            if c_low < c_dense:
+                low = (Dg, Xg, self._prior_rows(Xg @ Sx, Xg, cf, ex), self._prior_rows(Dg @ Sd, Dg, cf, ed))
+        if low is not None and shared:
+            U0, V0 = low[2][:K], low[3][:K] * (-math.sqrt(B / K) if K < B else -1.0)
+        else:
+            U0, V0 = self._prior_rows(X @ Sx, X, cf, ex), self._prior_rows(D @ Sd, D, cf, ed)
+        if grp["sample_update"] == "sequential":
+            up = first_order_coefficients(U0 @ X.T, V0 @ D.T, N, M, True)
+        else:   # only the Gram diagonals x_j^T Sx x_j are needed
+            up = first_order_coefficients((U0 * X).sum(1), (V0 * D).sum(1), N, M, False)
+        Wx, Wd = apply_root(up.Rx, U0), apply_root(up.Rd, V0)
+        # mean diagonals of Sx' = alpha S0x - W^T diag(s) W (before rebalancing) -> rebalancing scale r
+        mx = up.alpha * (cf * torch.diagonal(Sx).mean() + ex) - (Wx.square().sum(1) * up.sx).sum() / N
+        md = up.alpha * (cf * torch.diagonal(Sd).mean() + ed) - (Wd.square().sum(1) * up.sd).sum() / M
+        r = float(torch.sqrt(md / mx))
+        refresh = st["step"] % grp["inv_every"] == 0   # remove any rounding asymmetry now and then
+        st["Sx"] = self._new_factor(Sx, Wx, up.sx, up.alpha, cf, ex, r, refresh)
+        st["Sd"] = self._new_factor(Sd, Wd, up.sd, up.alpha, cf, ed, 1.0 / r, refresh)
+        if low is None:
+            return st["Sd"] @ G @ st["Sx"]
+        Dg, Xg, Y, Z = low
+        inc = rows_after_update(Z, Dg, Wd, up.alpha, up.sd).T @ rows_after_update(Y, Xg, Wx, up.alpha, up.sx)
+        res = gradient_residual(G, Dg, Xg)
+        return inc if res is None else inc + st["Sd"] @ res @ st["Sx"]
+
+    @staticmethod
+    def _prior_rows(RS: Tensor, R: Tensor, cf: float, e: Tensor | float) -> Tensor:
+        """R S0 = cf (R S) + e R for the prior factor S0 = cf S + e I, given RS = R S."""
+        if cf != 1.0:
+            RS = RS * cf
+        return RS.add_(R, alpha=float(e)) if float(e) != 0.0 else RS
+
+    @staticmethod
+    def _new_factor(S: Tensor, W: Tensor, sign: Tensor, alpha: float, cf: float, e: Tensor | float, r: float,
+                    symmetrise_now: bool) -> Tensor:
+        """r (alpha (cf S + e I) - W^T diag(sign) W) in one product (plus a diagonal update), in place in S
+        (like the moment buffers of torch.optim.Adam; ``factors()`` returns the live tensors)."""
+        Wl = W if bool((sign > 0).all()) else W * sign[:, None]
+        out = S.addmm_(Wl.T, W, beta=r * alpha * cf, alpha=-r)
+        if float(e) != 0.0:
+            out.diagonal().add_(r * alpha * float(e))
+        if symmetrise_now or Wl is not W:
+            out = symmetrise(out)
+        return out
 
     @torch.no_grad()
     def step(self, closure: Any = None, fisher_samples: dict[str, Any] | None = None,
@@ -314,18 +405,11 @@ class KFBayes(_KroneckerBase):
             X, D = X.to(G.dtype), D.to(G.dtype)
             if grp["projection"] == "exact":
                 self._exact_step(st, X, D)
+                factors = self._grad_factors(rec, scale, G.dtype)
+                W_post = rec.weight_matrix() + kron_sandwich(st["Sd"], G, st["Sx"], factors)
             else:
-                self._predict(st)
-                if grp["sample_update"] == "batched":
-                    st["Sx"], st["Sd"] = project_first_order_batched(st["Sx"], st["Sd"], X, D)
-                else:
-                    Sx, Sd = st["Sx"], st["Sd"]
-                    for x, d in zip(X, D):
-                        Sx, Sd = project_first_order(Sx, Sd, x, d)
-                    st["Sx"], st["Sd"] = Sx, Sd
-                st["Sx"], st["Sd"] = rebalance(0.5 * (st["Sx"] + st["Sx"].T), 0.5 * (st["Sd"] + st["Sd"].T))
-            factors = self._grad_factors(rec, scale, G.dtype)
-            W_post = rec.weight_matrix() + kron_sandwich(st["Sd"], G, st["Sx"], factors)
+                own = fisher_samples is None or rec.name not in fisher_samples
+                W_post = rec.weight_matrix().add_(self._first_order_step(rec, st, G, X, D, scale, own))
             decay = self._decay()
             W_next = W_post if decay == 1.0 else W_post * decay
             st["step"] += 1
@@ -335,7 +419,8 @@ class KFBayes(_KroneckerBase):
         return loss
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """Posterior covariance factors per layer: {name: (Sigma^x (N, N), Sigma^delta (M, M))}."""
+        """Posterior covariance factors per layer: {name: (Sigma^x (N, N), Sigma^delta (M, M))} (the live state
+        tensors, updated in place by later steps: clone them to keep a snapshot)."""
         return {rec.name: (self.state[rec.weight]["Sx"], self.state[rec.weight]["Sd"])
                 for rec in self.layers if self.state.get(rec.weight)}
 
@@ -507,9 +592,10 @@ class KFWhiten(_KroneckerBase):
             rotated = self._update_statistics(st, X, D)
             sx, _, sd, _ = self._gains(st)
             factors = self._grad_factors(rec, scale, G.dtype)
-            if factors is not None and low_rank_is_cheaper(factors[0].shape[0], rec.out_dim, rec.in_dim):
-                own = fisher_samples is None or rec.name not in fisher_samples   # then D = -D_ascent
-                reuse = (-rotated[0], rotated[1]) if rotated is not None and own else None
+            own = fisher_samples is None or rec.name not in fisher_samples   # then D = -D_ascent
+            reuse = (-rotated[0], rotated[1]) if rotated is not None and own else None
+            if factors is not None and whitening_low_rank_is_cheaper(factors[0].shape[0], rec.out_dim, rec.in_dim,
+                                                                     reuse is not None):
                 U = whitened_gradient(G, st["Vd"], sd, st["Vx"], sx, factors, reuse)
             else:
                 U = whitened_gradient(G, st["Vd"], sd, st["Vx"], sx)
