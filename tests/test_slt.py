@@ -14,6 +14,7 @@ from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import DenseOperator
 from curvkit.optim.sgld import SGLD
 from curvkit.slt import (
+    MinibatchStream,
     SGLDConfig,
     SGLDDivergenceError,
     effective_dimension,
@@ -24,6 +25,7 @@ from curvkit.slt import (
     quadratic_llc,
     thresholded_rank,
 )
+from curvkit.slt.sampler import stacked_mlp_grad_fn
 from reference import dense_hessian
 
 DT = torch.float64
@@ -160,6 +162,62 @@ def test_vectorised_chain_equals_sgld_optimizer():
         opt.step()
     assert torch.tensor(losses, dtype=DT) == pytest.approx(r.loss_trace[0], rel=1e-9)
 
+
+
+def test_explicit_init_loss_only_changes_the_reference():
+    """An explicit L(w*) leaves the sampling (same seed -> same traces) unchanged and is what λ̂ subtracts;
+    init_loss="full" equals passing the full-data loss by hand. Non-finite values are refused."""
+    net, X, y = _tiny_classifier()
+    cfg = SGLDConfig(epsilon=1e-3, gamma=10.0, num_chains=3, num_draws=20)
+    a = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=5)
+    b = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=5, init_loss=0.25)
+    assert torch.equal(a.loss_trace, b.loss_trace) and b.init_loss == 0.25
+    assert b.llc_per_chain == pytest.approx(b.nbeta * (b.loss_trace.mean(dim=1) - 0.25), rel=1e-12)
+    full = float(nn.functional.cross_entropy(net(X), y))
+    c = estimate_llc(net, (X, y), batch_size=16, config=SGLDConfig(**{**cfg.to_dict(), "init_loss": "full"}), seed=5)
+    d = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=5, init_loss=full)
+    assert c.init_loss == pytest.approx(full, rel=1e-14) and c.llc_mean == pytest.approx(d.llc_mean, rel=1e-12)
+    with pytest.raises(ValueError, match="init_loss"):
+        estimate_llc(net, (X, y), batch_size=16, config=cfg, init_loss=float("nan"))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("batch_size", [16, None])
+def test_stacked_mlp_path_equals_vmap(shared, batch_size):
+    """The MLP fast path (batched matmuls + one autograd.grad) gives the vmap path's trajectory to rounding
+    (float64, a bias-free layer and two activations, independent or shared minibatches, or full batch)."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5, bias=False), nn.ReLU(), nn.Linear(5, 3)).to(DT)
+    X, y = torch.randn(64, 3, dtype=DT), torch.randint(0, 3, (64,))
+    cfg = SGLDConfig(epsilon=1e-3, gamma=10.0, num_chains=3, num_draws=25, shared_batches=shared)
+    fast = estimate_llc(net, (X, y), batch_size=batch_size, config=cfg, seed=2)
+    slow = estimate_llc(net, (X, y), batch_size=batch_size, config=cfg, seed=2, vectorise="vmap")
+    assert torch.allclose(fast.loss_trace, slow.loss_trace, rtol=1e-12, atol=0)
+    grad_fn = stacked_mlp_grad_fn(net, nn.functional.cross_entropy, 0)
+    assert grad_fn is not None
+    stacked = {k: v.detach().unsqueeze(0).repeat(3, *[1] * v.dim()) for k, v in net.named_parameters()}
+    grads, _ = grad_fn(stacked, (X[:48].view(3, 16, 3), y[:48].view(3, 16)))
+    assert all(g.is_contiguous() for g in grads.values())  # a transposed gradient slows the update ~10x
+    for other in (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), nn.Linear(3, 4),
+                  nn.Sequential(nn.Flatten(), nn.Linear(3, 4))):
+        assert stacked_mlp_grad_fn(other, nn.functional.cross_entropy, 0) is None
+    with pytest.raises(ValueError, match="vectorise"):
+        estimate_llc(net, (X, y), config=cfg, vectorise="jit")
+
+
+def test_shared_batches_give_every_chain_the_same_minibatches():
+    """shared_batches=True (devinterp's default): one permutation for all chains, unstacked batches; the
+    first recorded loss (at w*, before any update) is then the same in every chain, and differs per chain
+    with independent streams. Over a pass the shared batches visit each point at most once."""
+    net, X, y = _tiny_classifier()
+    for shared in (True, False):
+        cfg = SGLDConfig(epsilon=1e-3, gamma=10.0, num_chains=4, num_draws=3, shared_batches=shared)
+        first = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=0).loss_trace[:, 0]
+        assert bool((first == first[0]).all()) == shared
+    stream = MinibatchStream(X, y, 16, 4, torch.Generator().manual_seed(0), shared=True)
+    assert stream.chain_axis is None
+    seen = torch.cat([next(stream)[0] for _ in range(4)])
+    assert seen.shape == (64, 3) and torch.unique(seen, dim=0).shape[0] == 64
 
 # ----------------------------------------------------------------------------- Hessian trace
 def _hessian_op():

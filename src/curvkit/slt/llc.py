@@ -5,10 +5,32 @@ Estimator (paper eq. 19, devinterp convention, digest section 2.5):
     λ̂(w*) = nβ ( E^β_{w|w*}[ L(w) ] - L(w*) ),
 
 where the expectation is the mean over the kept SGLD draws of the minibatch loss (evaluated before
-each step's update) and L(w*) is the *initial loss*: the mean over ``num_chains`` minibatches at w*
-(devinterp, ``init_loss="minibatch"``) or the full-data loss L_n(w*) (``init_loss="full"``). Per
-chain c: λ̂_c = nβ (mean_t ℓ_{c,t} - L(w*)); the estimate is the mean over chains, reported with the
-standard deviation over chains (ddof = 1) and its standard error std/sqrt(C).
+each step's update) and L(w*) is the *reference (initial) loss*, chosen by ``config.init_loss`` unless
+given explicitly:
+
+* ``"minibatch"`` (default): the mean loss at w* over the first minibatch of every chain's stream
+  (``num_chains`` batches; with ``shared_batches`` the first shared batch). devinterp 2.0.1 instead
+  averages its first ``num_init_loss_batches`` = 32 batches (of its shared stream).
+* ``"full"``: the full-data loss L_n(w*), no estimation error.
+* ``estimate_llc(..., init_loss=value)``: a number computed elsewhere, e.g. the same L(w*) for
+  several runs or implementations that are to be compared (the benchmark gives every arm L_n(w*)).
+
+L(w*) is subtracted from every chain's mean, so its estimation error is shared by all chains: it
+shifts λ̂ by nβ·(error) and is *not* in the spread over chains. For the MLP of
+``benchmarks/llc.py`` (nβ = 128/ln 128 = 26.4, per-example loss std 0.61 at w*) four minibatches of
+128 carry an error of 0.71 in λ̂ (devinterp's 32 batches: 0.25), as large as the standard error over
+four chains, which is why ``"full"`` or an explicit value is preferable when estimates are compared.
+
+Per chain c: λ̂_c = nβ (mean_t ℓ_{c,t} - L(w*)); the estimate is the mean over chains, reported with
+the standard deviation over chains (ddof = 1; devinterp's ``llc_std`` uses ddof = 0) and its standard
+error std/sqrt(C).
+
+Where devinterp 2.0.1 (``devinterp.slt.llc.llc``/``sample``) differs, beyond L(w*) above: its update,
+noise and nβ are the same as here, and so is the recorded loss (the minibatch mean before each update);
+but its chains share one minibatch sequence by default (``SGLDConfig(shared_batches=True)`` here),
+replay the first shuffled epoch instead of reshuffling (``epoch_mode="cycle"``; same expectation),
+its ``compute_llc`` averages the losses of *every* step including burn-in (here burn-in steps are
+dropped; identical at ``num_burnin=0``), and its ``llc_std`` is the ddof = 0 spread.
 
 WBIC (paper eq. 18, devinterp ``OnlineWBICEstimator``) = n · mean over all draws of the sampled loss,
 n = data-set size. It is Watanabe's WBIC only when sampled at nβ = n/ln n (``nbeta="n/log n"``,
@@ -31,6 +53,7 @@ from curvkit.slt.sampler import (
     model_params,
     module_loss_fn,
     run_sgld,
+    stacked_mlp_grad_fn,
 )
 
 
@@ -136,36 +159,54 @@ def estimate_llc(
     config: SGLDConfig | None = None,
     seed: int = 0,
     generator: torch.Generator | None = None,
+    init_loss: float | None = None,
+    vectorise: str = "auto",
 ) -> LLCResult:
     """λ̂(w*) of ``model`` at its current parameters w* on ``data`` = (X (n, ...), y (n, ...)).
 
     ``loss`` is the *mean* per-sample loss: ``"cross_entropy"`` (default, the paper's), ``"mse_half"``
     (½||f - y||², Gaussian NLL up to a constant), a curvkit Likelihood, or a callable (f, y) -> scalar.
     ``batch_size=None`` uses full-batch gradients. The model is not modified.
+
+    ``init_loss``: the reference loss L(w*) as a number (it overrides ``config.init_loss``; the
+    sampling itself is unchanged). Use it to give several estimates the same L(w*), e.g. the
+    full-data loss computed once, or devinterp's value when comparing with it.
+    ``vectorise``: ``"auto"`` uses :func:`curvkit.slt.sampler.stacked_mlp_grad_fn` for plain MLPs on
+    2-D inputs and ``vmap`` otherwise; ``"vmap"`` always uses ``vmap`` (same numbers up to rounding).
     """
     cfg = config or SGLDConfig()
     X, y = data
     if X.shape[0] != y.shape[0]:
         raise ValueError(f"data has {X.shape[0]} inputs but {y.shape[0]} targets")
+    if vectorise not in ("auto", "vmap"):
+        raise ValueError(f"vectorise must be 'auto' or 'vmap', got {vectorise!r}")
+    if init_loss is not None and not math.isfinite(float(init_loss)):
+        raise ValueError(f"init_loss must be a finite number (the reference loss L(w*)), got {init_loss}")
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     crit = _criterion(loss)
     w_star = model_params(model)
     for k, v in w_star.items():
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"parameter {k!r} of the model at w* contains NaN/inf")
-    stream = MinibatchStream(X, y, batch_size, cfg.num_chains, gen)
+    stream = MinibatchStream(X, y, batch_size, cfg.num_chains, gen, shared=cfg.shared_batches)
     n, m = stream.n, stream.m
     nbeta = cfg.resolve_nbeta(m, n)
     loss_fn = module_loss_fn(model, crit)
-    # L(w*): devinterp takes the mean over the first num_chains minibatches; here the first batch of
-    # every chain's stream (the same batches those chains then start from).
+    # L(w*): given, the full-data loss, or the mean over the first batch of every chain's stream (the
+    # same batches those chains then start from; one batch when the chains share their batches).
     with torch.no_grad():
-        if cfg.init_loss == "full" or stream.full:
+        if init_loss is not None:
+            init = float(init_loss)
+            first = None
+        elif cfg.init_loss == "full" or stream.full:
             init = float(loss_fn(w_star, (X, y)))
             first = None
         else:
             xb, yb = next(stream)
-            init = float(torch.stack([loss_fn(w_star, (xb[c], yb[c])) for c in range(cfg.num_chains)]).mean())
+            if stream.chain_axis is None:
+                init = float(loss_fn(w_star, (xb, yb)))
+            else:
+                init = float(torch.stack([loss_fn(w_star, (xb[c], yb[c])) for c in range(cfg.num_chains)]).mean())
             first = (xb, yb)
     if not math.isfinite(init):
         raise ValueError(f"the loss at w* is {init}; check the model and the data")
@@ -177,7 +218,8 @@ def estimate_llc(
             return b
         return next(stream)
 
-    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen)
+    grad_fn = stacked_mlp_grad_fn(model, crit, stream.chain_axis) if vectorise == "auto" and X.dim() == 2 else None
+    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen, grad_fn=grad_fn)
     return _summarise(run.losses, init, nbeta, n, m, cfg, run.seconds)
 
 

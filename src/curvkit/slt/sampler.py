@@ -23,9 +23,24 @@ explicit (all are fields of :class:`SGLDConfig`):
 
 All chains advance together: parameters are stacked along a leading chain axis (C, *shape) and the
 per-chain loss gradient is one ``torch.func.vmap(grad_and_value(loss))`` call through
-``torch.func.functional_call``; the model stays a plain ``nn.Module``. With minibatches every chain
-reads its own shuffled stream of the data (independent chains); with ``batch_size=None`` all chains
-use the full data set. Randomness (minibatch order, noise) comes from one ``torch.Generator``.
+``torch.func.functional_call``; the model stays a plain ``nn.Module``. For a plain MLP
+(``nn.Sequential`` of ``nn.Linear`` and elementwise activations) :func:`stacked_mlp_grad_fn` computes
+the same gradients with batched matrix products and one ``autograd.grad`` call, which avoids vmap's
+per-step overhead (about 5% of a step on a CPU); both give the same numbers up to rounding.
+
+Minibatch policy (``shared_batches``): by default every chain reads its own shuffled stream of the
+data (independent chains); ``shared_batches=True`` gives all chains the same sequence of minibatches
+(devinterp's default ``match_sampling_input_ids_across_chains=True``), so the chains differ only
+through the noise. Each chain's distribution is the same either way; shared batches make the chains'
+estimates positively correlated, so the spread over chains then leaves out the minibatch-sequence
+error. With ``batch_size=None`` all chains use the full data set. Randomness (minibatch order, noise)
+comes from one ``torch.Generator``.
+
+The update is applied as three in-place passes per step, w <- w + (εγ/2)(w* - w) (``lerp``),
+w <- w - (εnβ/2) g, w <- w + sqrt(ε) ξ, which is the update above regrouped (same distribution;
+results equal the earlier five-pass form up to floating-point rounding). The noise ξ is drawn with
+``torch.randn(..., generator=, out=)`` into preallocated buffers, one call per parameter (on a CPU this
+is bound by the Mersenne-Twister generator; ``normal_`` and one flat draw cost the same).
 
 A chain whose loss or parameters become NaN/inf raises :class:`SGLDDivergenceError` naming the
 setting (ε, γ, nβ) rather than returning a number.
@@ -45,6 +60,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Params, Any], Tensor]
+# chain-batched gradient: (params stacked (C, *shape), batch) -> (gradients (C, *shape), losses (C,))
+GradFn = Callable[[Params, Any], tuple[Params, Tensor]]
 
 
 class SGLDDivergenceError(RuntimeError):
@@ -65,6 +82,7 @@ class SGLDConfig:
     num_burnin: int = 0
     thinning: int = 1
     init_loss: str = "minibatch"  # "minibatch" (devinterp) or "full" (L_n(w*) on all data)
+    shared_batches: bool = False  # True: all chains see the same minibatches (devinterp's default)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
@@ -106,17 +124,20 @@ class MinibatchStream:
 
     Each chain walks through its own random permutation of the n points in batches of m (the last
     incomplete batch of a pass is dropped so that shapes stay fixed), then draws a new permutation.
-    ``batch_size=None`` (or >= n) gives the full data set, shared by all chains (no chain axis).
+    ``shared=True`` draws one permutation for all chains and returns unstacked batches (X (m, ...),
+    y (m, ...); no chain axis), as devinterp does by default. ``batch_size=None`` (or >= n) gives the
+    full data set, shared by all chains (no chain axis).
     """
 
     def __init__(self, X: Tensor, y: Tensor, batch_size: int | None, num_chains: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, shared: bool = False):
         if X.shape[0] != y.shape[0]:
             raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]}")
         self.X, self.y, self.C, self.gen = X, y, num_chains, generator
         self.n = X.shape[0]
         self.full = batch_size is None or batch_size >= self.n
         self.m = self.n if self.full else int(batch_size)  # type: ignore[arg-type]
+        self.shared = bool(shared)
         if self.m < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self._perm: Tensor | None = None
@@ -124,16 +145,17 @@ class MinibatchStream:
 
     @property
     def chain_axis(self) -> int | None:
-        return None if self.full else 0
+        return None if self.full or self.shared else 0
 
     def __next__(self) -> tuple[Tensor, Tensor]:
         if self.full:
             return self.X, self.y
         if self._perm is None or self._pos + self.m > self.n:
-            self._perm = torch.stack([torch.randperm(self.n, generator=self.gen) for _ in range(self.C)])
+            k = 1 if self.shared else self.C
+            self._perm = torch.stack([torch.randperm(self.n, generator=self.gen) for _ in range(k)])
             self._perm = self._perm.to(self.X.device)
             self._pos = 0
-        idx = self._perm[:, self._pos:self._pos + self.m]
+        idx = self._perm[0 if self.shared else slice(None), self._pos:self._pos + self.m]
         self._pos += self.m
         return self.X[idx], self.y[idx]
 
@@ -158,15 +180,16 @@ def _divergence_message(cfg: SGLDConfig, nbeta: float, step: int, chains: list[i
 
 def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_axis: int | None,
              config: SGLDConfig, nbeta: float, generator: torch.Generator,
-             check_every: int = 100) -> SGLDRun:
+             check_every: int = 100, grad_fn: GradFn | None = None) -> SGLDRun:
     """Run ``config.num_chains`` SGLD chains from ``w_star`` in lock-step.
 
     ``loss_fn(params, batch) -> scalar`` is the mean loss of one chain (params: name -> tensor of the
     parameter's own shape); ``batches()`` returns the next batch, stacked over chains along
     ``batch_axis`` (or shared when ``batch_axis`` is None). Returns the pre-update losses of the kept
-    draws as a (C, num_draws) tensor.
+    draws as a (C, num_draws) tensor. ``grad_fn`` replaces the default
+    ``vmap(grad_and_value(loss_fn), in_dims=(0, batch_axis))`` (e.g. :func:`stacked_mlp_grad_fn`).
 
-    Cost per step: one vmap'd forward/backward (the matrix products), C·d Gaussian draws and four
+    Cost per step: one vmap'd forward/backward (the matrix products), C·d Gaussian draws and three
     in-place passes over the (C, d) parameters. Nothing is copied to the host inside the loop: the
     losses of all steps stay in a (C, num_steps) buffer on the parameters' device, checked for NaN/inf
     every ``check_every`` steps and at the end (a divergence is still reported at its first step).
@@ -181,9 +204,10 @@ def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_
     alist = [anchor[k].unsqueeze(0) for k in names]  # broadcast over the chain axis
     # noise buffers on the generator's device (same draws as torch.randn(shape, generator=...))
     noise = [torch.empty(p.shape, dtype=p.dtype, device=generator.device) for p in plist]
-    step_fn = vmap(grad_and_value(loss_fn), in_dims=(0, batch_axis))
+    step_fn: GradFn = grad_fn if grad_fn is not None else vmap(grad_and_value(loss_fn), in_dims=(0, batch_axis))
     eps, gamma = float(config.epsilon), float(config.gamma)
     noise_scale = math.sqrt(eps)
+    pull, drift = 0.5 * eps * gamma, -0.5 * eps * nbeta
     T = config.num_steps
     trace: Tensor | None = None  # (C, T) losses of every step, allocated with the loss's dtype/device
     checked = 0
@@ -207,11 +231,11 @@ def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_
             trace = torch.empty(C, T, dtype=values.dtype, device=values.device)
         trace[:, step] = values.detach()
         with torch.no_grad():
-            # w <- w - (ε/2)(nβ g + γ (w - w*)) + sqrt(ε) ξ, written as in-place passes
-            diffs = torch._foreach_sub(plist, alist)
-            torch._foreach_mul_(diffs, gamma)
-            torch._foreach_add_(diffs, [grads[k] for k in names], alpha=nbeta)
-            torch._foreach_add_(plist, diffs, alpha=-0.5 * eps)
+            # w <- w - (ε/2)(nβ g + γ (w - w*)) + sqrt(ε) ξ as three in-place passes:
+            # w += (εγ/2)(w* - w);  w -= (εnβ/2) g;  w += sqrt(ε) ξ
+            if pull != 0.0:
+                torch._foreach_lerp_(plist, alist, pull)
+            torch._foreach_add_(plist, [grads[k] for k in names], alpha=drift)
             for z in noise:
                 torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device, out=z)
             if noise[0].device == plist[0].device:
@@ -246,3 +270,67 @@ def module_loss_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], Tenso
 def model_params(model: nn.Module) -> Params:
     """Trainable parameters (detached copies), in ``named_parameters()`` order."""
     return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
+_ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
+
+
+def stacked_mlp_grad_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor],
+                        batch_axis: int | None) -> GradFn | None:
+    """Chain-batched loss gradient of a plain MLP without ``vmap``; None if ``model`` is not one.
+
+    ``model`` must be an ``nn.Sequential`` of ``nn.Linear`` layers and elementwise activations
+    (ReLU, Tanh, Sigmoid, GELU, SiLU, ELU, LeakyReLU, Softplus, Identity) acting on inputs (m, in).
+    With stacked weights W (C, out, in), b (C, out) each layer is hᵀ <- W hᵀ + b as one batched
+    matrix product (``baddbmm``; with a batch shared by all chains, ``batch_axis=None``, the first
+    layer is one (C·out, in) x (in, m) product); the activations broadcast over the chain axis.
+    The per-chain losses ``criterion(f_c (m, k), y_c)`` (a mean over the batch) come from a vmap over
+    the small output only, and one ``torch.autograd.grad`` of their sum gives every chain's gradient
+    (the chains do not interact). Same numbers as ``vmap(grad_and_value(loss))`` up to rounding.
+    """
+    if not isinstance(model, nn.Sequential) or len(model) == 0:
+        return None
+    plan: list[tuple[str, str | None] | nn.Module] = []
+    prefix = {id(mod): name for name, mod in model.named_children()}
+    for mod in model:
+        if isinstance(mod, nn.Linear):
+            name = prefix[id(mod)]
+            plan.append((f"{name}.weight", f"{name}.bias" if mod.bias is not None else None))
+        elif isinstance(mod, _ELEMENTWISE) and not any(True for _ in mod.parameters()):
+            plan.append(mod)
+        else:
+            return None
+    if not isinstance(plan[0], tuple) or any(True for _ in model.buffers()):
+        return None
+    if not all(p.requires_grad for p in model.parameters()):  # frozen layers: leave them to vmap
+        return None
+    loss_per_chain = vmap(criterion, in_dims=(0, batch_axis))
+
+    def grad_fn(params: Params, batch: Any) -> tuple[Params, Tensor]:
+        x, y = batch
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            # activations are kept transposed, hT (C, features, m), so that every weight gradient
+            # g hᵀ comes out of autograd contiguous in W's own (C, out, in) layout (a transposed
+            # gradient makes the parameter update ~10x slower)
+            h = x if x.dim() == 2 else x.transpose(1, 2)
+            for step in plan:
+                if isinstance(step, tuple):
+                    W = leaves[step[0]]
+                    C, out, _ = W.shape
+                    b = leaves[step[1]] if step[1] is not None else None
+                    if h.dim() == 2:  # input (m, in) shared by all chains: one (C·out, in) x (in, m) product
+                        W2 = W.reshape(C * out, -1)
+                        h = (torch.addmm(b.reshape(C * out, 1), W2, h.T) if b is not None else W2 @ h.T)
+                        h = h.view(C, out, -1)
+                    elif b is not None:
+                        h = torch.baddbmm(b.unsqueeze(2), W, h)
+                    else:
+                        h = torch.bmm(W, h)
+                else:
+                    h = step(h)
+            values = loss_per_chain(h.transpose(1, 2), y)
+            grads = torch.autograd.grad(values.sum(), list(leaves.values()))
+        return dict(zip(leaves, grads)), values.detach()
+
+    return grad_fn
