@@ -16,6 +16,7 @@ from torch.func import jvp
 
 from curvkit.curvature import EmpiricalFisherOperator, GGNOperator, HessianOperator, MCFisherOperator
 from curvkit.curvature._functional import FunctionalModel, cols_to_params
+from curvkit.curvature._layerwise import layer_specs
 from curvkit.curvature._tangent import SequentialTangent, sequential_layers
 from curvkit.likelihoods import CrossEntropy, Gaussian
 from reference import dense_empirical_fisher, dense_ggn
@@ -35,6 +36,8 @@ def _models():
         "cnn2d": (nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.ReLU(),
                                 nn.Conv2d(4, 4, 2, dilation=2, groups=2), nn.MaxPool2d(2), nn.Flatten(),
                                 nn.Linear(4, 3)), (5, 2, 9, 9)),
+        "cnn2d-plain": (nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Flatten(), nn.Linear(12, 3)), (5, 2, 9, 9)),
         "cnn1d": (nn.Sequential(nn.Conv1d(1, 3, 3, padding="same"), nn.Tanh(), nn.AvgPool1d(2), nn.Flatten(),
                                 nn.Unflatten(1, (3, 4)), nn.Flatten(), nn.Linear(12, 2)), (5, 1, 8)),
     }
@@ -148,3 +151,21 @@ def test_reduced_output_factor_drops_only_common_null_directions():
     S2 = S.clone()
     S2[0] = torch.randn(4, 4, dtype=D64)  # one sample of full rank keeps every direction
     assert reduced_factor(S2).shape == (6, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["mlp", "leaky-nobias-nested", "cnn2d-plain"])
+def test_diagonal_from_the_cached_forward_pass(name):
+    model, xshape = _models()[name]
+    model = model.to(D64)
+    gen = torch.Generator().manual_seed(4)
+    X = torch.randn(*xshape, dtype=D64, generator=gen)
+    y = torch.randint(0, model(X).shape[1], (X.shape[0],), generator=gen)
+    lik = CrossEntropy("sum")
+    cached = GGNOperator(model, lik, (X, y))
+    plain = GGNOperator(model, lik, (X, y), cache_linearisation=False)
+    assert cached._recorded_layers(0, layer_specs(cached.fmodel)) is not None  # the reuse path applies
+    ref = dense_ggn(model, lik, (X, y)).diagonal()
+    torch.testing.assert_close(cached.diagonal().flat, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(plain.diagonal().flat, ref, atol=1e-12, rtol=0)
+    v = torch.randn(cached.layout.dim, dtype=D64, generator=gen)  # the cached graph is still usable
+    torch.testing.assert_close(cached @ v, dense_ggn(model, lik, (X, y)) @ v, atol=1e-12, rtol=0)

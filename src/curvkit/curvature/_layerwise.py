@@ -98,9 +98,18 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tenso
         raise Unsupported("a layer was not run in the forward pass")
     if callable(S):
         S = S(f.detach())
+    return squared_gradients(specs, [inputs[i] for i in range(len(specs))], f,
+                             [eps[i] for i in range(len(specs))], S)
+
+
+def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, outputs: list[Tensor], S: Tensor,
+                      retain_graph: bool = False) -> dict[str, Tensor]:
+    """The diagonal from a recorded forward pass: ``inputs[i]`` (detached) and ``outputs[i]`` (on f's graph)
+    of layer ``specs[i]``, the model output f (B, C) and S (B, C, R); one batched backward pass to the
+    layer outputs (``retain_graph`` keeps f's graph for later use)."""
     U = S.permute(2, 0, 1).contiguous()  # (R, B, C)
-    deltas = torch.autograd.grad(f, [eps[i] for i in range(len(specs))], grad_outputs=U,
-                                 is_grads_batched=True, allow_unused=True, materialize_grads=True)
+    deltas = torch.autograd.grad(f, outputs, grad_outputs=U, is_grads_batched=True, allow_unused=True,
+                                 materialize_grads=True, retain_graph=retain_graph)
     out: dict[str, Tensor] = {}
     for i, spec in enumerate(specs):
         a, d = inputs[i], deltas[i]  # d: (R, B, *out_shape)

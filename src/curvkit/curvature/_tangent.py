@@ -86,6 +86,7 @@ class _Record:
     module: nn.Module
     inp: Tensor  # (B, ...) detached
     out: Tensor  # (B, ...) detached
+    out_graph: Tensor | None  # the output itself when it is on an autograd graph (else None)
     weight: int | None  # index of the weight in the parameter tuple (None: frozen)
     bias: int | None
 
@@ -137,7 +138,15 @@ class SequentialTangent:
         if isinstance(mod, _AFFINE):
             # the values this pass used (functional_call swaps them into the module during the call)
             self._values[id(mod)] = mod.weight.detach()
-        self._records.append(_Record(mod, inputs[0].detach(), output.detach(), w, b))
+        self._records.append(_Record(mod, inputs[0].detach(), output.detach(),
+                                     output if output.requires_grad else None, w, b))
+
+    def layer_io(self, module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+        """(input detached, output on the graph or None) recorded for ``module``, or None if not recorded."""
+        for r in self._records:
+            if r.module is module:
+                return r.inp, r.out_graph
+        return None
 
     def __call__(self, V: Params) -> Tensor:
         """J v for every direction: V = tuple of (k, *shape) parameter tensors -> (k, B, C)."""

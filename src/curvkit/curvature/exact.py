@@ -86,7 +86,13 @@ from curvkit.curvature._functional import (
     params_to_cols,
     params_to_rows,
 )
-from curvkit.curvature._layerwise import LayerSpec, Unsupported, layer_specs, layerwise_diagonal
+from curvkit.curvature._layerwise import (
+    LayerSpec,
+    Unsupported,
+    layer_specs,
+    layerwise_diagonal,
+    squared_gradients,
+)
 from curvkit.curvature._tangent import SequentialTangent, sequential_layers
 from curvkit.curvature.output_space import output_fisher_sqrt, reduced_factor
 from curvkit.likelihoods import Likelihood
@@ -623,12 +629,33 @@ class OutputFactorOperator(ExactCurvatureOperator):
         acc = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
                for n, s in zip(self.layout.names, self.layout.shapes)}
         for i, (X, y) in enumerate(self.batches):
+            recorded = self._recorded_layers(i, specs)
+            if recorded is not None:  # reuse the cached forward pass: one batched backward to the layer outputs
+                c = self._cached(i, X, y)
+                S = reduced_factor(c["S"])
+                for name, val in squared_gradients(specs, recorded[0], c["f"], recorded[1], S,
+                                                   retain_graph=True).items():
+                    acc[name] += val
+                continue
             def S_of(f: Tensor, i: int = i, y: Tensor = y) -> Tensor:  # S from the hooked forward's output
                 return reduced_factor(self.output_factor(i, f, y))
 
             for name, val in layerwise_diagonal(self.fmodel, specs, X, S_of).items():
                 acc[name] += val
         return DiagonalOperator(self.layout, [acc[n] * self.weight for n in self.layout.names])
+
+    def _recorded_layers(self, i: int, specs: list[LayerSpec]) -> tuple[list[Tensor], list[Tensor]] | None:
+        """(inputs, outputs on the graph) of every layer in ``specs`` from batch i's cached forward pass, or
+        None when there is no such cache (uncached operator, not a plain Sequential, no graph)."""
+        c = self._lin_cache().get(i) if self.caches_linearisation else None
+        tangent = None if c is None else c.get("tangent")
+        if tangent is None:
+            return None
+        ios = [tangent.layer_io(spec.module) for spec in specs]
+        if any(io is None or io[1] is None or (isinstance(spec.module, nn.Linear) and io[0].dim() != 2)
+               for io, spec in zip(ios, specs)):
+            return None
+        return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
 
     def to_dense(self) -> Tensor:
         """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory)."""
