@@ -143,3 +143,15 @@ def make_data(lik_name: str, n: int, seed: int = 0, d_in: int = 4, c: int = 3):
     if lik_name == "bce":
         return X, torch.rand(n, c, generator=g)
     return X, torch.randn(n, c, generator=g)
+
+
+class NotSequential(nn.Module):
+    """Wraps a network in a module that is not a plain nn.Sequential, so the exact operators take their
+    general torch.func paths (dual numbers, vjp + vmapped jvp) instead of the recorded-tangent fast path."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)

@@ -18,23 +18,10 @@ from curvkit.curvature import (
 )
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.models import mlp
-from reference import dense_ggn, dense_hessian
+from reference import NotSequential, dense_ggn, dense_hessian
 
 D64 = torch.float64
 OPERATORS = [HessianOperator, GGNOperator, FisherOperator, MCFisherOperator, EmpiricalFisherOperator]
-
-
-
-
-class _Call(nn.Module):
-    """A model that is not a plain nn.Sequential (the exact operators then use torch.func throughout)."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def _setup():
@@ -156,7 +143,7 @@ def test_vmap_fallback_over_columns(monkeypatch):
 
     monkeypatch.setattr(exact_mod, "vmap", broken_vmap)
     for cls, ref in [(GGNOperator, ref_G), (HessianOperator, ref_H)]:
-        op = cls(_Call(model), lik, data)  # not a plain Sequential: products go through torch.func's vmap
+        op = cls(NotSequential(model), lik, data)  # not a plain Sequential: products go through torch.func's vmap
         if isinstance(op, HessianOperator):  # its default double-backward products use no vmap:
             op._use_double_backward = False  # test the vmapped forward-over-reverse fallback here
         with warnings.catch_warnings(record=True) as caught:

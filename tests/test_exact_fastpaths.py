@@ -30,25 +30,14 @@ from curvkit.linalg.kron import KroneckerBlock
 from curvkit.linalg.operator import DenseOperator
 from curvkit.linalg.trace import hutchinson
 from curvkit.models import lenet, mlp
-from reference import dense_empirical_fisher, dense_ggn, dense_hessian
+from reference import NotSequential, dense_empirical_fisher, dense_ggn, dense_hessian
 
 D64 = torch.float64
 
 
-class _Wrapped(nn.Module):
-    """Not a plain nn.Sequential: the operators use torch.func (dual numbers, vjp + vmapped jvp) for it."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return self.net(x)
-
-
 def _data(act: str = "tanh", n: int = 6, wrap: bool = False):
     model = mlp([3, 4, 3], act, dtype=D64, seed=0)
-    model = _Wrapped(model) if wrap else model
+    model = NotSequential(model) if wrap else model
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(n, 3, dtype=D64, generator=gen)
     y = torch.randint(0, 3, (n,), generator=gen)
