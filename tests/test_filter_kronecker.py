@@ -476,8 +476,9 @@ class _LoopKFBayes(KFBayes):
     explicit inverses, the Python loop of Eq. 24 per sample (or the batched sum), rebalance of the symmetric
     parts, and the dense product Sd G Sx."""
 
-    def _first_order_step(self, rec, st, G, X, D, scale, own):
+    def _first_order_step(self, rec, st, X, D, scale, own):
         grp = self._group()
+        G = rec.weight_matrix_grad().mul(-scale)
         if not (grp["lr"] == 0 and math.isinf(grp["sigma2"])):
             if st["step"] % grp["inv_every"] == 0 or "lam_x" not in st:
                 st["lam_x"] = torch.diagonal(torch.linalg.inv(st["Sx"])).mean()

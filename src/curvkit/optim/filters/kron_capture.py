@@ -41,16 +41,22 @@ class LayerRecord:
     def out_dim(self) -> int:
         return int(self.weight.shape[0])
 
-    def weight_matrix_grad(self) -> Tensor:
-        """[dW | db] as an (out, in[+1]) matrix (Conv2d weights flattened to (out, C*kh*kw))."""
+    def grad_parts(self) -> tuple[Tensor, Tensor | None]:
+        """(dW as an (out, in) matrix (Conv2d weights flattened to (out, C*kh*kw)), db or None): the
+        gradient without concatenating it."""
         if self.weight.grad is None:
             raise ValueError(f"layer {self.name!r} has no gradient; call loss.backward() before step()")
-        G = self.weight.grad.reshape(self.out_dim, -1)
+        gb = None
         if self.bias is not None:
             if self.bias.grad is None:
                 raise ValueError(f"bias of layer {self.name!r} has no gradient")
-            G = torch.cat([G, self.bias.grad[:, None]], dim=1)
-        return G
+            gb = self.bias.grad
+        return self.weight.grad.reshape(self.out_dim, -1), gb
+
+    def weight_matrix_grad(self) -> Tensor:
+        """[dW | db] as an (out, in[+1]) matrix."""
+        gW, gb = self.grad_parts()
+        return gW if gb is None else torch.cat([gW, gb[:, None]], dim=1)
 
     def weight_matrix(self) -> Tensor:
         """A copy of W_hat = [W | b], (out, in[+1])."""
@@ -58,6 +64,14 @@ class LayerRecord:
         if self.bias is not None:
             W = torch.cat([W, self.bias.detach()[:, None]], dim=1)
         return W
+
+    def add_to_matrix(self, inc: Tensor) -> None:
+        """W_hat += inc in place (inc (out, in[+1])), without forming W_hat."""
+        with torch.no_grad():
+            k = self.weight[0].numel()
+            self.weight.add_(inc[:, :k].reshape(self.weight.shape))
+            if self.bias is not None:
+                self.bias.add_(inc[:, k])
 
     def write_matrix(self, W: Tensor) -> None:
         with torch.no_grad():

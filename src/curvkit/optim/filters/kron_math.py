@@ -175,8 +175,8 @@ def low_rank_update(S0: Tensor, W: Tensor, alpha: float, sign: Tensor) -> Tensor
 
 def rows_after_update(Y: Tensor, Xg: Tensor, W: Tensor, alpha: float, sign: Tensor) -> Tensor:
     """Xg S' for S' = alpha S0 - W^T diag(sign) W, given Y = Xg S0 (B, n): alpha Y - (Xg W^T) diag(sign) W,
-    O(B K n)."""
-    return torch.addmm(Y, (Xg @ W.T) * sign, W, beta=alpha, alpha=-1.0)
+    O(B K n), written into Y (returned)."""
+    return Y.addmm_((Xg @ W.T) * sign, W, beta=alpha, alpha=-1.0)
 
 
 def symmetrise(S: Tensor) -> Tensor:
@@ -275,18 +275,24 @@ def whitening_low_rank_is_cheaper(K: int, M: int, N: int, rotated: bool) -> bool
     return low < 4 * M * N * (M + N)
 
 
-def gradient_residual(G: Tensor, D: Tensor, X: Tensor) -> Tensor | None:
+def gradient_residual(G: Tensor | tuple[Tensor, Tensor | None], D: Tensor, X: Tensor) -> Tensor | None:
     """None when G (M, N) = D^T X (D (K, M), X (K, N)) up to rounding, else the residual G - D^T X.
+    G may be given in two parts (Gw (M, N-1), gb (M,)) for G = [Gw | gb] (not concatenated unless a residual
+    is found).
 
     Checked with one deterministic random probe r in O(MN + K(M + N)) flops: ||(G - D^T X) r|| against
     100 sqrt(K) eps ||G r||. A residual (an L2 penalty on the weights, a layer called twice per forward pass,
     a hook-free gradient edit) is orthogonal to a fixed random r with probability 0."""
-    r = torch.randn(G.shape[1], 1, generator=torch.Generator().manual_seed(20180719), dtype=G.dtype).to(G.device)
-    Gr = G @ r
-    tol = 100.0 * math.sqrt(X.shape[0]) * torch.finfo(G.dtype).eps
+    Gw, gb = G if isinstance(G, tuple) else (G, None)
+    r = torch.randn(X.shape[1], 1, generator=torch.Generator().manual_seed(20180719), dtype=X.dtype).to(X.device)
+    Gr = Gw @ r[:Gw.shape[1]]
+    if gb is not None:
+        Gr.add_(gb[:, None] * r[-1])
+    tol = 100.0 * math.sqrt(X.shape[0]) * torch.finfo(X.dtype).eps
     if float(torch.linalg.norm(Gr - D.T @ (X @ r))) <= tol * float(torch.linalg.norm(Gr)):
         return None
-    return G - D.T @ X
+    full = Gw if gb is None else torch.cat([Gw, gb[:, None]], dim=1)
+    return full - D.T @ X
 
 
 def kron_sandwich(L: Tensor, G: Tensor, R: Tensor, factors: tuple[Tensor, Tensor] | None = None) -> Tensor:

@@ -100,6 +100,15 @@ class _KroneckerBase(Optimizer):
                 params.append(rec.bias)
         super().__init__(params, defaults)
         self.capture = Capture(self.layers)
+        self._work: dict[tuple[str, str], Tensor] = {}
+
+    def _buffer(self, rec: LayerRecord, role: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A per-layer scratch tensor reused across steps (not optimiser state: never saved). Reusing the large
+        per-step temporaries avoids a fresh allocation, and its page faults, every step."""
+        buf = self._work.get((rec.name, role))
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._work[(rec.name, role)] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
 
     def _layout(self) -> Any:
         from curvkit.linalg.layout import ParamLayout
@@ -154,8 +163,10 @@ class _KroneckerBase(Optimizer):
             for rec, W in saved:
                 rec.write_matrix(W)
 
-    def _check_finite(self, rec: LayerRecord, G: Tensor) -> None:
-        if not all_finite(G):
+    @staticmethod
+    def _check_finite(rec: LayerRecord) -> None:
+        gW, gb = rec.grad_parts()
+        if not (all_finite(gW) and (gb is None or all_finite(gb))):
             raise ValueError(f"gradient of layer {rec.name!r} contains NaN or inf")
 
     def _precision_blocks(self) -> list[tuple[LayerRecord, Tensor, Tensor]]:  # pragma: no cover - abstract
@@ -310,15 +321,15 @@ class KFBayes(_KroneckerBase):
             S = S - torch.outer(Se, Se) / (1.0 + e @ Se)
         st["Sx"], st["Sd"] = kl_project(0.5 * (S + S.T), N, M, init=(Sx, Sd))
 
-    def _first_order_step(self, rec: LayerRecord, st: dict[str, Any], G: Tensor, X: Tensor, D: Tensor,
-                          scale: float, own: bool) -> Tensor:
+    def _first_order_step(self, rec: LayerRecord, st: dict[str, Any], X: Tensor, D: Tensor, scale: float,
+                          own: bool) -> Tensor:
         """Prior step (Eq. 28), data step (corrected Eq. 24 for the K Fisher samples, sequential or batched),
         rebalance (digest A10), and the mean increment Sigma^delta G Sigma^x with the updated factors.
         Updates ``st`` and returns the increment (M, N).
 
         Work-saving forms, all equal (up to rounding) to drift_project, the per-sample loop of
         :func:`~.kron_math.project_first_order` (or :func:`~.kron_math.project_first_order_batched`),
-        rebalance and Sd' G Sx':
+        rebalance and Sd' G Sx' (G = the ascent gradient of the summed log-likelihood):
 
         * the prior factors S0 = c S + e I are never formed: U0 = X S0 = c X S + e X;
         * the K updates act in the span of the samples (:func:`~.kron_math.first_order_coefficients`):
@@ -329,14 +340,15 @@ class KFBayes(_KroneckerBase):
           cheaper (:func:`~.kron_math.sandwich_costs`): Xg Sx' = alpha Xg S0x - (Xg W^T) W reuses Y = Xg S0x,
           whose first K rows are U0 when the Fisher samples are the minibatch's own (X = Xg[:K],
           D = -sqrt(B/K) Dg[:K]); r cancels in Sd' G Sx'. A part of G the factors do not explain (an L2 term)
-          is added by the direct route.
+          is added by the direct route. The large temporaries (Y, Z, the increment) live in reused buffers, so
+          the returned increment is only valid until the next step.
         """
         grp = self._group()
         Sx, Sd = st["Sx"], st["Sd"]
         N, M = Sx.shape[0], Sd.shape[0]
         K = X.shape[0]
         cf, ex, ed = self._drift(st)
-        factors = self._grad_factors(rec, scale, G.dtype)
+        factors = self._grad_factors(rec, scale, X.dtype)
         low = None
         if factors is not None:
             Dg, Xg = factors
@@ -344,7 +356,9 @@ class KFBayes(_KroneckerBase):
             shared = own and K <= B
             c_low, c_dense = sandwich_costs(B, K, M, N, shared)
             if c_low < c_dense:
-                low = (Dg, Xg, self._prior_rows(Xg @ Sx, Xg, cf, ex), self._prior_rows(Dg @ Sd, Dg, cf, ed))
+                Y = torch.mm(Xg, Sx, out=self._buffer(rec, "Y", (B, N), Xg))
+                Z = torch.mm(Dg, Sd, out=self._buffer(rec, "Z", (B, M), Dg))
+                low = (Dg, Xg, self._prior_rows(Y, Xg, cf, ex), self._prior_rows(Z, Dg, cf, ed))
         if low is not None and shared:
             U0, V0 = low[2][:K], low[3][:K] * (-math.sqrt(B / K) if K < B else -1.0)
         else:
@@ -361,18 +375,25 @@ class KFBayes(_KroneckerBase):
         refresh = st["step"] % grp["inv_every"] == 0   # remove any rounding asymmetry now and then
         st["Sx"] = self._new_factor(Sx, Wx, up.sx, up.alpha, cf, ex, r, refresh)
         st["Sd"] = self._new_factor(Sd, Wd, up.sd, up.alpha, cf, ed, 1.0 / r, refresh)
-        if low is None:
-            return st["Sd"] @ G @ st["Sx"]
+        if low is None:   # dense route: -scale Sd' [dW | db] Sx', the gradient gathered into a reused buffer
+            gW, gb = rec.grad_parts()
+            G = self._buffer(rec, "G", (M, N), gW)
+            G[:, :gW.shape[1]] = gW
+            if gb is not None:
+                G[:, -1] = gb
+            return torch.mm(st["Sd"] @ G, st["Sx"], out=self._buffer(rec, "inc", (M, N), G)).mul_(-scale)
         Dg, Xg, Y, Z = low
-        inc = rows_after_update(Z, Dg, Wd, up.alpha, up.sd).T @ rows_after_update(Y, Xg, Wx, up.alpha, up.sx)
-        res = gradient_residual(G, Dg, Xg)
-        return inc if res is None else inc + st["Sd"] @ res @ st["Sx"]
+        Zn, Yn = rows_after_update(Z, Dg, Wd, up.alpha, up.sd), rows_after_update(Y, Xg, Wx, up.alpha, up.sx)
+        inc = torch.mm(Zn.T, Yn, out=self._buffer(rec, "inc", (M, N), Yn))
+        assert rec.delta is not None and rec.x is not None
+        res = gradient_residual(rec.grad_parts(), rec.delta.to(X.dtype), Xg)   # unscaled: G = -scale dW_hat
+        return inc if res is None else inc.add_(st["Sd"] @ res.mul_(-scale) @ st["Sx"])
 
     @staticmethod
     def _prior_rows(RS: Tensor, R: Tensor, cf: float, e: Tensor | float) -> Tensor:
-        """R S0 = cf (R S) + e R for the prior factor S0 = cf S + e I, given RS = R S."""
+        """R S0 = cf (R S) + e R for the prior factor S0 = cf S + e I, given RS = R S (updated in place)."""
         if cf != 1.0:
-            RS = RS * cf
+            RS = RS.mul_(cf)
         return RS.add_(R, alpha=float(e)) if float(e) != 0.0 else RS
 
     @staticmethod
@@ -397,24 +418,28 @@ class KFBayes(_KroneckerBase):
                 loss = closure()
         grp = self._group()
         scale = self.loss_scale.factor(batch_size)
+        decay = self._decay()
         for rec in self.layers:
             st = self._init(rec)
-            G = rec.weight_matrix_grad().mul(-scale)
-            self._check_finite(rec, G)
+            self._check_finite(rec)
             X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
-            X, D = X.to(G.dtype), D.to(G.dtype)
+            dtype = rec.weight.dtype
+            X, D = X.to(dtype), D.to(dtype)
             if grp["projection"] == "exact":
                 self._exact_step(st, X, D)
-                factors = self._grad_factors(rec, scale, G.dtype)
-                W_post = rec.weight_matrix() + kron_sandwich(st["Sd"], G, st["Sx"], factors)
+                G = rec.weight_matrix_grad().mul(-scale)
+                inc = kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
             else:
                 own = fisher_samples is None or rec.name not in fisher_samples
-                W_post = rec.weight_matrix().add_(self._first_order_step(rec, st, G, X, D, scale, own))
-            decay = self._decay()
-            W_next = W_post if decay == 1.0 else W_post * decay
+                inc = self._first_order_step(rec, st, X, D, scale, own)
             st["step"] += 1
-            _store_posterior(st, W_post, W_next)
-            rec.write_matrix(W_next)
+            if decay == 1.0:   # the posterior mean is the next prior mean: update the parameters in place
+                st.pop("mu_post", None)
+                rec.add_to_matrix(inc)
+            else:
+                W_post = rec.weight_matrix().add_(inc)
+                st["mu_post"] = W_post
+                rec.write_matrix(W_post * decay)
         self._clear()
         return loss
 
@@ -578,8 +603,8 @@ class KFWhiten(_KroneckerBase):
         scale = self.loss_scale.factor(batch_size)
         for rec in self.layers:
             st = self.state[rec.weight]
+            self._check_finite(rec)
             G = rec.weight_matrix_grad().mul(-scale)
-            self._check_finite(rec, G)
             X, D = self._samples(rec, scale, fisher_samples, None)
             X, D = X.to(G.dtype), D.to(G.dtype)
             if not st:
