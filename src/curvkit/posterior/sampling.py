@@ -152,7 +152,7 @@ def mc_gradients(
     batched = vmap(grad_and_value(f), in_dims=(0, None, None), chunk_size=chunk_size, randomness="different")
     grads, losses = batched(weights, inputs, targets)
     g_mu = {n: g.mean(0) for n, g in grads.items()}
-    g_sigma = {n: (g * eps[n]).mean(0) for n, g in grads.items()}
+    g_sigma = {n: g.mul_(eps[n]).mean(0) for n, g in grads.items()}   # per-sample grads are ours: in place
     return MCGradients(g_mu, g_sigma, losses.detach(), dict(eps))
 
 
