@@ -3,6 +3,8 @@ Kronecker-factored filters (forward hooks plus a tensor hook on each layer outpu
 
 Supported: ``nn.Linear`` (x: (B, in[+1]), delta: (B, out)) and, where the caller allows it,
 ``nn.Conv2d`` (x: unfolded patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions).
+The hook stores the input rows without the bias column (``a``); ``x`` / ``x_rows(k)`` append the column of
+ones on demand, so a caller that needs only k of the B rows does not copy all of them.
 A module that owns trainable parameters and is not supported raises a ``ValueError`` naming it.
 Captured tensors are detached; capture happens only in forward passes with autograd enabled.
 """
@@ -26,10 +28,22 @@ class LayerRecord:
     bias: nn.Parameter | None
     weight_name: str
     bias_name: str | None
-    x: Tensor | None = None
+    a: Tensor | None = None   # layer input rows (B, in), without the bias column
     delta: Tensor | None = None
     positions: int = 1
     handles: list[Any] = field(default_factory=list)
+
+    @property
+    def x(self) -> Tensor | None:
+        """The captured input rows with a column of ones for the bias, (B, in[+1]); None before a forward."""
+        return None if self.a is None else self.x_rows()
+
+    def x_rows(self, k: int | None = None) -> Tensor:
+        """The first ``k`` (all when None) captured input rows, with the bias column of ones appended."""
+        if self.a is None:
+            raise ValueError(f"no activations captured for layer {self.name!r}")
+        a = self.a if k is None else self.a[:k]
+        return a if self.bias is None else torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
 
     @property
     def in_dim(self) -> int:
@@ -133,9 +147,7 @@ class Capture:
             else:
                 rec.positions = 1
                 a = a.reshape(-1, a.shape[-1])
-            if rec.bias is not None:
-                a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
-            rec.x = a
+            rec.a = a
 
             def bwd(grad: Tensor) -> None:
                 if isinstance(mod, nn.Conv2d):

@@ -127,26 +127,25 @@ class _KroneckerBase(Optimizer):
                 raise ValueError(f"fisher_samples[{rec.name!r}] must be (K, {rec.in_dim}) and (K, {rec.out_dim}), "
                                  f"got {tuple(X.shape)} and {tuple(D.shape)}")
             return X, D
-        if rec.x is None or rec.delta is None:
+        if rec.a is None or rec.delta is None:
             raise ValueError(f"no activations captured for layer {rec.name!r}: run forward and backward (with "
                              "autograd enabled) on the minibatch before step()")
-        X, D = rec.x, rec.delta * scale
-        if k is not None and k < X.shape[0]:
-            D = D[:k] * math.sqrt(X.shape[0] / k)
-            X = X[:k]
-        return X, D
+        B = rec.a.shape[0]
+        if k is not None and k < B:
+            return rec.x_rows(k), rec.delta[:k] * (scale * math.sqrt(B / k))
+        return rec.x_rows(), rec.delta * scale
 
     @staticmethod
     def _grad_factors(rec: LayerRecord, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         """Per-row factors (D (K, M), X (K, N)) of the ascent gradient, G = D^T X, from the captured layer
         input and output gradient (None if nothing was captured); used for the cheaper products."""
-        if rec.x is None or rec.delta is None:
+        if rec.a is None or rec.delta is None:
             return None
-        return rec.delta.to(dtype) * -scale, rec.x.to(dtype)
+        return rec.delta.to(dtype) * -scale, rec.x_rows().to(dtype)
 
     def _clear(self) -> None:
         for rec in self.layers:
-            rec.x = rec.delta = None
+            rec.a = rec.delta = None
 
     @contextmanager
     def posterior_mean(self) -> Iterator[None]:
@@ -348,14 +347,15 @@ class KFBayes(_KroneckerBase):
         N, M = Sx.shape[0], Sd.shape[0]
         K = X.shape[0]
         cf, ex, ed = self._drift(st)
-        factors = self._grad_factors(rec, scale, X.dtype)
         low = None
-        if factors is not None:
-            Dg, Xg = factors
-            B = Xg.shape[0]
+        if rec.a is not None and rec.delta is not None:
+            B = rec.a.shape[0]
             shared = own and K <= B
             c_low, c_dense = sandwich_costs(B, K, M, N, shared)
-            if c_low < c_dense:
+            if c_low < c_dense:   # the per-example factors (B rows) are needed only on this route
+                factors = self._grad_factors(rec, scale, X.dtype)
+                assert factors is not None
+                Dg, Xg = factors
                 Y = torch.mm(Xg, Sx, out=self._buffer(rec, "Y", (B, N), Xg))
                 Z = torch.mm(Dg, Sd, out=self._buffer(rec, "Z", (B, M), Dg))
                 low = (Dg, Xg, self._prior_rows(Y, Xg, cf, ex), self._prior_rows(Z, Dg, cf, ed))
@@ -385,7 +385,7 @@ class KFBayes(_KroneckerBase):
         Dg, Xg, Y, Z = low
         Zn, Yn = rows_after_update(Z, Dg, Wd, up.alpha, up.sd), rows_after_update(Y, Xg, Wx, up.alpha, up.sx)
         inc = torch.mm(Zn.T, Yn, out=self._buffer(rec, "inc", (M, N), Yn))
-        assert rec.delta is not None and rec.x is not None
+        assert rec.delta is not None
         res = gradient_residual(rec.grad_parts(), rec.delta.to(X.dtype), Xg)   # unscaled: G = -scale dW_hat
         return inc if res is None else inc.add_(st["Sd"] @ res.mul_(-scale) @ st["Sx"])
 
