@@ -3,8 +3,8 @@ Kronecker-factored filters (forward hooks plus a tensor hook on each layer outpu
 
 Supported: ``nn.Linear`` (x: (B, in[+1]), delta: (B, out)) and, where the caller allows it,
 ``nn.Conv2d`` (x: unfolded patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions).
-The hook stores the input rows without the bias column (``a``); ``x`` / ``x_rows(k)`` append the column of
-ones on demand, so a caller that needs only k of the B rows does not copy all of them.
+The hook stores the input rows without the bias column (``a``); ``x_rows(k)`` appends the column of ones on
+demand, so a caller that needs only k of the B rows does not copy all of them.
 A module that owns trainable parameters and is not supported raises a ``ValueError`` naming it.
 Captured tensors are detached; capture happens only in forward passes with autograd enabled.
 """
@@ -32,11 +32,6 @@ class LayerRecord:
     delta: Tensor | None = None
     positions: int = 1
     handles: list[Any] = field(default_factory=list)
-
-    @property
-    def x(self) -> Tensor | None:
-        """The captured input rows with a column of ones for the bias, (B, in[+1]); None before a forward."""
-        return None if self.a is None else self.x_rows()
 
     def x_rows(self, k: int | None = None) -> Tensor:
         """The first ``k`` (all when None) captured input rows, with the bias column of ones appended."""
