@@ -158,7 +158,7 @@ def test_vectorised_chain_equals_sgld_optimizer():
         opt.zero_grad()
         loss = nn.functional.cross_entropy(net(X), y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
     assert torch.tensor(losses, dtype=DT) == pytest.approx(r.loss_trace[0], rel=1e-9)
 
@@ -173,7 +173,7 @@ def test_explicit_init_loss_only_changes_the_reference():
     b = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=5, init_loss=0.25)
     assert torch.equal(a.loss_trace, b.loss_trace) and b.init_loss == 0.25
     assert b.llc_per_chain == pytest.approx(b.nbeta * (b.loss_trace.mean(dim=1) - 0.25), rel=1e-12)
-    full = float(nn.functional.cross_entropy(net(X), y))
+    full = float(nn.functional.cross_entropy(net(X), y).detach())
     c = estimate_llc(net, (X, y), batch_size=16, config=SGLDConfig(**{**cfg.to_dict(), "init_loss": "full"}), seed=5)
     d = estimate_llc(net, (X, y), batch_size=16, config=cfg, seed=5, init_loss=full)
     assert c.init_loss == pytest.approx(full, rel=1e-14) and c.llc_mean == pytest.approx(d.llc_mean, rel=1e-12)
