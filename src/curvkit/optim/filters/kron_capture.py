@@ -62,10 +62,12 @@ class LayerRecord:
             gb = self.bias.grad
         return self.weight.grad.reshape(self.out_dim, -1), gb
 
-    def weight_matrix_grad(self) -> Tensor:
-        """[dW | db] as an (out, in[+1]) matrix."""
+    def weight_matrix_grad(self, out: Tensor | None = None) -> Tensor:
+        """[dW | db] as an (out, in[+1]) matrix (written into ``out`` when given)."""
         gW, gb = self.grad_parts()
-        return gW if gb is None else torch.cat([gW, gb[:, None]], dim=1)
+        if gb is None:
+            return gW if out is None else out.copy_(gW)
+        return torch.cat([gW, gb[:, None]], dim=1, out=out)
 
     def weight_matrix(self) -> Tensor:
         """A copy of W_hat = [W | b], (out, in[+1])."""
@@ -74,20 +76,26 @@ class LayerRecord:
             W = torch.cat([W, self.bias.detach()[:, None]], dim=1)
         return W
 
+    def _split(self, M: Tensor) -> tuple[Tensor, Tensor | None]:
+        """An (out, in[+1]) matrix as (weight-shaped part, bias column or None)."""
+        k = self.weight[0].numel()
+        return M[:, :k].reshape(self.weight.shape), (M[:, k] if self.bias is not None else None)
+
     def add_to_matrix(self, inc: Tensor) -> None:
         """W_hat += inc in place (inc (out, in[+1])), without forming W_hat."""
+        w, b = self._split(inc)
         with torch.no_grad():
-            k = self.weight[0].numel()
-            self.weight.add_(inc[:, :k].reshape(self.weight.shape))
-            if self.bias is not None:
-                self.bias.add_(inc[:, k])
+            self.weight.add_(w)
+            if self.bias is not None and b is not None:
+                self.bias.add_(b)
 
     def write_matrix(self, W: Tensor) -> None:
+        """W_hat <- W (out, in[+1])."""
+        w, b = self._split(W)
         with torch.no_grad():
-            k = self.weight[0].numel()
-            self.weight.copy_(W[:, :k].reshape(self.weight.shape))
-            if self.bias is not None:
-                self.bias.copy_(W[:, k])
+            self.weight.copy_(w)
+            if self.bias is not None and b is not None:
+                self.bias.copy_(b)
 
 
 def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str) -> list[LayerRecord]:

@@ -376,11 +376,7 @@ class KFBayes(_KroneckerBase):
         st["Sx"] = self._new_factor(Sx, Wx, up.sx, up.alpha, cf, ex, r, refresh)
         st["Sd"] = self._new_factor(Sd, Wd, up.sd, up.alpha, cf, ed, 1.0 / r, refresh)
         if low is None:   # dense route: -scale Sd' [dW | db] Sx', the gradient gathered into a reused buffer
-            gW, gb = rec.grad_parts()
-            G = self._buffer(rec, "G", (M, N), gW)
-            G[:, :gW.shape[1]] = gW
-            if gb is not None:
-                G[:, -1] = gb
+            G = rec.weight_matrix_grad(out=self._buffer(rec, "G", (M, N), Sx))
             return torch.mm(st["Sd"] @ G, st["Sx"], out=self._buffer(rec, "inc", (M, N), G)).mul_(-scale)
         Dg, Xg, Y, Z = low
         Zn, Yn = rows_after_update(Z, Dg, Wd, up.alpha, up.sd), rows_after_update(Y, Xg, Wx, up.alpha, up.sx)
