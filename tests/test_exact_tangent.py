@@ -51,8 +51,7 @@ def test_tangent_equals_jvp(name):
     X = torch.randn(*xshape, dtype=D64, generator=torch.Generator().manual_seed(1))
     layers = sequential_layers(model)
     assert layers is not None
-    tan = SequentialTangent(layers, {n: i for i, n in enumerate(fm.names)},
-                            {m: n for n, m in model.named_modules()})
+    tan = SequentialTangent(layers, {n: i for i, n in enumerate(fm.names)}, fm.structure)
     f = tan.record(lambda: fm(fm.params, X))
     torch.testing.assert_close(f, fm(fm.params, X))
     k = 3

@@ -174,12 +174,12 @@ def test_conv_factor_shapes_and_reference():
 def test_conv_patches_reproduce_conv_output(kwargs):
     """The unfolded patches (weight order (C, kh, kw)) satisfy h[n, :, t] = W.reshape(out, -1) p[n, t] + b
     for string/tuple padding, dilation, stride and non-zero padding modes."""
-    from curvkit.curvature.kronecker import _unfold
+    from curvkit.structure import conv_patches
 
     torch.manual_seed(3)
     conv = nn.Conv2d(2, 3, 3, **kwargs).double()
     X = torch.randn(2, 2, 6, 7)
-    P = _unfold(conv, X)  # (B, T, C*9)
+    P = conv_patches(conv, X)  # (B, T, C*9)
     h = P @ conv.weight.reshape(3, -1).T + (conv.bias if conv.bias is not None else 0)
     ref = conv(X).detach()
     assert torch.allclose(h.transpose(1, 2).reshape(ref.shape), ref)
@@ -236,6 +236,15 @@ def test_one_by_one_conv_matches_linear(bias):
 
 
 # ---------------------------------------------------------------------------------------------- errors
+class _CallsTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
 @pytest.mark.parametrize("fn", [kfac, kflr, kfra, empirical_kfac])
 def test_unsupported_layers_raise_naming_module(fn):
     lik = CrossEntropy()
@@ -258,8 +267,10 @@ def test_other_errors():
         kflr(inplace, lik, (torch.randn(4, 4), torch.randint(0, 3, (4,))))
     shared = nn.Linear(3, 3).double()
     twice = nn.Sequential(shared, nn.Tanh(), shared)
-    with pytest.raises(ValueError, match="called 2 times"):
+    with pytest.raises(ValueError, match=r"module '0' \(Linear\) is registered under 2 names"):
         kfac(twice, lik, (torch.randn(4, 3), torch.randint(0, 3, (4,))))
+    with pytest.raises(ValueError, match=r"module 'lin' was called 2 times"):  # reused inside forward()
+        kfac(_CallsTwice(), lik, (torch.randn(4, 3), torch.randint(0, 3, (4,))))
     grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(18, 4)).double()
     with pytest.raises(ValueError, match="groups=2"):
         kfac(grouped, lik, (X, y))

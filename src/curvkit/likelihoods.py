@@ -19,6 +19,7 @@ engine applies it (``scale(B)``).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Literal
 
@@ -70,6 +71,14 @@ class Likelihood:
             )
 
     # -- reduction ----------------------------------------------------------------------------------
+    def with_reduction(self, reduction: Reduction) -> Likelihood:
+        """A copy of this likelihood with another ``reduction`` (every other setting kept)."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        out = copy.copy(self)
+        out.reduction = reduction
+        return out
+
     def scale(self, batch_size: int) -> float:
         """Factor that turns a sum over a batch of ``batch_size`` per-sample terms into this reduction."""
         return 1.0 if self.reduction == "sum" else 1.0 / batch_size

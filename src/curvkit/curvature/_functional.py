@@ -11,40 +11,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
+from curvkit.structure import read_model
 
 Params = tuple[Tensor, ...]
 Batch = tuple[Tensor, Tensor]
 
 
-def as_batches(data: Any, device: torch.device | None = None) -> list[Batch]:
-    """A list of ``(X, y)`` pairs from a single pair or an iterable of pairs (materialised once).
+def iter_batches(data: Any, device: torch.device | None = None) -> Iterator[Batch]:
+    """Validated ``(X, y)`` pairs from a single pair or an iterable of pairs (a list, a generator, a
+    ``DataLoader``), one at a time (nothing is materialised).
 
     A tuple whose first element is a tensor is read as ONE pair; anything else is iterated, and every
-    element must be a pair of tensors with the same leading (batch) size. Tensors are moved to
-    ``device`` (their dtypes are left alone).
+    element must be a pair of tensors with the same positive leading (batch) size. Tensors are moved to
+    ``device`` (their dtypes are left alone). Raises ValueError for data without any batch.
     """
     if isinstance(data, Tensor):
-        raise TypeError("data must be an (X, y) pair of tensors or an iterable of such pairs, got one tensor")
+        raise TypeError("data must be an (X, y) pair of tensors or an iterable of such pairs, got one tensor; "
+                        "pass the targets too")
     if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
-        items: list[Any] = [data]
+        items: Iterable[Any] = [data]
     else:
         try:
-            items = list(data)
+            items = iter(data)
         except TypeError:
             raise TypeError(f"data must be an (X, y) pair or an iterable of pairs, got {type(data).__name__}") \
                 from None
-    if not items:
-        raise ValueError("data is empty: pass an (X, y) pair or a non-empty iterable of pairs")
-    out: list[Batch] = []
+    count = 0
     for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2
                 and isinstance(item[0], Tensor) and isinstance(item[1], Tensor)):
@@ -56,8 +56,15 @@ def as_batches(data: Any, device: torch.device | None = None) -> list[Batch]:
                              f"{tuple(X.shape)} and {tuple(y.shape)}")
         if device is not None:
             X, y = X.to(device), y.to(device)
-        out.append((X, y))
-    return out
+        count += 1
+        yield X, y
+    if count == 0:
+        raise ValueError("data is empty: pass an (X, y) pair or a non-empty iterable of pairs")
+
+
+def as_batches(data: Any, device: torch.device | None = None) -> list[Batch]:
+    """:func:`iter_batches` materialised into a list (for operators that re-read the data per product)."""
+    return list(iter_batches(data, device))
 
 
 class FunctionalModel:
@@ -65,17 +72,22 @@ class FunctionalModel:
 
     At construction the trainable parameters (``requires_grad=True``, in ``named_parameters()`` order,
     which fixes the flat layout) are copied with ``.detach().clone()``, as are the frozen parameters and
-    the buffers; later changes to the module (an optimiser step) do not affect the snapshot. The module's
-    train/eval mode is NOT frozen: the mode it is in when a product is computed is used (put models with
-    dropout in ``eval()``). Per-sample quantities evaluate the module on single-sample batches, so
-    modules whose output for one sample depends on the rest of the batch (BatchNorm in training mode)
-    are not supported there.
+    the buffers; later changes to the module (an optimiser step) do not affect the snapshot, and
+    evaluating never changes the module (shared parameters and modules registered under two names
+    included: :meth:`curvkit.structure.ModelStructure.functional_call`). The module's train/eval mode is
+    NOT frozen: the mode it is in when a product is computed is used. A module that is random in training
+    mode (Dropout with p > 0) is refused at construction; one that couples samples (BatchNorm in training
+    mode) is evaluated on the whole batch, with fresh copies of its buffers each time so the snapshot's
+    running statistics never change, and ``batch_coupled`` tells per-sample routes to step aside.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, what: str = "curvature operator"):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
+        self.structure = read_model(module)
+        self.structure.require_deterministic(what)
+        self.batch_coupled = bool(self.structure.mixing)
         self.layout = ParamLayout.from_module(module)
         named = dict(module.named_parameters())
         self.names = self.layout.names
@@ -92,12 +104,13 @@ class FunctionalModel:
         trainable = set(self.names)
         self.frozen: dict[str, Tensor] = {n: p.detach().clone() for n, p in module.named_parameters()
                                           if n not in trainable}
-        self.frozen.update({n: b.detach().clone() for n, b in module.named_buffers()})
+        self.buffers: dict[str, Tensor] = {n: b.detach().clone() for n, b in module.named_buffers()}
 
     def __call__(self, params: Params, X: Tensor) -> Tensor:
         state = dict(self.frozen)
         state.update(zip(self.names, params))
-        return functional_call(self.module, state, (X,))
+        buffers = {n: b.clone() for n, b in self.buffers.items()} if self.batch_coupled else self.buffers
+        return self.structure.functional_call(state, (X,), buffers)  # type: ignore[no-any-return]
 
     def single(self, params: Params, x: Tensor) -> Tensor:
         """Output for ONE sample ``x`` (no batch dimension), shape (C,)."""

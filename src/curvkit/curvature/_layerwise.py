@@ -11,8 +11,8 @@ instead of N * R per-sample gradients of the full parameter vector. The deltas c
 added to each layer's output by forward hooks, so only the layer outputs are differentiated.
 
 Used only when it is exact: every trainable parameter is the weight or bias of an ``nn.Linear`` (2-D
-input) or an ``nn.Conv2d`` (zero padding, groups = 1), each such module runs once per forward pass, and
-the model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the
+input) or an ``nn.Conv2d`` (groups = 1, any padding mode), no parameter is shared, each such module runs
+once per forward pass, and the model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the
 parameter set is not covered; :class:`Unsupported` is raised at run time for the other conditions, and
 the caller then falls back to generic per-sample gradients.
 """
@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from curvkit.curvature._functional import FunctionalModel
+from curvkit.structure import conv_patches
 
 _BUDGET = 2**24  # scalars per chunk of per-sample Conv2d gradients
 
@@ -43,25 +43,12 @@ class LayerSpec:
 
 
 def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
-    """Linear / Conv2d layers owning ALL trainable parameters, or None if some parameter is elsewhere."""
-    wanted = set(fmodel.names)
-    specs: list[LayerSpec] = []
-    covered: set[str] = set()
-    for mname, mod in fmodel.module.named_modules():
-        if type(mod) not in (nn.Linear, nn.Conv2d):
-            continue
-        prefix = f"{mname}." if mname else ""
-        w = prefix + "weight"
-        b = prefix + "bias" if getattr(mod, "bias", None) is not None else None
-        if w not in wanted:
-            continue  # frozen weight: a layer with only a trainable bias is left to the generic path
-        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.padding_mode != "zeros"
-                                           or isinstance(mod.padding, str)):
-            return None
-        b = b if b in wanted else None
-        specs.append(LayerSpec(mod, w, b))
-        covered.update(n for n in (w, b) if n is not None)
-    return specs if covered == wanted else None
+    """Linear / Conv2d layers owning ALL trainable parameters (none shared, no batch statistics), or None
+    (:meth:`curvkit.structure.ModelStructure.layerwise_layers` decides)."""
+    layers = fmodel.structure.layerwise_layers()
+    if layers is None:
+        return None
+    return [LayerSpec(lay.module, lay.weight, lay.bias) for lay in layers]  # type: ignore[arg-type]
 
 
 def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tensor,
@@ -120,8 +107,7 @@ def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, o
                 out[spec.bias] = (d**2).sum((0, 1))
         else:
             assert isinstance(mod, nn.Conv2d)
-            cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,  # type: ignore[arg-type]
-                            stride=mod.stride)  # (B, K, P)
+            cols = conv_patches(mod, a).transpose(1, 2)  # (B, K, P), any padding mode
             d = d.reshape(d.shape[0], d.shape[1], d.shape[2], -1)  # (R, B, O, P)
             acc = torch.zeros(d.shape[2], cols.shape[1], dtype=d.dtype, device=d.device)
             step = max(1, _BUDGET // (d.shape[1] * d.shape[2] * cols.shape[1]))

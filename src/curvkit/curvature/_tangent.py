@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
+from curvkit.structure import AFFINE, DROPOUTS, RESHAPES, ModelStructure, conv_forward, read_model
+
 Params = tuple[Tensor, ...]
 
-_AFFINE = (nn.Linear, nn.Conv1d, nn.Conv2d)
-_RESHAPES = (nn.Flatten, nn.Unflatten, nn.Identity)
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout)
+_AFFINE = tuple(AFFINE)
+_RESHAPES = (*RESHAPES, nn.Identity)
 
 
 def _derivative(mod: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
@@ -52,33 +52,9 @@ def _derivative(mod: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
 
 
 def sequential_layers(module: nn.Module) -> list[nn.Module] | None:
-    """The leaf modules of a (nested) plain ``nn.Sequential`` in call order, or None if unsupported.
-
-    Supported: ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` (zero padding) and parameter- and buffer-free
-    modules that are deterministic (Dropout only in eval mode; no in-place activations, which would
-    overwrite a stored activation). Every module instance must be used once.
-    """
-    if type(module) is not nn.Sequential:
-        return None
-    layers: list[nn.Module] = []
-    seen: set[int] = set()
-    for _, mod in module.named_modules(remove_duplicate=False):
-        if id(mod) in seen:
-            return None
-        seen.add(id(mod))
-        if type(mod) is nn.Sequential:
-            continue
-        if type(mod) in _AFFINE:
-            if getattr(mod, "padding_mode", "zeros") != "zeros":
-                return None
-        elif any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
-            return None  # a parametrised layer of another kind (or one with state)
-        elif getattr(mod, "inplace", False) or (isinstance(mod, _DROPOUTS) and mod.training):
-            return None
-        if any(True for _ in mod.children()):
-            return None  # a container other than nn.Sequential
-        layers.append(mod)
-    return layers
+    """The leaf modules of a (nested) plain ``nn.Sequential`` in call order, or None if unsupported
+    (:meth:`curvkit.structure.ModelStructure.tangent_chain` decides)."""
+    return read_model(module).tangent_chain()[0]
 
 
 @dataclass
@@ -98,21 +74,32 @@ class SequentialTangent:
     values W used in t_in W^T are those of that pass (``params``; frozen ones from ``frozen``).
     """
 
-    def __init__(self, layers: list[nn.Module], index: dict[str, int], names: dict[nn.Module, str]):
+    def __init__(self, layers: list[nn.Module], index: dict[str, int], structure: ModelStructure):
         self._layers = layers
-        self._index = index  # trainable parameter name -> position in the parameter tuple
-        self._names = names  # module -> its qualified name
+        self._index = index  # trainable parameter (canonical) name -> position in the parameter tuple
+        self._structure = structure
+        # module -> positions of its trainable weight and bias in the parameter tuple, read from the
+        # module's own parameters now (inside a functional call they are replaced); a parameter shared by
+        # two layers has one canonical name, so both layers add their term to the same tangent
+        self._slots: dict[int, tuple[int | None, int | None]] = {}
+        for mod in layers:
+            if isinstance(mod, _AFFINE):
+                weight: Any = mod.weight
+                bias: Any = mod.bias
+                wn = structure.canonical_name(weight)
+                bn = structure.canonical_name(bias) if bias is not None else None
+                self._slots[id(mod)] = (index.get(wn) if wn else None, index.get(bn) if bn else None)
         self._records: list[_Record] = []
-        self._values: dict[int, Tensor] = {}  # id(module) -> (weight, bias) values of the recorded pass
+        self._values: dict[int, Tensor] = {}  # id(module) -> weight value of the recorded pass
         self._masks: dict[int, Tensor] = {}
 
     @classmethod
     def for_model(cls, module: nn.Module, param_names: list[str]) -> SequentialTangent | None:
-        layers = sequential_layers(module)
+        structure = read_model(module)
+        layers = structure.tangent_chain()[0]
         if layers is None:
             return None
-        names = {mod: name for name, mod in module.named_modules()}
-        return cls(layers, {n: i for i, n in enumerate(param_names)}, names)
+        return cls(layers, {n: i for i, n in enumerate(param_names)}, structure)
 
     def record(self, forward: Callable[[], Tensor]) -> Tensor:
         """Run ``forward()`` (which must call the model once) and store every layer's input and output."""
@@ -131,13 +118,11 @@ class SequentialTangent:
 
     def _hook(self, mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if len(inputs) != 1 or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
-            raise RuntimeError(f"layer {self._names[mod]!r} does not map one tensor to one tensor")
-        prefix = self._names[mod] + "." if self._names[mod] else ""
-        w = self._index.get(prefix + "weight") if isinstance(mod, _AFFINE) else None
-        b = self._index.get(prefix + "bias") if isinstance(mod, _AFFINE) else None
+            raise RuntimeError(f"layer {self._structure.label(mod)!r} does not map one tensor to one tensor")
+        w, b = self._slots.get(id(mod), (None, None))
         if isinstance(mod, _AFFINE):
             # the values this pass used (functional_call swaps them into the module during the call)
-            self._values[id(mod)] = mod.weight.detach()
+            self._values[id(mod)] = mod.weight.detach()  # type: ignore[operator]
         self._records.append(_Record(mod, inputs[0].detach(), output.detach(),
                                      output if output.requires_grad else None, w, b))
 
@@ -158,7 +143,7 @@ class SequentialTangent:
                 t = self._affine(r, t, V, k)
             elif t is None:
                 continue
-            elif type(mod) in _RESHAPES or isinstance(mod, _DROPOUTS):
+            elif type(mod) in _RESHAPES or isinstance(mod, DROPOUTS):
                 t = t.reshape(k, *r.out.shape)
             else:
                 deriv = _derivative(mod)
@@ -188,10 +173,8 @@ class SequentialTangent:
                 term = db.view(k, *([1] * (a.dim() - 1)), -1)
                 out = term.expand(k, *a.shape[:-1], db.shape[-1]) if out is None else out + term
             return out
-        conv_fn: Any = F.conv2d if isinstance(mod, nn.Conv2d) else F.conv1d
-
         def conv(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            return conv_fn(x, w, b, mod.stride, mod.padding, mod.dilation, mod.groups)  # type: ignore[no-any-return]
+            return conv_forward(mod, x, w, b)
 
         if t is not None:
             out = conv(t.flatten(0, 1), W, None)

@@ -93,10 +93,11 @@ from curvkit.curvature._layerwise import (
     layerwise_diagonal,
     squared_gradients,
 )
-from curvkit.curvature._tangent import SequentialTangent, sequential_layers
+from curvkit.curvature._tangent import SequentialTangent
 from curvkit.curvature.output_space import output_fisher_sqrt, reduced_factor
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
+from curvkit.structure import read_model
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -319,7 +320,7 @@ class HessianOperator(ExactCurvatureOperator):
         if piecewise_linear not in (True, False, "auto"):
             raise ValueError(f"piecewise_linear must be True, False or 'auto', got {piecewise_linear!r}")
         if piecewise_linear:
-            reason = piecewise_linear_reason(self.fmodel.module)
+            reason = self.fmodel.structure.piecewise_linear_reason()
             if reason is None:
                 ggn_op: GGNOperator = self._sibling(GGNOperator)
                 return ggn_op.trace(method, num_probes=num_probes, generator=generator,
@@ -330,15 +331,19 @@ class HessianOperator(ExactCurvatureOperator):
                                  "Hessian-vector products) or False")
         return super().trace(method, num_probes=num_probes, generator=generator, distribution=distribution)
 
-    def diagonal(self, max_dim: int | None = 20_000) -> DiagonalOperator:
-        """Exact diagonal by d unit-vector Hessian-vector products, in chunks of ``chunk_size`` columns.
+    def diagonal(self, method: Literal["exact", "hutchinson"] = "exact", num_probes: int = 100,
+                 generator: torch.Generator | None = None, max_dim: int | None = 20_000) -> DiagonalOperator:
+        """The diagonal: ``exact`` by d unit-vector Hessian-vector products (chunks of ``chunk_size``
+        columns), or the ``hutchinson`` estimate from ``num_probes`` products.
 
-        Cost: d HVPs, i.e. about d gradient passes over all the data; only for small models. Raises a
-        ValueError if d > ``max_dim`` (pass ``max_dim=None`` to force it). For large models use
+        Exact cost: d HVPs, i.e. about d gradient passes over all the data; only for small models. Raises
+        a ValueError if d > ``max_dim`` (pass ``max_dim=None`` to force it). For large models use
         ``trace(method='hutchinson')`` for the trace, or the GGN's exact diagonal, which needs only
         R batched backward passes per batch (and equals the Hessian's diagonal for piecewise-linear
         networks, whose diagonal blocks coincide with the GGN's, thesis Lemma 3.23).
         """
+        if method != "exact":
+            return super().diagonal(method, num_probes, generator)
         d = self.layout.dim
         if max_dim is not None and d > max_dim:
             raise ValueError(
@@ -417,10 +422,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         leaves = self._leaves() if graph else self.params
         layers = self.__dict__.get("_seq_layers", False)
         if layers is False:
-            layers = self._seq_layers = sequential_layers(self.fmodel.module)
+            layers = self._seq_layers = self.fmodel.structure.tangent_chain()[0]
         tangent = None if layers is None else SequentialTangent(
-            layers, {n: j for j, n in enumerate(self.layout.names)},
-            {m: n for n, m in self.fmodel.module.named_modules()})
+            layers, {n: j for j, n in enumerate(self.layout.names)}, self.fmodel.structure)
         with torch.set_grad_enabled(graph):
             if tangent is None:
                 f = self.fmodel(leaves, X)
@@ -603,13 +607,16 @@ class OutputFactorOperator(ExactCurvatureOperator):
         vjp_fn = vjp(lambda p: self.fmodel.single(p, x), self.params)[1]
         return params_to_rows(vmap(lambda u: vjp_fn(u)[0])(s.T), 1)
 
-    def diagonal(self) -> DiagonalOperator:
+    def _exact_diagonal(self) -> DiagonalOperator:
         """Exact diagonal w sum_n sum_r (J_n^T s_nr)^2.
 
-        If every trainable parameter belongs to an ``nn.Linear`` / ``nn.Conv2d`` layer, R batched backward
-        passes per batch to the layer outputs suffice (:mod:`curvkit.curvature._layerwise`); otherwise
-        N * R per-sample gradients are formed with vmapped vjps (chunks of ~2^24 scalars).
+        If every trainable parameter belongs to an ``nn.Linear`` / ``nn.Conv2d`` layer (none shared), R
+        batched backward passes per batch to the layer outputs suffice (:mod:`curvkit.curvature._layerwise`);
+        otherwise N * R per-sample gradients are formed with vmapped vjps (chunks of ~2^24 scalars). A model
+        that couples samples (BatchNorm in training mode) has no per-sample rows: d unit-vector products.
         """
+        if self.fmodel.batch_coupled:
+            return super()._exact_diagonal()
         if self._layer_specs is None:
             self._layer_specs = layer_specs(self.fmodel) or []
         if self._layer_specs:
@@ -658,7 +665,10 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
 
     def to_dense(self) -> Tensor:
-        """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory)."""
+        """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory); d products for a
+        model that couples samples."""
+        if self.fmodel.batch_coupled:
+            return super().to_dense()
         d = self.layout.dim
         out = torch.zeros(d, d, dtype=self.dtype, device=self.device)
         for rows in self._factor_rows():
@@ -759,41 +769,14 @@ def empirical_fisher(model: nn.Module, likelihood: Likelihood, data: Any,
     return EmpiricalFisherOperator(model, likelihood, data, **kwargs)
 
 
-# Parameter-free modules whose output is piecewise linear in their input (a.e.), and parametrised modules
-# whose output is affine in (input, parameters) separately and jointly in their own parameters.
-_PIECEWISE_LINEAR = (nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Identity, nn.Flatten, nn.Unflatten,
-                     nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
-_AFFINE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
-
-
 def piecewise_linear_reason(model: nn.Module) -> str | None:
-    """None if ``model`` is VERIFIABLY piecewise linear in each layer's parameters, else the reason why not.
-
-    Verified structurally (the forward code of arbitrary modules cannot be inspected): the model is an
-    ``nn.Sequential`` (possibly nested) of ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` layers, each
-    module instance used once, and the parameter-free piecewise-linear modules ReLU, LeakyReLU, ReLU6,
-    Hardtanh, Identity, Flatten, Unflatten, Max/AvgPool1d/2d (and Dropout in eval mode). Then the output
-    is linear in each layer's (weight, bias) with the other layers fixed (almost everywhere), so the
-    output's Hessian has zero diagonal blocks and the loss Hessian's diagonal blocks equal the GGN's
-    (thesis Lemma 3.23).
-    """
+    """None if ``model`` is VERIFIABLY piecewise linear in each layer's parameters, else the reason why not
+    (:meth:`curvkit.structure.ModelStructure.piecewise_linear_reason`: a plain ``nn.Sequential`` of
+    Linear/Conv layers and piecewise-linear parameter-free modules, each used once, no tied weights).
+    Then the loss Hessian's diagonal blocks equal the GGN's (thesis Lemma 3.23)."""
     if not isinstance(model, nn.Module):
         return f"{type(model).__name__} is not an nn.Module"
-    seen: set[int] = set()
-    for name, mod in model.named_modules(remove_duplicate=False):
-        label = name or "<root>"
-        if id(mod) in seen:
-            return f"module {label!r} is used more than once"
-        seen.add(id(mod))
-        if isinstance(mod, nn.Sequential) and type(mod) is nn.Sequential:
-            continue
-        if type(mod) in _AFFINE_LAYERS or type(mod) in _PIECEWISE_LINEAR:
-            continue
-        if type(mod) is nn.Dropout and not mod.training:
-            continue
-        return (f"module {label!r} ({type(mod).__name__}) is not a plain nn.Sequential, an affine layer "
-                f"({', '.join(c.__name__ for c in _AFFINE_LAYERS)}) or a known piecewise-linear module")
-    return None
+    return read_model(model).piecewise_linear_reason()
 
 
 def hessian_trace(model: nn.Module, likelihood: Likelihood, data: Any, method: TraceMethod = "hutchinson",

@@ -19,22 +19,26 @@ and the data block is the reduction of these over the N samples (``sum``, or the
 vectorised backward pass over the batch.
 
 Supported models: ``nn.Sequential`` (optionally starting with ``nn.Flatten``) of ``nn.Linear`` layers
-separated by elementwise activations (ReLU, LeakyReLU, Tanh, Sigmoid, Identity; several in a row are
-composed), ending with a ``nn.Linear``. Anything else raises an error naming the offending module.
+separated by elementwise activations (any of :data:`curvkit.structure.ELEMENTWISE`; several in a row are
+composed), ending with a ``nn.Linear`` (:meth:`curvkit.structure.ModelStructure.mlp_chain`). Anything
+else raises an error naming the offending module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.func import jvp
 
+from curvkit.curvature._functional import as_batches
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import BlockDiagonalOperator, DenseBlock
 from curvkit.linalg.layout import ParamLayout
+from curvkit.structure import MLPChain, read_model
 
 __all__ = [
     "BlockDiagonalCurvature",
@@ -44,95 +48,63 @@ __all__ = [
     "mlp_chain",
 ]
 
-_ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
-
 
 # ---------------------------------------------------------------------------------------------- chain
-@dataclass
-class MLPChain:
-    """A parsed feed-forward chain: linear layers and the elementwise activations that follow each.
-
-    ``activations[l]`` are applied to ``h_l`` (the output of ``linears[l]``); the last list is empty.
-    """
-
-    names: list[str]
-    linears: list[nn.Linear]
-    activations: list[list[nn.Module]]
-    flatten: nn.Module | None
-
-
 def mlp_chain(model: nn.Module, method: str = "this method") -> MLPChain:
-    """Parse ``model`` as an MLP chain, or raise a ValueError naming the unsupported module."""
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"{method} needs an nn.Sequential of nn.Linear layers and elementwise activations "
-                         f"(ReLU, LeakyReLU, Tanh, Sigmoid, Identity); got {type(model).__name__}")
-    names: list[str] = []
-    linears: list[nn.Linear] = []
-    acts: list[list[nn.Module]] = []
-    flatten: nn.Module | None = None
-    for i, (name, m) in enumerate(model.named_children()):
-        if isinstance(m, nn.Flatten) and i == 0:
-            flatten = m
-        elif isinstance(m, nn.Linear):
-            names.append(name)
-            linears.append(m)
-            acts.append([])
-        elif isinstance(m, _ELEMENTWISE):
-            if not linears:
-                raise ValueError(f"{method}: module {name!r} ({type(m).__name__}) comes before the first "
-                                 "nn.Linear; the chain must start with nn.Linear (optionally after nn.Flatten)")
-            acts[-1].append(m)
-        else:
-            raise ValueError(
-                f"{method}: module {name!r} ({type(m).__name__}) is not supported; the model must be an "
-                "nn.Sequential of nn.Linear layers and elementwise activations (ReLU, LeakyReLU, Tanh, "
-                "Sigmoid, Identity)"
-            )
-    if not linears:
-        raise ValueError(f"{method}: the model has no nn.Linear layer")
-    if acts[-1]:
-        raise ValueError(
-            f"{method}: the model ends with an activation ({type(acts[-1][-1]).__name__}) after its last "
-            "nn.Linear; the output must be the likelihood's natural parameter (logits/mean): remove the "
-            "output activation and let the likelihood apply it"
-        )
-    for name, lin in zip(names, linears):
-        if not lin.weight.requires_grad or (lin.bias is not None and not lin.bias.requires_grad):
-            raise ValueError(f"{method}: layer {name!r} has frozen parameters; the recursions need every "
-                             "parameter of the chain to be trainable")
-    return MLPChain(names, linears, acts, flatten)
+    """Parse ``model`` as an MLP chain, or raise naming the unsupported module
+    (:meth:`curvkit.structure.ModelStructure.mlp_chain`)."""
+    return read_model(model).mlp_chain(method)
+
+
+def _closed_form(m: nn.Module, a: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(phi(a), phi'(a), phi''(a)) for the activations with simple closed forms, else None."""
+    if type(m) is nn.ReLU:
+        return torch.relu(a), (a > 0).to(a.dtype), torch.zeros_like(a)
+    if type(m) is nn.LeakyReLU:
+        p1 = torch.where(a > 0, torch.ones_like(a), torch.full_like(a, m.negative_slope))
+        return torch.nn.functional.leaky_relu(a, m.negative_slope), p1, torch.zeros_like(a)
+    if type(m) is nn.Tanh:
+        v = torch.tanh(a)
+        p1 = 1 - v**2
+        return v, p1, -2 * v * p1
+    if type(m) is nn.Sigmoid:
+        v = torch.sigmoid(a)
+        p1 = v * (1 - v)
+        return v, p1, p1 * (1 - 2 * v)
+    if type(m) is nn.Identity:
+        return a, torch.ones_like(a), torch.zeros_like(a)
+    return None
+
+
+def _by_autodiff(m: nn.Module, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(phi(a), phi'(a), phi''(a)) of any elementwise activation by forward-mode differentiation: the
+    derivative of an elementwise map in the all-ones direction is its derivative at each entry."""
+    ones = torch.ones_like(a)
+
+    def d1(x: Tensor) -> Tensor:
+        return jvp(m, (x,), (ones,))[1]  # type: ignore[no-any-return]
+
+    out: Any = jvp(m, (a,), (ones,))
+    p2 = jvp(d1, (a,), (ones,))[1]
+    return out[0], out[1], p2
 
 
 def activation_derivatives(modules: list[nn.Module], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Apply the elementwise activations ``modules`` to ``h``; return ``(phi(h), phi'(h), phi''(h))``.
 
-    Compositions use the chain rule: ``(p o q)' = p'(q) q'``, ``(p o q)'' = p''(q) q'^2 + p'(q) q''``.
-    ReLU's derivative at 0 is taken as 0 (as autograd does).
+    Any activation of :data:`curvkit.structure.ELEMENTWISE` is accepted (closed forms for ReLU, LeakyReLU,
+    Tanh, Sigmoid, Identity; forward-mode autodiff for the others). Compositions use the chain rule:
+    ``(p o q)' = p'(q) q'``, ``(p o q)'' = p''(q) q'^2 + p'(q) q''``. ReLU's derivative at 0 is 0 (as
+    autograd's).
     """
     a, d1, d2 = h, torch.ones_like(h), torch.zeros_like(h)
     for m in modules:
-        if isinstance(m, nn.ReLU):
-            p1, p2, v = (a > 0).to(a.dtype), torch.zeros_like(a), torch.relu(a)
-        elif isinstance(m, nn.LeakyReLU):
-            p1 = torch.where(a > 0, torch.ones_like(a), torch.full_like(a, m.negative_slope))
-            p2, v = torch.zeros_like(a), torch.nn.functional.leaky_relu(a, m.negative_slope)
-        elif isinstance(m, nn.Tanh):
-            v = torch.tanh(a)
-            p1 = 1 - v**2
-            p2 = -2 * v * p1
-        elif isinstance(m, nn.Sigmoid):
-            v = torch.sigmoid(a)
-            p1 = v * (1 - v)
-            p2 = p1 * (1 - 2 * v)
-        elif isinstance(m, nn.Identity):
-            continue
-        else:  # pragma: no cover - mlp_chain rejects these
-            raise ValueError(f"unsupported activation {type(m).__name__}")
+        closed = _closed_form(m, a)
+        v, p1, p2 = closed if closed is not None else _by_autodiff(m, a)
         d2 = p2 * d1**2 + p1 * d2
         d1 = p1 * d1
         a = v
     return a, d1, d2
-
 
 def _with_ones(a: Tensor, bias: bool) -> Tensor:
     return torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1) if bias else a
@@ -169,23 +141,16 @@ def chain_forward(chain: MLPChain, X: Tensor) -> ChainForward:
 
 def iterate_data(data: tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]],
                  y: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
-    """Normalise ``data`` (an ``(X, y)`` pair, an iterable of pairs, or ``X`` with ``y`` given) to a list."""
+    """Normalise ``data`` (an ``(X, y)`` pair, an iterable of pairs, or ``X`` with ``y`` given) to a list of
+    validated pairs (:func:`curvkit.curvature._functional.as_batches`)."""
     if y is not None:
         if not isinstance(data, Tensor):
             raise TypeError("when y is given, the third argument must be the input tensor X")
-        return [(data, y)]
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Tensor):
-        return [data]  # type: ignore[list-item]
+        return as_batches((data, y))
     if isinstance(data, Tensor):
         raise TypeError("data must be an (X, y) pair or an iterable of (X, y) pairs, got a single tensor; "
                         "pass the targets too")
-    batches = list(data)  # type: ignore[arg-type]
-    for i, b in enumerate(batches):
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and isinstance(b[0], Tensor)):
-            raise TypeError(f"batch {i} of data is not an (X, y) pair of tensors")
-    if not batches:
-        raise ValueError("data is empty: need at least one (X, y) batch")
-    return [(b[0], b[1]) for b in batches]
+    return as_batches(data)
 
 
 # ---------------------------------------------------------------------------------------------- result
@@ -235,9 +200,7 @@ def _recursion(kind: Literal["hessian", "ggn"], model: nn.Module, likelihood: Li
     method = "blockdiag_hessian" if kind == "hessian" else "blockdiag_ggn"
     chain = mlp_chain(model, method)
     layout = ParamLayout.from_module(model)
-    prefix = {id(p): n for n, p in model.named_parameters()}
-    wnames = [prefix[id(lin.weight)] for lin in chain.linears]
-    bnames: list[str | None] = [prefix[id(lin.bias)] if lin.bias is not None else None for lin in chain.linears]
+    wnames, bnames = chain.weights, chain.biases
     L = len(chain.linears)
     pre: list[list[Tensor]] = [[] for _ in range(L)]
     ins: list[list[Tensor]] = [[] for _ in range(L)]

@@ -40,8 +40,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
-from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
+from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod, _finite, sub_layout
+from curvkit.validation import check_damping
 
 __all__ = [
     "BlockDiagonalOperator",
@@ -50,6 +52,7 @@ __all__ = [
     "KroneckerEigh",
     "KroneckerInverseOperator",
     "KroneckerOperator",
+    "KroneckerSpectralOperator",
     "kron_matvec",
     "vec_row",
 ]
@@ -265,11 +268,7 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[str, str | None]], d
     return [_BlockIndex(layout, w, b, device) for w, b in named]
 
 
-def _check_damping(damping: float) -> float:
-    damping = float(damping)
-    if not math.isfinite(damping):
-        raise ValueError(f"damping must be finite, got {damping}")
-    return damping
+_check_damping = check_damping
 
 
 # ---------------------------------------------------------------------------------------------- operator
@@ -331,7 +330,7 @@ class KroneckerOperator(CurvatureOperator):
             D.diagonal().add_(self.damping)
         return D
 
-    def diagonal(self) -> DiagonalOperator:
+    def _exact_diagonal(self) -> DiagonalOperator:
         """Exact: the diagonal of ``G (x) A`` is ``vec_row(outer(diag G, diag A))``."""
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
@@ -367,19 +366,33 @@ class KroneckerOperator(CurvatureOperator):
         return vals[:k] if which == "largest" else vals[-k:]
 
     def _damped_spectra(self, damping: float, what: str) -> list[Tensor]:
+        """Per block the eigenvalues ``outer(lG, lA) + delta`` of ``G (x) A + delta I``, checked positive.
+
+        The factor product carries rounding of order ``size * eps * max|lG lA|``; entries of the product
+        within that of zero (negative or not) are rounding of a positive semi-definite product and are set
+        to 0 before the exact damping ``delta`` is added. A block then counts as positive definite when
+        ``delta > 0`` or its smallest product eigenvalue is above that rounding level; products more
+        negative than the rounding (indefinite factors) are kept and checked as they are.
+        """
         delta = self.damping + _check_damping(damping)
-        spectra = [e.eigenvalues(delta) for e in self.eigh()]
-        for b, lam in zip(self.blocks, spectra):
-            # numerically singular counts as not PD: smallest eigenvalue below size * eps * largest
-            tol = max(lam.shape) * torch.finfo(lam.dtype).eps * float(lam.abs().max())
-            if not bool((lam > tol).all()):
-                raise ValueError(
+        spectra = []
+        for b, e in zip(self.blocks, self.eigh()):
+            prod = torch.outer(e.G_eigvals, e.A_eigvals)
+            noise = max(prod.shape) * torch.finfo(prod.dtype).eps * float(prod.abs().max())
+            low = float(prod.min())
+            if low >= -noise:
+                prod = torch.where(prod.abs() <= noise, torch.zeros_like(prod), prod)
+            lam = prod + delta
+            ok = (delta > 0 or low > noise) if low >= -noise else bool((lam > 0).all())
+            if not ok:
+                raise NotPositiveDefiniteError(
                     f"{what}: block {b.weight_name!r} is not positive definite after damping {delta:g} "
-                    f"(smallest eigenvalue {float(lam.min()):.3g}); increase the damping"
+                    f"(smallest eigenvalue {low + delta:.3g}, rounding level {noise:.2g}); increase the damping"
                 )
+            spectra.append(lam)
         return spectra
 
-    def logdet(self, damping: float = 0.0) -> Tensor:
+    def _logdet(self, damping: float) -> Tensor:
         """``log det(C + damping I) = sum_l sum_ij log(lG_i lA_j + delta)`` (raises if not PD)."""
         spectra = self._damped_spectra(damping, "logdet")
         return sum((torch.log(s).sum() for s in spectra), torch.zeros((), dtype=self.dtype, device=self.device))
@@ -447,6 +460,7 @@ class KroneckerOperator(CurvatureOperator):
         * ``method='factored'``: the inverse of :meth:`factored_damping` (``pi`` as there), a
           KroneckerOperator with factors ``(G + k/pi I)^{-1}`` and ``(A + pi k I)^{-1}`` (approximate).
         """
+        damping = check_damping(damping)
         if method == "eigen":
             return KroneckerInverseOperator(self, damping)
         if method == "factored":
@@ -459,10 +473,25 @@ class KroneckerOperator(CurvatureOperator):
             return KroneckerOperator(self.layout, blocks)
         raise ValueError(f"unknown inverse method {method!r}; use 'eigen' or 'factored'")
 
-    def solve(self, b: Any, damping: float = 0.0, tol: float = 0.0, max_iter: int | None = None,
-              method: Literal["eigen", "factored"] = "eigen") -> Any:
-        """``(C + damping I)^{-1} b`` in closed form (``tol``/``max_iter`` are unused: no iteration)."""
-        return self.inverse(damping, method) @ b
+    def solve(self, b: Any, damping: float = 0.0, *, method: Literal["eigen", "factored"] = "eigen",
+              tol: float | None = None, max_iter: int | None = None) -> Any:
+        """``(C + damping I)^{-1} b`` in closed form (``method`` as :meth:`inverse`; ``tol``/``max_iter``
+        are unused: no iteration)."""
+        damping = check_damping(damping)
+        inv = self.inverse(damping, method)
+        return self._apply_to(b, lambda B: inv._matmat(_finite(B, "solve")), "solve")
+
+    def _solve(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
+        return KroneckerInverseOperator(self, damping)._matmat(B)
+
+    def block(self, names: Sequence[str]) -> CurvatureOperator:
+        """The restriction to ``names``: a KroneckerOperator when the names are whole blocks (weight and
+        bias of some layers), else the general restricted operator."""
+        sub = sub_layout(self.layout, names)
+        keep = [b for b in self.blocks if b.weight_name in sub.names]
+        if sorted(n for b in keep for n in b.names) != sorted(sub.names):
+            return super().block(names)
+        return KroneckerOperator(sub, keep, self.damping)
 
     # ------------------------------------------------------------------ sampling
     def sample(self, mean_params: Tensor | Sequence[Tensor], generator: torch.Generator | None = None,
@@ -509,38 +538,36 @@ class KroneckerOperator(CurvatureOperator):
 def _spd_inverse(M: Tensor, what: str) -> Tensor:
     L, info = torch.linalg.cholesky_ex(M)
     if int(info) != 0:
-        raise ValueError(f"factor {what} is not positive definite after damping; increase the damping")
+        raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
     return _symmetrise(torch.cholesky_inverse(L))
 
 
-class KroneckerInverseOperator(CurvatureOperator):
-    """Exact ``(C + damping I)^{-1}`` of a :class:`KroneckerOperator` via the factors' eigendecompositions.
+class KroneckerSpectralOperator(CurvatureOperator):
+    """Block-diagonal ``blockdiag_l QG_l diag(s_l) QA_l^T``-type operator in a Kronecker eigenbasis.
 
-    Per block, with ``Lam = outer(lG, lA) + delta`` (``delta`` = the operator's damping + ``damping``):
-    ``X -> QG [(QG^T X QA) / Lam] QA^T``; diagonal ``(QG o QG) (1 / Lam) (QA o QA)^T`` (exact);
-    ``logdet = -sum log Lam``. Raises if a damped block is not positive definite.
+    Per block, with the factors' eigenvectors ``QG`` (out, out), ``QA`` (in_aug, in_aug) and eigenvalues
+    ``s`` (out, in_aug) of the block: ``X -> QG [(QG^T X QA) * s] QA^T``. Every function of the operator
+    stays in this form, so inverse, damping, diagonal, trace, eigenvalues and logdet are closed forms.
     """
 
-    def __init__(self, op: KroneckerOperator, damping: float = 0.0):
-        super().__init__(op.layout, op.dtype, op.device)
-        self.op = op
-        self.added_damping = _check_damping(damping)
-        self._spectra = op._damped_spectra(damping, "inverse")
-        self._eigh = op.eigh()
-        self._index = op._index
+    def __init__(self, layout: ParamLayout, index: list[_BlockIndex], eigh: list[KroneckerEigh],
+                 spectra: list[Tensor], names: list[str]):
+        dtype, device = spectra[0].dtype, spectra[0].device
+        super().__init__(layout, dtype, device)
+        self._index, self._eigh, self._spectra, self._names = index, eigh, spectra, names
 
     def _matmat(self, M: Tensor) -> Tensor:
         M = M.to(self.dtype)
         out = torch.empty_like(M)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
             QG, QA = e.G_eigvecs, e.A_eigvecs
-            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) / lam[:, :, None], QA.T), out)
+            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) * lam[:, :, None], QA.T), out)
         return out
 
-    def diagonal(self) -> DiagonalOperator:
+    def _exact_diagonal(self) -> DiagonalOperator:
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
-            flat[ix.perm] = ((e.G_eigvecs**2) @ (1.0 / lam) @ (e.A_eigvecs**2).T).reshape(-1)
+            flat[ix.perm] = ((e.G_eigvecs**2) @ lam @ (e.A_eigvecs**2).T).reshape(-1)
         return DiagonalOperator.from_flat(self.layout, flat)
 
     def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
@@ -548,21 +575,59 @@ class KroneckerInverseOperator(CurvatureOperator):
               distribution: Literal["rademacher", "gaussian"] = "rademacher") -> Tensor:
         if method != "exact":
             return super().trace(method, num_probes, generator, distribution)
-        return sum(((1.0 / lam).sum() for lam in self._spectra),
-                   torch.zeros((), dtype=self.dtype, device=self.device))
+        return sum((lam.sum() for lam in self._spectra), torch.zeros((), dtype=self.dtype, device=self.device))
 
     def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
                     num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
-        vals = torch.sort(torch.cat([(1.0 / lam).reshape(-1) for lam in self._spectra]), descending=True).values
+        vals = torch.sort(torch.cat([lam.reshape(-1) for lam in self._spectra]), descending=True).values
         return vals[:k] if which == "largest" else vals[-k:]
 
-    def logdet(self) -> Tensor:
-        return -sum((torch.log(lam).sum() for lam in self._spectra),
-                    torch.zeros((), dtype=self.dtype, device=self.device))
+    def _shifted(self, damping: float, what: str) -> list[Tensor]:
+        out = [lam + damping for lam in self._spectra]
+        for name, lam in zip(self._names, out):
+            if not bool((lam > 0).all()):
+                raise NotPositiveDefiniteError(f"{what}: block {name!r} is not positive definite after damping {damping:g} "
+                                 f"(smallest eigenvalue {float(lam.min()):.3g}); increase the damping")
+        return out
 
-    def inverse(self) -> KroneckerOperator:
-        """The damped operator ``C + damping I`` this is the inverse of."""
-        return self.op.add_identity(self.added_damping)
+    def _logdet(self, damping: float) -> Tensor:
+        return sum((lam.log().sum() for lam in self._shifted(damping, "logdet")),
+                   torch.zeros((), dtype=self.dtype, device=self.device))
+
+    def add_identity(self, damping: float) -> KroneckerSpectralOperator:
+        return KroneckerSpectralOperator(self.layout, self._index, self._eigh,
+                                         [lam + check_damping(damping) for lam in self._spectra], self._names)
+
+    def inverse(self, damping: float = 0.0) -> CurvatureOperator:
+        spectra = self._shifted(check_damping(damping), "inverse")
+        return KroneckerSpectralOperator(self.layout, self._index, self._eigh, [1.0 / lam for lam in spectra],
+                                         self._names)
+
+    def _solve(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
+        return self.inverse(damping)._matmat(B)
+
+
+class KroneckerInverseOperator(KroneckerSpectralOperator):
+    """Exact ``(C + damping I)^{-1}`` of a :class:`KroneckerOperator` via the factors' eigendecompositions.
+
+    Per block, with ``Lam = outer(lG, lA) + delta`` (``delta`` = the operator's damping + ``damping``):
+    ``X -> QG [(QG^T X QA) / Lam] QA^T``; diagonal ``(QG o QG) (1 / Lam) (QA o QA)^T`` (exact);
+    ``logdet = -sum log Lam``. Raises if a damped block is not positive definite. ``inverse()`` gives back
+    the damped :class:`KroneckerOperator` itself.
+    """
+
+    def __init__(self, op: KroneckerOperator, damping: float = 0.0):
+        self.op = op
+        self.added_damping = check_damping(damping)
+        spectra = op._damped_spectra(self.added_damping, "inverse")
+        super().__init__(op.layout, op._index, op.eigh(), [1.0 / lam for lam in spectra],
+                         [b.weight_name for b in op.blocks])
+
+    def inverse(self, damping: float = 0.0) -> CurvatureOperator:
+        """With ``damping = 0``: the damped operator ``C + damping I`` this is the inverse of."""
+        if check_damping(damping) == 0:
+            return self.op.add_identity(self.added_damping)
+        return super().inverse(damping)
 
 
 # ---------------------------------------------------------------------------------------------- dense blocks
@@ -603,7 +668,7 @@ class BlockDiagonalOperator(CurvatureOperator):
             D.diagonal().add_(self.damping)
         return D
 
-    def diagonal(self) -> DiagonalOperator:
+    def _exact_diagonal(self) -> DiagonalOperator:
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
             flat[ix.perm] = b.matrix.diagonal()
@@ -621,16 +686,24 @@ class BlockDiagonalOperator(CurvatureOperator):
             inv.append(DenseBlock(_spd_inverse(M, f"block {b.weight_name!r}"), b.weight_name, b.bias_name))
         return BlockDiagonalOperator(self.layout, inv)
 
-    def solve(self, b: Any, damping: float = 0.0, tol: float = 0.0, max_iter: int | None = None) -> Any:
-        return self.inverse(damping) @ b
+    def _solve(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
+        return self.inverse(damping)._matmat(B)
 
-    def logdet(self, damping: float = 0.0) -> Tensor:
+    def block(self, names: Sequence[str]) -> CurvatureOperator:
+        """The restriction to ``names``: a BlockDiagonalOperator when they are whole blocks."""
+        sub = sub_layout(self.layout, names)
+        keep = [b for b in self.blocks if b.weight_name in sub.names]
+        if sorted(n for b in keep for n in b.names) != sorted(sub.names):
+            return super().block(names)
+        return BlockDiagonalOperator(sub, keep, self.damping)
+
+    def _logdet(self, damping: float) -> Tensor:
         delta = self.damping + _check_damping(damping)
         total = torch.zeros((), dtype=self.dtype, device=self.device)
         for b in self.blocks:
             M = b.matrix + delta * torch.eye(b.matrix.shape[0], dtype=self.dtype, device=self.device)
             sign, val = torch.linalg.slogdet(M)
             if float(sign) <= 0:
-                raise ValueError(f"block {b.weight_name!r} is not positive definite; increase the damping")
+                raise NotPositiveDefiniteError(f"block {b.weight_name!r} is not positive definite; increase the damping")
             total = total + val
         return total

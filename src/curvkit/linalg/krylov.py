@@ -157,6 +157,9 @@ def conjugate_gradient(
         raise ValueError(f"right-hand side must be a (d,) vector or a (d, k) matrix, got shape {tuple(b.shape)}")
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol}")
+    if not bool(torch.isfinite(b).all()):
+        raise ValueError(f"conjugate_gradient: the right-hand side contains NaN or inf "
+                         f"({int((~torch.isfinite(b)).sum())} entries)")
     B = b if b.dim() == 2 else b[:, None]
     d = B.shape[0]
     max_iter = 2 * d if max_iter is None else int(max_iter)
@@ -194,3 +197,48 @@ def conjugate_gradient(
                       f"(relative residual {float(rel):.2e} > {tol_eff:.1e}); raise max_iter or add damping",
                       RuntimeWarning, stacklevel=2)
     return X if b.dim() == 2 else X[:, 0]
+
+
+def shifted_cg(apply: MatMat, B: Tensor, shifts: Tensor, tol: float,
+               max_iter: int) -> tuple[Tensor, list[int], list[float]]:
+    """Conjugate gradients for k systems (A_j + s_j I) x_j = b_j at once.
+
+    ``apply`` maps the (d, k) matrix [p_1 .. p_k] to [A_1 p_1 .. A_k p_k] (one call per iteration for
+    all columns; the A_j may differ, e.g. a full operator and its block-diagonal part), ``shifts`` is
+    (k,). Column j stops updating once ||b_j - (A_j + s_j I) x_j|| <= tol ||b_j||. Returns X (d, k), the
+    iterations used per column and the final relative residuals (recomputed, not the recursive ones).
+    Raises :class:`NotPositiveDefiniteError` on a direction with p^T (A_j + s_j I) p <= 0.
+    """
+    if B.dim() != 2 or shifts.shape != (B.shape[1],):
+        raise ValueError(f"shifted_cg needs B (d, k) and shifts (k,), got {tuple(B.shape)} and "
+                         f"{tuple(shifts.shape)}")
+    if not bool(torch.isfinite(B).all()) or not bool(torch.isfinite(shifts).all()):
+        raise ValueError("shifted_cg: the right-hand sides and shifts must be finite")
+    X = torch.zeros_like(B)
+    R = B.clone()
+    P = R.clone()
+    rr = (R * R).sum(0)
+    bnorm = B.norm(dim=0)
+    active = rr.sqrt() > tol * bnorm
+    iters = [0] * B.shape[1]
+    tiny = torch.finfo(B.dtype).tiny
+    for _ in range(int(max_iter)):
+        if not bool(active.any()):
+            break
+        AP = apply(P) + shifts * P
+        pAp = (P * AP).sum(0)
+        if bool((pAp[active] <= 0).any()):
+            raise NotPositiveDefiniteError("shifted_cg met a direction with p^T A p <= 0: a system is not "
+                                           "positive definite; increase its shift")
+        alpha = torch.where(active, rr / pAp.clamp_min(tiny), torch.zeros_like(rr))
+        X += alpha * P
+        R -= alpha * AP
+        rr_new = (R * R).sum(0)
+        beta = torch.where(active, rr_new / rr.clamp_min(tiny), torch.zeros_like(rr))
+        P = torch.where(active, R + beta * P, P)
+        rr = torch.where(active, rr_new, rr)
+        for j in active.nonzero()[:, 0].tolist():
+            iters[j] += 1
+        active = active & (rr.sqrt() > tol * bnorm)
+    resid = ((B - apply(X) - shifts * X).norm(dim=0) / bnorm.clamp_min(tiny)).tolist()
+    return X, iters, resid

@@ -199,3 +199,79 @@ def hutchpp(
     G = G - Q @ (Q.T @ G)
     residual_part = (G * _apply(matmat, G, bs)).sum() / g
     return exact_part + residual_part
+
+
+def hutchinson_diagonal(
+    matmat: MatMat,
+    d: int,
+    num_probes: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+    distribution: Distribution = "rademacher",
+    batch_size: int | None = None,
+) -> Tensor:
+    """Stochastic estimate of diag(A), shape (d,): (1/m) sum_i z_i * (A z_i) (Bekas, Kokiopoulou & Saad
+    2007). Unbiased for E[z z^T] = I; with Rademacher probes the error of entry j has variance
+    (1/m) sum_{k != j} A_jk^2 (exact for a diagonal A)."""
+    bs = _check_args(d, num_probes, batch_size, distribution)
+    acc = torch.zeros(d, dtype=dtype, device=device)
+    done = 0
+    while done < num_probes:
+        k = min(bs, num_probes - done)
+        Z = probes(d, k, dtype, device, generator, distribution)
+        acc += (Z * matmat(Z)).sum(1)
+        done += k
+    return acc / num_probes
+
+
+def slq_logdet(
+    matmat: MatMat,
+    d: int,
+    num_probes: int,
+    num_iter: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Stochastic Lanczos quadrature estimate of log det(A) = tr(log A) for symmetric positive definite A
+    (Ubaru, Chen & Saad 2017): for each Rademacher probe z, ``num_iter`` Lanczos steps from z/||z|` give
+    a tridiagonal T = U diag(theta) U^T and z^T log(A) z ~ ||z||^2 sum_k U_0k^2 log(theta_k).
+
+    Returns (estimate, standard error over probes) as 0-d tensors. Raises ValueError if a Ritz value is
+    not positive (A is not positive definite). Each probe costs ``num_iter`` products (full
+    reorthogonalisation, memory d * num_iter).
+    """
+    _check_args(d, num_probes, None, "rademacher")
+    m = min(int(num_iter), d)
+    if m < 1:
+        raise ValueError(f"num_iter must be a positive integer, got {num_iter}")
+    values = []
+    for _ in range(int(num_probes)):
+        z = probes(d, 1, dtype, device, generator, "rademacher")[:, 0]
+        nz2 = float(z @ z)
+        q = z / math.sqrt(nz2)
+        V = torch.zeros(d, m, dtype=dtype, device=device)
+        alpha = torch.zeros(m, dtype=dtype, device=device)
+        beta = torch.zeros(m, dtype=dtype, device=device)
+        j = 0
+        while j < m:
+            V[:, j] = q
+            w = matmat(q[:, None])[:, 0]
+            alpha[j] = q @ w
+            Vj = V[:, :j + 1]
+            w = w - Vj @ (Vj.T @ w)
+            w = w - Vj @ (Vj.T @ w)
+            b = w.norm()
+            j += 1
+            if j == m or b <= 1e3 * torch.finfo(dtype).eps * alpha[:j].abs().max():
+                break
+            beta[j - 1] = b
+            q = w / b
+        T = torch.diag(alpha[:j]) + torch.diag(beta[:j - 1], 1) + torch.diag(beta[:j - 1], -1)
+        theta, U = torch.linalg.eigh(T)
+        if not bool((theta > 0).all()):
+            raise ValueError(f"log-determinant: the operator is not positive definite (Ritz value "
+                             f"{float(theta.min()):.3g}); add damping")
+        values.append(nz2 * (U[0] ** 2 * theta.log()).sum())
+    return _mean_stderr(torch.stack(values) if len(values) > 1 else values[0].reshape(1))

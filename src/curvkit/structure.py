@@ -1,0 +1,521 @@
+"""One reader of a model's structure, asked by every fast path and every structured approximation.
+
+``read_model(model)`` reads an ``nn.Module`` once and answers, with one vocabulary and one wording of
+errors, what the rest of curvkit needs to know before it takes a cheaper route or builds a structured
+approximation:
+
+* its **layers** (modules that own trainable parameters) and their **kind**: ``linear``, ``conv1d``,
+  ``conv2d``, ``norm`` (BatchNorm/LayerNorm/GroupNorm/InstanceNorm) or ``other``;
+* its **parameters** under their canonical names (the first name ``named_parameters()`` gives, which
+  is the name every :class:`~curvkit.linalg.layout.ParamLayout` uses), with **shared parameters**
+  (one tensor owned by two modules: weight tying) and **reused modules** (one module registered under
+  two names, so it is called twice) detected;
+* its **activations** (elementwise modules from :data:`ELEMENTWISE`), whether it is a plain
+  ``nn.Sequential`` chain, and whether it is verifiably **piecewise linear** in each layer's parameters
+  (thesis Lemma 3.23);
+* modules that **mix samples** (BatchNorm using batch statistics) or are **random** (Dropout with
+  p > 0 and RReLU in training mode), and activations that work **in place**.
+
+The support table (``docs/architecture.md`` prints it with the same content) is the set of predicates
+below, one per route:
+
+============================  ======================================================================
+route                          accepts
+============================  ======================================================================
+``tangent_chain``              plain (nested) ``nn.Sequential`` of Linear/Conv1d/Conv2d (any padding
+                               mode) and parameter- and buffer-free, deterministic, not-in-place
+                               modules; shared parameters allowed; each module used once
+``layerwise_layers``           every trainable parameter in a Linear (2-D input) or Conv2d (groups 1)
+                               layer, no shared parameters, each layer called once, no sample mixing
+``kronecker_layers``           trainable parameters only in Linear or Conv2d (groups 1) layers, weight
+                               trainable, no shared parameters or reused modules, no sample mixing,
+                               nothing random
+``mlp_chain``                  ``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
+                               activations from :data:`ELEMENTWISE`, all parameters trainable
+``piecewise_linear_reason``    ``tangent_chain`` models whose activations are piecewise linear, no
+                               shared parameters (a tied weight makes the output quadratic in it)
+============================  ======================================================================
+
+Every refusal is an :class:`UnsupportedModelError` (a ``ValueError``) worded
+``"{what}: module 'name' (Type) {why}; {how to fix}"``.
+
+:meth:`ModelStructure.functional_call` evaluates the model at given parameter values without touching
+the user's module: ``torch.func.functional_call`` with tied weights replaces a parameter of a module
+registered under two names by a plain tensor and never restores it; this reader passes one entry per
+distinct (module, attribute) slot and checks afterwards that every parameter object is back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call as _torch_functional_call
+
+__all__ = [
+    "AFFINE",
+    "ELEMENTWISE",
+    "LayerInfo",
+    "MLPChain",
+    "ModelStructure",
+    "UnsupportedModelError",
+    "conv_forward",
+    "conv_patches",
+    "read_model",
+]
+
+LayerKind = Literal["linear", "conv1d", "conv2d", "norm", "other"]
+
+# Elementwise activations (output i depends on input i only), with whether each is piecewise linear.
+ELEMENTWISE: dict[type[nn.Module], bool] = {
+    nn.ReLU: True, nn.LeakyReLU: True, nn.ReLU6: True, nn.Hardtanh: True, nn.Hardsigmoid: True,
+    nn.Hardshrink: True, nn.Softshrink: True, nn.Identity: True,
+    nn.Tanh: False, nn.Sigmoid: False, nn.GELU: False, nn.SiLU: False, nn.ELU: False, nn.CELU: False,
+    nn.SELU: False, nn.Softplus: False, nn.Mish: False, nn.Softsign: False, nn.Hardswish: False,
+    nn.LogSigmoid: False, nn.Tanhshrink: False,
+}
+AFFINE: dict[type[nn.Module], LayerKind] = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d"}
+RESHAPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten)
+# Parameter-free, per-sample, piecewise-linear modules other than activations.
+POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
+                                        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d,
+                                        nn.AdaptiveMaxPool2d)
+DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                                         nn.AlphaDropout, nn.FeatureAlphaDropout)
+NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
+                                      nn.modules.instancenorm._InstanceNorm)
+
+
+class UnsupportedModelError(ValueError):
+    """A model (or one of its modules) is outside what a route supports; the message says how to fix it."""
+
+
+def refuse(what: str, label: str, module: nn.Module | None, why: str, fix: str) -> UnsupportedModelError:
+    """The one wording of structural errors: ``"{what}: module 'label' (Type) {why}; {fix}"``."""
+    kind = f" ({type(module).__name__})" if module is not None else ""
+    return UnsupportedModelError(f"{what}: module {label!r}{kind} {why}; {fix}")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A module that owns trainable parameters.
+
+    Attributes:
+        label: its qualified name (``'<root>'`` for the model itself).
+        module: the module.
+        kind: ``linear`` | ``conv1d`` | ``conv2d`` | ``norm`` | ``other``.
+        weight: canonical name of its trainable ``weight``, or None (absent or frozen).
+        bias: canonical name of its trainable ``bias``, or None.
+        params: canonical names of all its trainable parameters (own, not recursive).
+    """
+
+    label: str
+    module: nn.Module
+    kind: LayerKind
+    weight: str | None
+    bias: str | None
+    params: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """(weight, bias) names present, weight first (the Kronecker block's parameters)."""
+        return tuple(n for n in (self.weight, self.bias) if n is not None)
+
+
+@dataclass
+class MLPChain:
+    """A feed-forward chain [Flatten] Linear (act...) Linear ... Linear (thesis Eq. 3.10).
+
+    ``activations[l]`` are applied to the output of ``linears[l]`` (the last list is empty); ``names``
+    are the Linear modules' labels; ``weights``/``biases`` their canonical parameter names.
+    """
+
+    names: list[str]
+    linears: list[nn.Linear]
+    activations: list[list[nn.Module]]
+    flatten: nn.Module | None
+    weights: list[str]
+    biases: list[str | None]
+
+
+def _label(name: str) -> str:
+    return name or "<root>"
+
+
+def _is_random(mod: nn.Module) -> bool:
+    if isinstance(mod, DROPOUTS):
+        return bool(mod.training and float(getattr(mod, "p", 0.0)) > 0)
+    return isinstance(mod, nn.RReLU) and mod.training
+
+
+def _mixes_samples(mod: nn.Module) -> bool:
+    """BatchNorm normalises with batch statistics in training mode (and in eval mode without running
+    statistics); the other norms are per sample."""
+    if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+        return bool(mod.training or not mod.track_running_stats)
+    return False
+
+
+def _kind(mod: nn.Module) -> LayerKind:
+    if type(mod) in AFFINE:
+        return AFFINE[type(mod)]
+    if isinstance(mod, NORMS):
+        return "norm"
+    return "other"
+
+
+class ModelStructure:
+    """What curvkit knows about a model's structure (module docstring). Build with :func:`read_model`.
+
+    The reading reflects the model at the time it is made (train/eval mode, ``requires_grad`` flags).
+    """
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        module_names: dict[int, list[str]] = {}
+        for name, mod in model.named_modules(remove_duplicate=False):
+            module_names.setdefault(id(mod), []).append(name)
+        #: module -> all the names it is registered under (first = canonical)
+        self.module_aliases = {i: tuple(ns) for i, ns in module_names.items()}
+        self.modules: list[tuple[str, nn.Module]] = list(model.named_modules())
+        canonical: dict[int, str] = {}
+        for name, param in model.named_parameters():
+            canonical[id(param)] = name
+        self._canonical = canonical
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        #: canonical name -> labels of the distinct modules owning it (only where more than one)
+        owners: dict[str, list[str]] = {}
+        self._param_slots: list[tuple[str, str]] = []  # (slot name, canonical name), one per (module, attr)
+        self._buffer_slots: list[tuple[str, str]] = []
+        buffer_canonical: dict[int, str] = {}
+        for name, buf in model.named_buffers():
+            buffer_canonical[id(buf)] = name
+        self.layers: list[LayerInfo] = []
+        self.leaves: list[tuple[str, nn.Module]] = []
+        for mname, mod in self.modules:
+            prefix = f"{mname}." if mname else ""
+            own_trainable = []
+            for attr, slot_param in mod._parameters.items():
+                if slot_param is None:
+                    continue
+                cname = canonical[id(slot_param)]
+                self._param_slots.append((prefix + attr, cname))
+                owners.setdefault(cname, []).append(_label(mname))
+                if cname in trainable:
+                    own_trainable.append(cname)
+            for attr, slot_buf in mod._buffers.items():
+                if slot_buf is not None:
+                    self._buffer_slots.append((prefix + attr, buffer_canonical[id(slot_buf)]))
+            if own_trainable:
+                weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
+                wname = canonical.get(id(weight)) if isinstance(weight, Tensor) else None
+                bname = canonical.get(id(bias)) if isinstance(bias, Tensor) else None
+                self.layers.append(LayerInfo(
+                    _label(mname), mod, _kind(mod),
+                    wname if wname in trainable else None, bname if bname in trainable else None,
+                    tuple(own_trainable)))
+            if not any(True for _ in mod.children()):
+                self.leaves.append((mname, mod))
+        self.shared_parameters = {n: tuple(o) for n, o in owners.items() if len(o) > 1 and n in trainable}
+        self.reused_modules = {ns[0]: ns for ns in self.module_aliases.values() if len(ns) > 1}
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.activations = [(n, m) for n, m in self.leaves if type(m) in ELEMENTWISE]
+        self.mixing = [_label(n) for n, m in self.modules if _mixes_samples(m)]
+        self.random = [_label(n) for n, m in self.modules if _is_random(m)]
+        self.inplace = [_label(n) for n, m in self.modules if bool(getattr(m, "inplace", False))]
+
+    # ------------------------------------------------------------------ names
+    def label(self, module: nn.Module) -> str:
+        """The canonical qualified name of ``module`` (``'<root>'`` for the model)."""
+        names = self.module_aliases.get(id(module))
+        if names is None:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the model")
+        return _label(names[0])
+
+    def canonical_name(self, tensor: Tensor) -> str | None:
+        """The layout name of a parameter tensor of the model (None if it is not one)."""
+        return self._canonical.get(id(tensor))
+
+    @property
+    def is_plain_sequential(self) -> bool:
+        """The model and every container in it are plain ``nn.Sequential`` (so calls follow the order)."""
+        return all(type(m) is nn.Sequential or not any(True for _ in m.children()) for _, m in self.modules)
+
+    # ------------------------------------------------------------------ refusals shared by routes
+    def stochastic_reason(self) -> str | None:
+        """Why the model's output is random or couples samples, or None."""
+        if self.random:
+            return (f"module {self.random[0]!r} is random in training mode (Dropout with p > 0 or RReLU); "
+                    "call model.eval() for a fixed curvature")
+        if self.mixing:
+            return (f"module {self.mixing[0]!r} (BatchNorm) normalises with batch statistics, so samples "
+                    "are not independent; call model.eval() to use its running statistics")
+        return None
+
+    def require_deterministic(self, what: str) -> None:
+        """Raise if any module is random in training mode (the curvature would not be a fixed matrix)."""
+        if self.random:
+            mod = dict(self.modules)[self.random[0] if self.random[0] != "<root>" else ""]
+            raise refuse(what, self.random[0], mod, "is random in training mode (its output is not a fixed "
+                         "function of the parameters)", "call model.eval() (or set its p to 0)")
+
+    def require_independent_samples(self, what: str) -> None:
+        """Raise if a module couples the samples of a batch (BatchNorm using batch statistics)."""
+        if self.mixing:
+            mod = dict(self.modules)[self.mixing[0] if self.mixing[0] != "<root>" else ""]
+            raise refuse(what, self.mixing[0], mod, "normalises with batch statistics, so the per-sample "
+                         "curvature this route factorises does not exist",
+                         "call model.eval() to use its running statistics, or use an exact operator")
+
+    # ------------------------------------------------------------------ routes
+    def tangent_chain(self) -> tuple[list[nn.Module] | None, str | None]:
+        """(leaf modules in call order, None) for the recorded-tangent route, or (None, reason)."""
+        if type(self.model) is not nn.Sequential or not self.is_plain_sequential:
+            return None, "not a plain nn.Sequential"
+        if self.reused_modules:
+            name, names = next(iter(self.reused_modules.items()))
+            return None, f"module {_label(name)!r} is used more than once ({', '.join(names)})"
+        chain: list[nn.Module] = []
+        for name, mod in self.leaves:
+            if type(mod) in AFFINE:
+                chain.append(mod)
+                continue
+            if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+                return None, f"module {_label(name)!r} ({type(mod).__name__}) has parameters or buffers"
+            if _is_random(mod):
+                return None, f"module {_label(name)!r} is random in training mode"
+            if getattr(mod, "inplace", False):
+                return None, f"module {_label(name)!r} works in place"
+            chain.append(mod)
+        return chain, None
+
+    def layerwise_layers(self) -> list[LayerInfo] | None:
+        """Linear/Conv2d layers owning every trainable parameter, for the batched-backward exact diagonal;
+        None when that route does not apply (shared parameters, other layers, grouped convolutions,
+        reused modules, batch statistics)."""
+        if self.shared_parameters or self.reused_modules or self.mixing or self.random:
+            return None
+        out: list[LayerInfo] = []
+        covered: set[str] = set()
+        for lay in self.layers:
+            if lay.kind not in ("linear", "conv2d") or lay.weight is None:
+                return None
+            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
+                return None
+            out.append(lay)
+            covered.update(lay.params)
+        return out if covered == set(self.trainable) else None
+
+    def kronecker_layers(self, what: str, allow_conv: bool = True) -> list[LayerInfo]:
+        """The layers of a Kronecker-factored approximation (Linear, and Conv2d with groups 1 if
+        ``allow_conv``), or an :class:`UnsupportedModelError` naming the first module it cannot take."""
+        supported = ("linear", "conv2d") if allow_conv else ("linear",)
+        names = "nn.Linear or nn.Conv2d" if allow_conv else "nn.Linear"
+        if self.reused_modules:
+            name, aliases = next(iter(self.reused_modules.items()))
+            raise refuse(what, _label(name), dict(self.modules)[name], f"is registered under "
+                         f"{len(aliases)} names ({', '.join(aliases)}), so it runs more than once per forward "
+                         "pass and its input and output gradient cannot be paired", "use one module per call")
+        for pname, owners in self.shared_parameters.items():
+            raise UnsupportedModelError(
+                f"{what}: parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (weight "
+                "tying); a Kronecker block belongs to one layer; untie the weights or use an exact operator")
+        self.require_deterministic(what)
+        self.require_independent_samples(what)
+        out = []
+        for lay in self.layers:
+            if lay.kind not in supported:
+                raise refuse(what, lay.label, lay.module, f"has trainable parameters but only {names} layers "
+                             "have Kronecker factors", "freeze its parameters (requires_grad_(False)) or use an "
+                             "exact or diagonal curvature")
+            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
+                raise refuse(what, lay.label, lay.module, f"has groups={lay.module.groups}",
+                             "only groups=1 convolutions have Kronecker factors")
+            if lay.weight is None:
+                raise refuse(what, lay.label, lay.module, "has a trainable bias but a frozen weight",
+                             "the Kronecker block needs the weight: freeze both or neither")
+            out.append(lay)
+        if not out:
+            raise UnsupportedModelError(f"{what}: {type(self.model).__name__} has no trainable parameters")
+        return out
+
+    def mlp_chain(self, what: str) -> MLPChain:
+        """Parse the model as a feed-forward chain (for the recursions of thesis Lemmas 3.16/3.22, KFRA,
+        and the batched SGLD gradient), or raise naming the offending module."""
+        acts = ", ".join(sorted(t.__name__ for t in ELEMENTWISE))
+        if type(self.model) is not nn.Sequential:
+            raise refuse(what, "<root>", self.model, "is not an nn.Sequential",
+                         f"build the model as nn.Sequential([nn.Flatten], nn.Linear, activation, ..., nn.Linear) "
+                         f"with activations from: {acts}")
+        names: list[str] = []
+        linears: list[nn.Linear] = []
+        activations: list[list[nn.Module]] = []
+        weights: list[str] = []
+        biases: list[str | None] = []
+        flatten: nn.Module | None = None
+        last = ""
+        for i, (name, m) in enumerate(self.model.named_children()):
+            last = name
+            if isinstance(m, nn.Flatten) and i == 0:
+                flatten = m
+            elif type(m) is nn.Linear:
+                names.append(name)
+                linears.append(m)
+                activations.append([])
+                weights.append(self._trainable_name(what, name, m, m.weight))
+                biases.append(None if m.bias is None else self._trainable_name(what, name, m, m.bias))
+            elif type(m) in ELEMENTWISE and not any(True for _ in m.parameters()):
+                if not linears:
+                    raise refuse(what, name, m, "comes before the first nn.Linear",
+                                 "start the chain with nn.Linear (optionally after nn.Flatten)")
+                activations[-1].append(m)
+            else:
+                raise refuse(what, name, m, "is not supported in an MLP chain",
+                             f"use nn.Linear layers and elementwise activations ({acts})")
+        if not linears:
+            raise UnsupportedModelError(f"{what}: the model has no nn.Linear layer")
+        if activations[-1]:
+            raise refuse(what, last, activations[-1][-1], "comes after the last nn.Linear: the model ends with an activation",
+                         "the output must be the likelihood's natural parameter (logits/mean): remove the output "
+                         "activation and let the likelihood apply it")
+        if self.reused_modules:
+            name, aliases = next(iter(self.reused_modules.items()))
+            raise refuse(what, _label(name), dict(self.modules)[name], f"is used more than once "
+                         f"({', '.join(aliases)})", "use one module per layer")
+        for pname, owners in self.shared_parameters.items():
+            raise UnsupportedModelError(f"{what}: parameter {pname!r} is shared by modules "
+                                        f"{', '.join(repr(o) for o in owners)}; untie the weights")
+        return MLPChain(names, linears, activations, flatten, weights, biases)
+
+    def _trainable_name(self, what: str, label: str, mod: nn.Module, p: Tensor) -> str:
+        name = self._canonical[id(p)]
+        if not p.requires_grad:
+            raise refuse(what, label, mod, "has frozen parameters",
+                         "the recursions need every parameter of the chain to be trainable")
+        return name
+
+    def piecewise_linear_reason(self) -> str | None:
+        """None if the model is VERIFIABLY piecewise linear in each layer's parameters, else why not.
+
+        Verified structurally: a plain ``nn.Sequential`` of Linear/Conv1d/Conv2d layers and parameter-free
+        piecewise-linear modules (the piecewise-linear entries of :data:`ELEMENTWISE`, reshapes,
+        max/average pooling, Dropout in eval mode), each used once and with no parameter shared between
+        layers. Then the output is linear in each layer's (weight, bias) with the others fixed (almost
+        everywhere), the output Hessian has zero diagonal blocks, and the loss Hessian's diagonal blocks
+        equal the GGN's (thesis Lemma 3.23).
+        """
+        for pname, owners in self.shared_parameters.items():
+            return (f"parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (the output "
+                    "is not linear in a tied weight)")
+        chain, reason = self.tangent_chain()
+        if chain is None:
+            return reason
+        for name, mod in self.leaves:
+            if type(mod) in AFFINE or ELEMENTWISE.get(type(mod), False):
+                continue
+            if type(mod) in RESHAPES or type(mod) in POOLING or type(mod) in DROPOUTS:
+                continue
+            return f"module {_label(name)!r} ({type(mod).__name__}) is not known to be piecewise linear"
+        return None
+
+    # ------------------------------------------------------------------ evaluation
+    def functional_call(self, params: Mapping[str, Tensor], args: Any,
+                        buffers: Mapping[str, Tensor] | None = None) -> Any:
+        """``model(*args)`` with the parameters (and buffers) named in ``params``/``buffers`` (canonical
+        names) replaced by the given tensors; the model's own objects are back in place afterwards.
+
+        Parameters not named keep their module values. Works with shared parameters and reused modules,
+        inside ``torch.func`` transforms (``vmap``, ``jvp``, ``grad``).
+        """
+        state: dict[str, Tensor] = {}
+        for slot, cname in self._param_slots:
+            if cname in params:
+                state[slot] = params[cname]
+        if buffers is not None:
+            for slot, cname in self._buffer_slots:
+                if cname in buffers:
+                    state[slot] = buffers[cname]
+        if not isinstance(args, tuple):
+            args = (args,)
+        with self._restored():
+            return _torch_functional_call(self.model, state, args, tie_weights=False, strict=False)
+
+    @contextmanager
+    def _restored(self) -> Iterator[None]:
+        saved = [(mod, dict(mod._parameters), dict(mod._buffers)) for _, mod in self.modules]
+        try:
+            yield
+        finally:
+            for mod, ps, bs in saved:
+                for attr, p in ps.items():
+                    if mod._parameters.get(attr) is not p:
+                        mod._parameters[attr] = p
+                for attr, b in bs.items():
+                    if mod._buffers.get(attr) is not b:
+                        mod._buffers[attr] = b
+
+    def count_calls(self, modules: Sequence[nn.Module]) -> _CallCounter:
+        """A context manager counting the calls of ``modules`` during a forward pass (``.counts``)."""
+        return _CallCounter(modules)
+
+
+class _CallCounter:
+    def __init__(self, modules: Sequence[nn.Module]):
+        self.modules = list(modules)
+        self.counts = [0] * len(self.modules)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _CallCounter:
+        for i, m in enumerate(self.modules):
+            self._handles.append(m.register_forward_hook(self._hook(i)))
+        return self
+
+    def _hook(self, i: int) -> Callable[..., None]:
+        def fn(*_: Any) -> None:
+            self.counts[i] += 1
+        return fn
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def read_model(model: nn.Module) -> ModelStructure:
+    """Read ``model``'s structure once (see :class:`ModelStructure` and the module docstring)."""
+    return ModelStructure(model)
+
+
+# ---------------------------------------------------------------------------------------------- convolutions
+def _conv_pad(conv: nn.Module, x: Tensor) -> tuple[Tensor, Any]:
+    """Apply a convolution's padding to x: (padded input, padding left for F.conv / F.unfold)."""
+    if conv.padding_mode != "zeros":  # type: ignore[attr-defined]
+        return F.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode), 0  # type: ignore[arg-type]
+    if isinstance(conv.padding, str):  # 'same' / 'valid': explicit (possibly asymmetric) zero padding
+        return F.pad(x, conv._reversed_padding_repeated_twice), 0  # type: ignore[arg-type]
+    return x, conv.padding
+
+
+def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``conv``'s operation (stride, padding of any mode, dilation, groups) with the given weight and bias;
+    linear in (x, weight, bias) separately, so it also maps tangents."""
+    x, pad = _conv_pad(conv, x)
+    fn: Any = F.conv2d if isinstance(conv, nn.Conv2d) else F.conv1d
+    return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
+
+
+def conv_patches(conv: nn.Conv2d, x: Tensor) -> Tensor:
+    """Conv2d input (B, C, H, W) -> patches (B, T, C*kh*kw) in the order of ``weight.reshape(out, -1)``
+    (any padding mode); T is the number of output locations."""
+    if x.dim() != 4:
+        raise ValueError(f"Conv2d expects a (B, C, H, W) input, got shape {tuple(x.shape)}")
+    x, pad = _conv_pad(conv, x)
+    cols = F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=pad, stride=conv.stride)
+    return cols.transpose(1, 2)
+
