@@ -72,20 +72,20 @@ def optimisers(B: int, k: int) -> dict[str, Entry]:
         "BFRMSPropSS (O4)": Entry(lambda m: BFRMSPropSS(m.parameters(), lr=1e-3, batch_size=B), "factorised"),
         "BFAdam (O5)": Entry(lambda m: BFAdam(m.parameters(), lr=1e-3, batch_size=B), "factorised"),
         "BFAdamSS (O6)": Entry(lambda m: BFAdamSS(m.parameters(), lr=1e-3, batch_size=B), "factorised"),
-        f"KFWhiten (O9, k={k})": Entry(lambda m: KFWhiten(m, lr=1e-3, batch_size=B, inv_every=k), "kronecker", k),
-        f"KFWhiten (O9, k={5 * k})": Entry(lambda m: KFWhiten(m, lr=1e-3, batch_size=B, inv_every=5 * k),
+        f"KFWhiten (O9, k={k})": Entry(lambda m: KFWhiten(m.parameters(), model=m, lr=1e-3, batch_size=B, inv_every=k), "kronecker", k),
+        f"KFWhiten (O9, k={5 * k})": Entry(lambda m: KFWhiten(m.parameters(), model=m, lr=1e-3, batch_size=B, inv_every=5 * k),
                                            "kronecker", 5 * k),
         f"KFBayes (O8, batched all rows, k={k})": Entry(
-            lambda m: KFBayes(m, lr=1e-3, batch_size=B, sample_update="batched", fisher_samples=None, inv_every=k),
+            lambda m: KFBayes(m.parameters(), model=m, lr=1e-3, batch_size=B, sample_update="batched", fisher_samples=None, inv_every=k),
             "kronecker", k),
         f"KFBayes (O8, default: sequential 8, k={k})": Entry(
-            lambda m: KFBayes(m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=k), "kronecker", k),
+            lambda m: KFBayes(m.parameters(), model=m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=k), "kronecker", k),
         f"KFBayes (O8, sequential 8, k={5 * k})": Entry(
-            lambda m: KFBayes(m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=5 * k), "kronecker", 5 * k),
+            lambda m: KFBayes(m.parameters(), model=m, lr=1e-3, batch_size=B, fisher_samples=8, inv_every=5 * k), "kronecker", 5 * k),
         "KFNatGrad (O7, batched all rows)": Entry(
-            lambda m: KFNatGrad(m, batch_size=B, sample_update="batched", fisher_samples=None), "kronecker"),
-        "KFNatGrad (O7, default: sequential 8)": Entry(lambda m: KFNatGrad(m, batch_size=B), "kronecker"),
-        "KFNatGrad (O7, sequential all rows)": Entry(lambda m: KFNatGrad(m, batch_size=B, fisher_samples=None),
+            lambda m: KFNatGrad(m.parameters(), model=m, batch_size=B, sample_update="batched", fisher_samples=None), "kronecker"),
+        "KFNatGrad (O7, default: sequential 8)": Entry(lambda m: KFNatGrad(m.parameters(), model=m, batch_size=B), "kronecker"),
+        "KFNatGrad (O7, sequential all rows)": Entry(lambda m: KFNatGrad(m.parameters(), model=m, batch_size=B, fisher_samples=None),
                                                      "kronecker"),
     }
 

@@ -7,7 +7,7 @@ float32, CPU, batch 128 of real MNIST images padded to 32x32 and scaled to [0, 1
 
 Timed callables (each from the batch to the updated parameters):
 
-* ``mesu_vmap``: ``MESU.step(inputs=X, targets=y)``: the vectorised MC gradients (Eq. 1) + the Eq. 3 update;
+* ``mesu_vmap``: ``MESU.step(batch=(X, y))``: the vectorised MC gradients (Eq. 1) + the Eq. 3 update;
 * ``mesu_closure``: ``MESU.step(closure)``: the torch.optim closure path, K sequential forward/backward
   passes with the sampled weights written into the module + the same update;
 * ``loop_fwd_bwd``: the same K gradient samples by K sequential ``functional_call`` forward/backward passes
@@ -56,11 +56,11 @@ def build(mc_samples: int) -> dict[str, Callable[[], object]]:
     fns: dict[str, Callable[[], object]] = {}
 
     m1 = mlp([1024, 200, 200, 10], "relu", seed=0)
-    o1 = MESU(m1, mc_samples=mc_samples, seed=0)
-    fns["mesu_vmap"] = lambda: o1.step(inputs=X, targets=y)
+    o1 = MESU(m1.parameters(), model=m1, mc_samples=mc_samples, seed=0)
+    fns["mesu_vmap"] = lambda: o1.step(batch=(X, y))
 
     m2 = mlp([1024, 200, 200, 10], "relu", seed=0)
-    o2 = MESU(m2, mc_samples=mc_samples, seed=0)
+    o2 = MESU(m2.parameters(), model=m2, mc_samples=mc_samples, seed=0)
 
     def closure() -> torch.Tensor:
         out = nn.functional.cross_entropy(m2(X), y, reduction="sum")

@@ -32,7 +32,7 @@ def _stream(seed=0, d=D):
 
 def _mesu_learner():
     model = mlp([12, 16, 3], seed=0)
-    return MeanFieldLearner(model, MESU(model, sigma_prior=0.04, sigma_res=10.0, mc_samples=3, seed=1))
+    return MeanFieldLearner(model, MESU(model.parameters(), model=model, sigma_prior=0.04, sigma_res=10.0, mc_samples=3, seed=1))
 
 
 def _ewc_learner():

@@ -33,9 +33,9 @@ FACTORISED = {
     "adam_ss": lambda ps: BFAdamSS(ps, lr=1e-2, combine=True, eta_w=1e-3, batch_size=8),
 }
 KRONECKER = {
-    "kf_natgrad": lambda m: KFNatGrad(m, batch_size=8),
-    "kf_bayes": lambda m: KFBayes(m, lr=1e-2, sigma2=1.0, batch_size=8, inv_every=2),
-    "kf_whiten": lambda m: KFWhiten(m, lr=1e-2, batch_size=8, inv_every=2, eta_p=0.1),
+    "kf_natgrad": lambda m: KFNatGrad(m.parameters(), model=m, batch_size=8),
+    "kf_bayes": lambda m: KFBayes(m.parameters(), model=m, lr=1e-2, sigma2=1.0, batch_size=8, inv_every=2),
+    "kf_whiten": lambda m: KFWhiten(m.parameters(), model=m, lr=1e-2, batch_size=8, inv_every=2, eta_p=0.1),
 }
 
 
@@ -76,7 +76,7 @@ def test_state_dict_round_trip_gives_identical_steps(kind):
     _train(net2, opt2, data[3:])
     for a, b in zip(net.parameters(), net2.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    prec = opt.posterior_precision()
+    prec = opt.curvature()
     assert isinstance(prec, KroneckerOperator if kind in KRONECKER else DiagonalOperator)
     assert prec.shape == (sum(p.numel() for p in net.parameters()),) * 2
     assert bool((torch.linalg.eigvalsh(prec.to_dense()) > 0).all())
@@ -104,10 +104,10 @@ def test_invalid_hyperparameters_raise(factory, match):
 
 
 def test_kronecker_invalid_hyperparameters_raise():
-    for factory, match in [(lambda m: KFBayes(m, lr=-1), "lr"), (lambda m: KFBayes(m, projection="x"), "projection"),
-                           (lambda m: KFBayes(m, fisher_samples=0), "fisher_samples"),
-                           (lambda m: KFWhiten(m, beta=1.5), "beta"), (lambda m: KFWhiten(m, damping=0), "damping"),
-                           (lambda m: KFWhiten(m, inv_every=0), "inv_every")]:
+    for factory, match in [(lambda m: KFBayes(m.parameters(), model=m, lr=-1), "lr"), (lambda m: KFBayes(m.parameters(), model=m, projection="x"), "projection"),
+                           (lambda m: KFBayes(m.parameters(), model=m, fisher_samples=0), "fisher_samples"),
+                           (lambda m: KFWhiten(m.parameters(), model=m, beta=1.5), "beta"), (lambda m: KFWhiten(m.parameters(), model=m, damping=0), "damping"),
+                           (lambda m: KFWhiten(m.parameters(), model=m, inv_every=0), "inv_every")]:
         with pytest.raises(ValueError, match=match):
             factory(_net())
 
@@ -125,26 +125,27 @@ def test_runtime_errors_are_clear():
     next(net.parameters()).grad.zero_()
     with pytest.raises(ValueError, match="fisher_diag"):
         BFRMSProp(net.parameters(), fisher="given", batch_size=8).step()
-    kf = KFBayes(_net(), batch_size=8)
+    net2 = _net()
+    kf = KFBayes(net2.parameters(), model=net2, batch_size=8)
     with pytest.raises(RuntimeError, match="step"):
-        kf.posterior_precision()
+        kf.curvature()
 
 
 def test_unsupported_layers_are_named():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"'1'.*BatchNorm1d"):
-        KFBayes(model)
+        KFBayes(model.parameters(), model=model)
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
     with pytest.raises(ValueError, match=r"'0'.*Conv2d"):
-        KFNatGrad(conv)
+        KFNatGrad(conv.parameters(), model=conv)
     # KFWhiten supports Conv2d (KFC-style patch statistics)
-    opt = KFWhiten(conv, lr=1e-2, batch_size=4)
+    opt = KFWhiten(conv.parameters(), model=conv, lr=1e-2, batch_size=4)
     X, y = torch.randn(4, 1, 6, 6), torch.randint(0, 3, (4,))
     before = conv[0].weight.detach().clone()
     torch.nn.functional.cross_entropy(conv(X), y).backward()
     opt.step()
     assert not torch.equal(before, conv[0].weight)
-    prec = opt.posterior_precision()
+    prec = opt.curvature()
     assert prec.blocks[0].A.shape == (1 * 3 * 3 + 1,) * 2
 
 

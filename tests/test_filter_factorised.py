@@ -116,7 +116,7 @@ def test_k2_dense_filter_is_exact_kalman_with_drift():
         torch.testing.assert_close(opt.covariance, P, atol=1e-11, rtol=0)
         m = F @ m
         torch.testing.assert_close(w.weight.detach().reshape(-1), m, atol=1e-11, rtol=0)
-    prec = opt.posterior_precision().to_dense()
+    prec = opt.curvature().to_dense()
     torch.testing.assert_close(prec, torch.linalg.inv(P), atol=1e-8, rtol=1e-8)
 
 
@@ -128,8 +128,8 @@ def test_k3_natural_gradient_limit():
         p.grad = torch.zeros_like(p)
         opt.step(fisher_diag=[torch.tensor([e * e], dtype=DT)])
     assert opt.state[p]["s"].item() == pytest.approx(1 / 15, abs=1e-15)
-    assert isinstance(opt.posterior_precision().flat, torch.Tensor)
-    assert opt.posterior_precision().flat.item() == pytest.approx(15.0)
+    assert isinstance(opt.curvature().flat, torch.Tensor)
+    assert opt.curvature().flat.item() == pytest.approx(15.0)
 
 
 # ----------------------------------------------------------------------------------------------- K4
@@ -379,5 +379,5 @@ def test_k6_combined_adam_ss_step_matches_the_formulas():
     a = (eta**2 + eta_w**2) / (2 * sigma2)
     torch.testing.assert_close(opt.state[p]["mu_post"], p0 + Sww * g, atol=1e-14, rtol=0)
     torch.testing.assert_close(p.detach(), (1 - a) * (p0 + Sww * g) + eta * Swp * g, atol=1e-14, rtol=0)
-    torch.testing.assert_close(opt.posterior_precision().flat, 1 / Sww, atol=0, rtol=1e-12)
+    torch.testing.assert_close(opt.curvature().flat, 1 / Sww, atol=0, rtol=1e-12)
     torch.testing.assert_close(opt.effective_lr()["group0.param0"], Sww + Swp * eta / eta_p, atol=0, rtol=1e-12)

@@ -104,7 +104,7 @@ def _run_exactness(in_f, out_f, bias, fisher_fn, projection, steps=8, eta=0.05, 
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
     net = torch.nn.Linear(in_f, out_f, bias=bias).double()
-    opt = KFBayes(net, lr=eta, sigma2=sigma2, s0=0.3, projection=projection, reduction="sum", fisher_samples=None)
+    opt = KFBayes(net.parameters(), model=net, lr=eta, sigma2=sigma2, s0=0.3, projection=projection, reduction="sum", fisher_samples=None)
     decay = 1 - eta**2 / (2 * sigma2)
     rec = opt.layers[0]
     m = _vec_col(rec.weight_matrix())
@@ -223,12 +223,12 @@ def test_kfnatgrad_posterior_precision_is_kronecker_and_matches_factors():
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
-    opt = KFNatGrad(net, s0=0.1, reduction="mean", batch_size=6)
+    opt = KFNatGrad(net.parameters(), model=net, s0=0.1, reduction="mean", batch_size=6)
     for _ in range(3):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(torch.randn(6, 4, dtype=DT)), torch.randint(0, 2, (6,))).backward()
         opt.step()
-    prec = opt.posterior_precision()
+    prec = opt.curvature()
     assert isinstance(prec, KroneckerOperator)
     Sx, Sd = opt.factors()["0"]
     # first layer has no bias: its flat block is row-major W, covariance Sigma^delta (x) Sigma^x
@@ -250,7 +250,7 @@ def test_kfwhiten_matches_o9_reference(inv_every, batch):
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(0)
     net = torch.nn.Linear(6, 5).double()
-    opt = KFWhiten(net, lr=eta, beta=beta, damping=damping, inv_every=inv_every, reduction="sum")
+    opt = KFWhiten(net.parameters(), model=net, lr=eta, beta=beta, damping=damping, inv_every=inv_every, reduction="sum")
     rec = opt.layers[0]
     W = rec.weight_matrix()
     Cx, Cd = torch.zeros(7, 7, dtype=DT), torch.zeros(5, 5, dtype=DT)
@@ -315,9 +315,9 @@ def test_kronecker_filters_do_not_depend_on_the_product_route(monkeypatch, l2):
             monkeypatch.setattr(kron_math, "low_rank_is_cheaper", lambda K, M, N: False)
             monkeypatch.setattr(kronecker, "whitening_low_rank_is_cheaper", lambda *a: False)
             monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (1, 0))
-        for name, make in (("bayes", lambda m: KFBayes(m, lr=1e-2, batch_size=3, fisher_samples=None,
+        for name, make in (("bayes", lambda m: KFBayes(m.parameters(), model=m, lr=1e-2, batch_size=3, fisher_samples=None,
                                                         sample_update="batched")),
-                           ("whiten", lambda m: KFWhiten(m, lr=1e-2, batch_size=3, inv_every=2))):
+                           ("whiten", lambda m: KFWhiten(m.parameters(), model=m, lr=1e-2, batch_size=3, inv_every=2))):
             torch.manual_seed(0)
             net = torch.nn.Sequential(torch.nn.Linear(7, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
             opt = make(net)
@@ -340,7 +340,7 @@ def test_kfwhiten_step_stays_bounded_when_the_gradient_scale_jumps():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
     eta, beta, K = 1e-2, 0.99, 4
-    opt = KFWhiten(net, lr=eta, beta=beta, inv_every=20, reduction="sum")
+    opt = KFWhiten(net.parameters(), model=net, lr=eta, beta=beta, inv_every=20, reduction="sum")
     steps = []
     for t, c in enumerate((1.0, 1e4, 1e4), start=1):
         Xin, y = torch.randn(K, 5, generator=gen, dtype=DT), torch.randint(0, 3, (K,), generator=gen)
@@ -366,7 +366,7 @@ def test_kfwhiten_repeated_batch_does_not_diverge():
     X, y = torch.rand(8, 20, generator=gen, dtype=DT), torch.randint(0, 5, (8,), generator=gen)
     net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                               torch.nn.Linear(32, 5)).double()
-    opt = KFWhiten(net, lr=1e-3, damping=1e-3, inv_every=20, batch_size=8)
+    opt = KFWhiten(net.parameters(), model=net, lr=1e-3, damping=1e-3, inv_every=20, batch_size=8)
     losses = []
     for _ in range(60):
         opt.zero_grad()
@@ -387,7 +387,7 @@ def test_kfwhiten_is_invariant_to_the_loss_scale():
     for c in (1.0, 1e3):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
-        opt = KFWhiten(net, lr=1e-2, inv_every=2, reduction="sum")
+        opt = KFWhiten(net.parameters(), model=net, lr=1e-2, inv_every=2, reduction="sum")
         for Xin, y in data:
             opt.zero_grad()
             (c * torch.nn.functional.cross_entropy(net(Xin), y, reduction="sum")).backward()
@@ -413,7 +413,7 @@ def test_kronecker_effective_lr_and_regime_diagnostics():
 
     # KFBayes: effective lr = diag(Sigma^delta) diag(Sigma^x)^T * B, split into weight and bias
     net = net_()
-    opt = KFBayes(net, lr=1e-2, sigma2=1.0, batch_size=8)
+    opt = KFBayes(net.parameters(), model=net, lr=1e-2, sigma2=1.0, batch_size=8)
     train(opt, net)
     lrs = opt.effective_lr()
     Sx, Sd = opt.factors()["2"]
@@ -425,17 +425,17 @@ def test_kronecker_effective_lr_and_regime_diagnostics():
         assert 0 <= row["sgd_like"] <= 1 and 0 <= row["adam_like"] <= 1
     # KFNatGrad (eta = 0) has no Adam-like regime
     net = net_()
-    nat = KFNatGrad(net, batch_size=8)
+    nat = KFNatGrad(net.parameters(), model=net, batch_size=8)
     train(nat, net)
     assert all(r["adam_like"] == 0 and r["regime"] == "sgd" for r in nat.diagnostics())
     # KFWhiten: the damping plays the prior's role; it dominates -> SGD-like, negligible -> Adam-like
     for damping, want in ((1e4, "sgd"), (1e-8, "adam")):
         net = net_()
-        wh = KFWhiten(net, lr=1e-2, damping=damping, batch_size=8)
+        wh = KFWhiten(net.parameters(), model=net, lr=1e-2, damping=damping, batch_size=8)
         train(wh, net)
         rows = wh.diagnostics()
         assert [r["regime"] for r in rows] == [want, want]
-        Sigma = torch.linalg.inv(wh.posterior_precision().to_dense())
+        Sigma = torch.linalg.inv(wh.curvature().to_dense())
         flat = torch.cat([wh.effective_lr()[n].reshape(-1) for n, _ in net.named_parameters()])
         torch.testing.assert_close(flat, torch.diagonal(Sigma) * 8, rtol=1e-8, atol=0)
 
@@ -498,7 +498,7 @@ def _trajectory(cls, kwargs, l2=0.0, given=False, steps=5):
     gen = torch.Generator().manual_seed(21)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
-    opt = cls(net, batch_size=5, **kwargs)
+    opt = cls(net.parameters(), model=net, batch_size=5, **kwargs)
     for _ in range(steps):
         Xin, y = torch.randn(5, 6, generator=gen, dtype=DT), torch.randint(0, 3, (5,), generator=gen)
         opt.zero_grad()

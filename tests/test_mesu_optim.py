@@ -37,12 +37,13 @@ def data(n=6, shape=(4,), seed=1):
 def test_mesu_step_applies_eq3_to_the_mc_gradients():
     model = tiny_mlp()
     X, y = data()
-    opt = MESU(model, sigma_prior=0.1, sigma_res=10.0, mc_samples=4, seed=3)
-    ref = MESU(copy.deepcopy(model), sigma_prior=0.1, sigma_res=10.0, mc_samples=4, seed=3)
+    opt = MESU(model.parameters(), model=model, sigma_prior=0.1, sigma_res=10.0, mc_samples=4, seed=3)
+    net = copy.deepcopy(model)
+    ref = MESU(net.parameters(), model=net, sigma_prior=0.1, sigma_res=10.0, mc_samples=4, seed=3)
     g = ref.mc_gradients(X, y)  # same generator state -> same eps as opt's step
     mu0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     s0 = {n: s.clone() for n, s in opt.sigma_dict().items()}
-    opt.step(inputs=X, targets=y)
+    opt.step(batch=(X, y))
     for n, p in model.named_parameters():
         s = s0[n]
         torch.testing.assert_close(p.detach(), mu0[n] - s**2 * g.g_mu[n], rtol=1e-12, atol=1e-14)
@@ -52,7 +53,7 @@ def test_mesu_step_applies_eq3_to_the_mc_gradients():
     # MESU w/o reg and BBB-SGD on the same gradients
     for cls, kw in ((MESUNoReg, dict(sigma_init=0.1)), (BBBSGD, dict(lr=0.05, sigma_init=0.1))):
         m2 = copy.deepcopy(model)
-        o2 = cls(m2, mc_samples=4, **kw)
+        o2 = cls(m2.parameters(), model=m2, mc_samples=4, **kw)
         before = {n: p.detach().clone() for n, p in m2.named_parameters()}
         o2.step(grads=g)
         for n, p in m2.named_parameters():
@@ -68,8 +69,8 @@ def test_mesu_step_applies_eq3_to_the_mc_gradients():
 def test_closure_path_equals_vectorised_path(make, shape):
     X, y = data(shape=shape)
     m1, m2 = make(), make()
-    o1 = MESU(m1, sigma_prior=0.1, mc_samples=3, seed=5)
-    o2 = MESU(m2, sigma_prior=0.1, mc_samples=3, seed=5)
+    o1 = MESU(m1.parameters(), model=m1, sigma_prior=0.1, mc_samples=3, seed=5)
+    o2 = MESU(m2.parameters(), model=m2, sigma_prior=0.1, mc_samples=3, seed=5)
 
     def closure():
         o2.zero_grad()
@@ -78,7 +79,7 @@ def test_closure_path_equals_vectorised_path(make, shape):
         return loss
 
     for _ in range(2):
-        l1 = o1.step(inputs=X, targets=y)
+        l1 = o1.step(batch=(X, y))
         l2 = o2.step(closure)
         torch.testing.assert_close(l1, l2, rtol=1e-12, atol=1e-12)
     for (n, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
@@ -91,18 +92,18 @@ def test_closure_path_equals_vectorised_path(make, shape):
 def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw):
     X, y = data(8)
     model = tiny_mlp()
-    opt = cls(model, mc_samples=3, seed=2, **kw)
+    opt = cls(model.parameters(), model=model, mc_samples=3, seed=2, **kw)
     for _ in range(3):
-        opt.step(inputs=X, targets=y)
+        opt.step(batch=(X, y))
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
-    ref = [opt.step(inputs=X, targets=y) for _ in range(2)]
+    ref = [opt.step(batch=(X, y)) for _ in range(2)]
     model2 = tiny_mlp(seed=9)
     model2.load_state_dict(saved_model)
-    opt2 = cls(model2, mc_samples=3, seed=123, **kw)
+    opt2 = cls(model2.parameters(), model=model2, mc_samples=3, seed=123, **kw)
     opt2.load_state_dict(saved_opt)
     assert opt2.num_steps == 3
-    out = [opt2.step(inputs=X, targets=y) for _ in range(2)]
+    out = [opt2.step(batch=(X, y)) for _ in range(2)]
     for a, b in zip(ref, out):
         assert torch.equal(a, b)
     for (n, p1), p2 in zip(model.named_parameters(), model2.parameters()):
@@ -110,7 +111,7 @@ def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw):
         assert torch.equal(opt.sigma_dict()[n], opt2.sigma_dict()[n])
     assert opt.diagnostics == opt2.diagnostics
     method = "stein" if cls is BBBSGD else "state"
-    assert torch.equal(opt.hessian_diagonal(method).flat, opt2.hessian_diagonal(method).flat)
+    assert torch.equal(opt.curvature(method).flat, opt2.curvature(method).flat)
 
 
 @pytest.mark.parametrize(
@@ -135,45 +136,48 @@ def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw):
 def test_invalid_hyperparameters_raise(cls, kw, match):
     kw = {"lr": 0.1, **kw} if cls is BBBSGD else kw
     with pytest.raises(ValueError, match=match):
-        cls(tiny_mlp(), **kw)
+        net = tiny_mlp()
+        cls(net.parameters(), model=net, **kw)
 
 
 def test_invalid_param_group_and_step_arguments_raise():
     model = tiny_mlp()
     with pytest.raises(ValueError, match="sigma_res"):
-        MESU(model, [{"params": [model[0].weight], "sigma_res": -1.0}])
+        MESU([{"params": [model[0].weight], "sigma_res": -1.0}], model=model)
     with pytest.raises(ValueError, match="parameter of `model`"):
-        MESU(model, [nn.Parameter(torch.zeros(3, dtype=DT))])
-    opt = MESU(model)
+        MESU([nn.Parameter(torch.zeros(3, dtype=DT))], model=model)
+    opt = MESU(model.parameters(), model=model)
     X, y = data()
     with pytest.raises(ValueError, match="exactly one"):
         opt.step()
     with pytest.raises(ValueError, match="exactly one"):
-        opt.step(inputs=X)
+        opt.step(lambda: 0.0, batch=(X, y))
+    with pytest.raises(TypeError, match="unknown keyword"):
+        opt.step(batch=(X, y), input=X)
     with pytest.raises(ValueError, match="finite"):
-        opt.step(inputs=X * float("nan"), targets=y)
+        opt.step(batch=(X * float("nan"), y))
     with pytest.raises(ValueError, match="targets"):
-        opt.step(inputs=X, targets=y.double())
+        opt.step(batch=(X, y.double()))
     with pytest.raises(RuntimeError, match="at least one step"):
-        opt.hessian_diagonal()
+        opt.curvature()
     with pytest.raises(ValueError, match="method"):
-        opt.hessian_diagonal("nope")
+        opt.curvature("nope")
     with pytest.raises(ValueError, match="stein"):
-        BBBSGD(model, lr=0.1).hessian_diagonal("state")
+        BBBSGD(model.parameters(), model=model, lr=0.1).curvature("state")
 
 
 def test_param_groups_and_deterministic_parameters():
     model = tiny_mlp()
     X, y = data()
     fixed = model[0].bias.detach().clone()
-    opt = MESU(model, [{"params": [model[0].weight]},
-                       {"params": [model[2].weight, model[2].bias], "sigma_prior": 0.2, "sigma_res": 5.0}],
+    opt = MESU([{"params": [model[0].weight]},
+                       {"params": [model[2].weight, model[2].bias], "sigma_prior": 0.2, "sigma_res": 5.0}], model=model,
                sigma_prior=0.1)
     assert set(opt.sigma_dict()) == {"0.weight", "2.weight", "2.bias"}
     assert float(opt.sigma_dict()["2.bias"][0]) == pytest.approx(0.2)
-    opt.step(inputs=X, targets=y)
+    opt.step(batch=(X, y))
     assert torch.equal(model[0].bias.detach(), fixed)
-    H = opt.hessian_diagonal()
+    H = opt.curvature()
     assert isinstance(H, DiagonalOperator) and H.dtype == torch.float64
     assert H.layout.names == ("0.weight", "2.weight", "2.bias")  # module order
     s = opt.sigma_dict()["2.bias"].double()
@@ -184,30 +188,31 @@ def test_hessian_diagonal_api_all_optimisers():
     model = tiny_mlp()
     X, y = data()
     layout = ParamLayout.from_module(model)
-    for opt in (MESU(model), MESUNoReg(model), BGD(model), BBBSGD(model, lr=0.01)):
-        opt.step(inputs=X, targets=y)
-        stein = opt.hessian_diagonal("stein")
+    for opt in (MESU(model.parameters(), model=model), MESUNoReg(model.parameters(), model=model), BGD(model.parameters(), model=model), BBBSGD(model.parameters(), model=model, lr=0.01)):
+        opt.step(batch=(X, y))
+        stein = opt.curvature("stein")
         assert stein.layout == layout
         assert torch.isfinite(stein.flat).all()
         if not isinstance(opt, BBBSGD):
-            est = opt.hessian_diagonal()
+            est = opt.curvature()
             assert est.layout == layout and est.flat.shape == (layout.dim,)
     # Lemma 1 estimator = g_sigma / pre-step sigma
-    opt = MESU(model, mc_samples=2, seed=1)
-    ref = MESU(copy.deepcopy(model), mc_samples=2, seed=1)
+    opt = MESU(model.parameters(), model=model, mc_samples=2, seed=1)
+    net = copy.deepcopy(model)
+    ref = MESU(net.parameters(), model=net, mc_samples=2, seed=1)
     g = ref.mc_gradients(X, y)
     s = {n: t.clone() for n, t in opt.sigma_dict().items()}
-    opt.step(inputs=X, targets=y)
-    torch.testing.assert_close(opt.hessian_diagonal("stein").tensors[0], (g.g_sigma["0.weight"] / s["0.weight"]).double())
+    opt.step(batch=(X, y))
+    torch.testing.assert_close(opt.curvature("stein").tensors[0], (g.g_sigma["0.weight"] / s["0.weight"]).double())
 
 
 def test_max_ratio_safeguard_clamps_steps():
     model = tiny_mlp()
     X, y = data()
-    opt = MESU(model, sigma_prior=0.1, max_ratio=1e-3)
+    opt = MESU(model.parameters(), model=model, sigma_prior=0.1, max_ratio=1e-3)
     mu0 = [p.detach().clone() for p in model.parameters()]
     s0 = [s.clone() for s in opt.sigma_dict().values()]
-    opt.step(inputs=X, targets=y)
+    opt.step(batch=(X, y))
     for p, m, s, s_new in zip(model.parameters(), mu0, s0, opt.sigma_dict().values()):
         assert float((p.detach() - m).abs().max()) <= 1e-3 * 0.1 * (1 + 1e-9)
         assert float((s_new - s).abs().max()) <= 1e-3 * 0.1 * (1 + 1e-9)
@@ -216,8 +221,8 @@ def test_max_ratio_safeguard_clamps_steps():
 def test_mesu_trains_a_cnn_and_predicts():
     X, y = data(12, (1, 8, 8))
     model = tiny_cnn()
-    opt = MESU(model, sigma_prior=0.05, mc_samples=2)
-    losses = [float(opt.step(inputs=X, targets=y)) for _ in range(8)]
+    opt = MESU(model.parameters(), model=model, sigma_prior=0.05, mc_samples=2)
+    losses = [float(opt.step(batch=(X, y))) for _ in range(8)]
     assert losses[-1] < losses[0]
     p = opt.predict(X, mc_samples=3)
     assert p.shape == (12, 3)
@@ -241,7 +246,7 @@ def test_T9_vanishing_plasticity_scaled_down():
     for cls, kw in ((MESU, dict(sigma_prior=0.05, sigma_res=0.5)), (BGD, dict(sigma_init=0.05))):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(DT)
-        opt = cls(model, mc_samples=2, seed=0, **kw)
+        opt = cls(model.parameters(), model=model, mc_samples=2, seed=0, **kw)
         trace = []
         for t in range(5):
             for i in range(400):

@@ -48,7 +48,7 @@ def expected_step(opt, h, w_star=None):
 def run(opt, h, n):
     for _ in range(n):
         expected_step(opt, h)
-    return opt.hessian_diagonal().flat
+    return opt.curvature().flat
 
 
 # ---------------------------------------------------------------- T1: Lemma 1 (Stein) ----------
@@ -149,12 +149,12 @@ def test_T3_exact_fixed_point_and_relaxation_time():
     sp, sr = 0.1, 10.0
     star = sp / torch.sqrt(sr**2 * H + 1)  # sigma*^2 = sp^2 / (sr^2 H + 1), exact
     model = Vector(torch.zeros_like(H))
-    opt = MESU(model, sigma_prior=sp, sigma_res=sr)
+    opt = MESU(model.parameters(), model=model, sigma_prior=sp, sigma_res=sr)
     p = model.w
     opt.state[p]["sigma"].copy_(star)
     expected_step(opt, H)
     torch.testing.assert_close(opt.state[p]["sigma"], star, rtol=1e-13, atol=0)
-    torch.testing.assert_close(opt.hessian_diagonal().flat, H, rtol=1e-9, atol=1e-12)  # Eq. 7 exact there
+    torch.testing.assert_close(opt.curvature().flat, H, rtol=1e-9, atol=1e-12)  # Eq. 7 exact there
     # local rate g'(sigma*) = 1 - 2 sp^2/sr^2, the same for every H: tau = sr^2 / (2 sp^2) = 5000
     delta = 1e-7
     opt.state[p]["sigma"].copy_(star * (1 + delta))
@@ -168,28 +168,31 @@ def test_T3_transient_matches_leaky_integrator_and_digest_numbers():
     """From sigma_0 = sigma_p: H_MESU(n)/H ~ 1 - exp(-2 n sp^2/sr^2) (within 1% for n >= tau), and the
     digest's measured 0.181 at n = 1e3 for (0.1, 10); debias=True recovers H."""
     sp, sr = 0.1, 10.0
-    opt = MESU(Vector(torch.zeros_like(H)), sigma_prior=sp, sigma_res=sr)
+    net = Vector(torch.zeros_like(H))
+    opt = MESU(net.parameters(), model=net, sigma_prior=sp, sigma_res=sr)
     est = run(opt, H, 1000) / H
     assert torch.allclose(est, torch.full_like(H, 0.181), atol=1.5e-3)
     for n_more in (1500, 2500):
         est = run(opt, H, n_more) / H
         n = opt.num_steps
         torch.testing.assert_close(est, torch.full_like(H, 1 - math.exp(-2 * n * sp**2 / sr**2)), rtol=1e-2, atol=0)
-    torch.testing.assert_close(opt.hessian_diagonal(debias=True).flat, H, rtol=1e-2, atol=0)
+    torch.testing.assert_close(opt.curvature(debias=True).flat, H, rtol=1e-2, atol=0)
 
 
 def test_T3_collapse_outside_theorem_is_flagged_and_floor_prevents_it():
     """sigma_0 = 1/sqrt(H) (sigma_0 = 0.1, H = 100) collapses sigma to <= 0 in one step; the always-on
     diagnostics count it; the optional floor keeps sigma positive."""
     h = torch.tensor([100.0, 1.0], dtype=DT)
-    opt = MESU(Vector(torch.zeros(2, dtype=DT)), sigma_prior=0.1, sigma_res=10.0)
+    net = Vector(torch.zeros(2, dtype=DT))
+    opt = MESU(net.parameters(), model=net, sigma_prior=0.1, sigma_res=10.0)
     expected_step(opt, h)
     d = opt.diagnostics
     assert d["steps_large_sigma_grad"] == 1 and d["weights_large_sigma_grad"] == 1
     assert d["steps_nonpositive_sigma"] == 1 and d["weights_nonpositive_sigma"] == 1
     assert d["sigma_sign_flips"] == 1
     assert float(opt.state[opt.param_groups[0]["params"][0]]["sigma"][0]) <= 1e-15
-    safe = MESU(Vector(torch.zeros(2, dtype=DT)), sigma_prior=0.1, sigma_res=10.0, sigma_min=1e-3)
+    net = Vector(torch.zeros(2, dtype=DT))
+    safe = MESU(net.parameters(), model=net, sigma_prior=0.1, sigma_res=10.0, sigma_min=1e-3)
     expected_step(safe, h)
     assert float(safe.state[safe.param_groups[0]["params"][0]]["sigma"].min()) == pytest.approx(1e-3)
     assert safe.diagnostics["weights_nonpositive_sigma"] == 1  # counted before the safeguard
@@ -209,11 +212,11 @@ def test_T4_T5_stochastic_mesu_converges_to_theorem1_and_takes_newton_steps():
         return 0.5 * (h * (f - w_star) ** 2).sum() + (xi * f).sum()
 
     model = Vector(w_star + 0.3)
-    opt = MESU(model, sigma_prior=sp, sigma_res=sr, mc_samples=10, loss_fn=loss, seed=1)
+    opt = MESU(model.parameters(), model=model, sigma_prior=sp, sigma_res=sr, mc_samples=10, loss_fn=loss, seed=1)
     x = torch.zeros(1, dtype=DT)
     acc = torch.zeros_like(h)
     for i in range(600):
-        opt.step(inputs=x, targets=0.05 * torch.randn(16, dtype=DT, generator=noise))
+        opt.step(batch=(x, 0.05 * torch.randn(16, dtype=DT, generator=noise)))
         if i >= 500:
             acc += opt.state[model.w]["sigma"] ** 2 / 100
     star2 = sp**2 / (sr**2 * h + 1)
@@ -231,7 +234,7 @@ def test_T5_newton_contraction_factor():
     sp, sr = 0.1, 10.0
     w_star = torch.ones_like(H)
     model = Vector(w_star + 0.5)
-    opt = MESU(model, sigma_prior=sp, sigma_res=sr)
+    opt = MESU(model.parameters(), model=model, sigma_prior=sp, sigma_res=sr)
     opt.state[model.w]["sigma"].copy_(sp / torch.sqrt(sr**2 * H + 1))
     e0 = (model.w.detach() - w_star).clone()
     expected_step(opt, H, w_star)
@@ -245,7 +248,8 @@ def test_T6_theorem2_asymptotics_and_floor():
     digest), ~ 1/(1 + 1/(2 n H sigma_0^2)) for every H; the Eq. 9 estimate 1/(2 n sigma^2) carries the floor
     1/(2 n sigma_0^2) (5e-4 at n = 1e5); debias=True removes it."""
     h = torch.tensor([1.0, 0.1, 0.01, 1e-3, 1e-4], dtype=DT)
-    opt = MESUNoReg(Vector(torch.zeros_like(h)), sigma_init=0.1)
+    net = Vector(torch.zeros_like(h))
+    opt = MESUNoReg(net.parameters(), model=net, sigma_init=0.1)
     p = opt.param_groups[0]["params"][0]
     run(opt, h, 1000)
     assert float(2 * 1000 * opt.state[p]["sigma"][0] ** 2 * h[0]) == pytest.approx(0.950, abs=1e-3)
@@ -255,14 +259,15 @@ def test_T6_theorem2_asymptotics_and_floor():
                                rtol=2e-3, atol=0)
     floor = 1 / (2 * n * 0.1**2)
     torch.testing.assert_close(est - h, torch.full_like(h, floor), rtol=0.1, atol=0)
-    torch.testing.assert_close(opt.hessian_diagonal(debias=True).flat, h, rtol=2e-3, atol=1e-9)
+    torch.testing.assert_close(opt.curvature(debias=True).flat, h, rtol=2e-3, atol=1e-9)
 
 
 def test_T6_exact_bgd_asymptotics():
     """Exact BGD: n sigma_n^2 H -> 1 (digest: 0.908 at n = 1e3); H_BGD = 1/(n sigma^2) has the floor
     1/(n sigma_0^2), removed by debias=True."""
     h = torch.tensor([1.0, 0.1, 0.01, 1e-3], dtype=DT)
-    opt = BGD(Vector(torch.zeros_like(h)), sigma_init=0.1)
+    net = Vector(torch.zeros_like(h))
+    opt = BGD(net.parameters(), model=net, sigma_init=0.1)
     p = opt.param_groups[0]["params"][0]
     run(opt, h, 1000)
     assert float(1000 * opt.state[p]["sigma"][0] ** 2) == pytest.approx(0.908, abs=2e-3)
@@ -270,7 +275,7 @@ def test_T6_exact_bgd_asymptotics():
     n = opt.num_steps
     assert float(n * opt.state[p]["sigma"][0] ** 2) == pytest.approx(0.967, abs=2e-3)
     torch.testing.assert_close(est, h + 1 / (n * 0.01), rtol=5e-3, atol=0)
-    torch.testing.assert_close(opt.hessian_diagonal(debias=True).flat, h, rtol=2e-3, atol=0)
+    torch.testing.assert_close(opt.curvature(debias=True).flat, h, rtol=2e-3, atol=0)
 
 
 # ---------------------------------------------------------------- T7: BGD ~ MESU w/o reg ---------
@@ -279,7 +284,8 @@ def test_T7_bgd_equals_half_step_mesu_noreg_to_second_order():
     s = 0.01 + 0.2 * torch.rand(200, generator=gen, dtype=DT)
     x = (2 * torch.rand(200, generator=gen, dtype=DT) - 1) * 1e-2  # sigma * g_sigma in [-1e-2, 1e-2]
     g_sig = x / s
-    bgd = BGD(Vector(torch.zeros(200, dtype=DT)))
+    net = Vector(torch.zeros(200, dtype=DT))
+    bgd = BGD(net.parameters(), model=net)
     bgd.state[bgd.param_groups[0]["params"][0]]["sigma"].copy_(s)
     bgd.step(grads=MCGradients({"w": torch.zeros_like(s)}, {"w": g_sig}, torch.zeros(1, dtype=DT), {}))
     new_bgd = bgd.state[bgd.param_groups[0]["params"][0]]["sigma"]
@@ -287,7 +293,8 @@ def test_T7_bgd_equals_half_step_mesu_noreg_to_second_order():
     diff = (new_bgd - half).abs()
     assert bool((diff <= s * x**2 / 8 * (1 + 1e-6)).all())
     assert float(diff.max()) > 0  # the two rules do differ at second order
-    noreg = MESUNoReg(Vector(torch.zeros(200, dtype=DT)))
+    net = Vector(torch.zeros(200, dtype=DT))
+    noreg = MESUNoReg(net.parameters(), model=net)
     noreg.state[noreg.param_groups[0]["params"][0]]["sigma"].copy_(s)
     noreg.step(grads=MCGradients({"w": torch.zeros_like(s)}, {"w": g_sig / 2}, torch.zeros(1, dtype=DT), {}))
     torch.testing.assert_close(noreg.state[noreg.param_groups[0]["params"][0]]["sigma"], half)

@@ -88,7 +88,7 @@ class Learner(ABC):
 class MeanFieldLearner(Learner):
     """Adapter for the mean-field optimisers (MESU, MESU w/o reg, BGD, BBB-SGD): boundary-free.
 
-    A step is ``optimizer.step(inputs=x, targets=y)`` (K weight samples, vectorised). Predictions use
+    A step is ``optimizer.step(batch=(x, y))`` (K weight samples, vectorised). Predictions use
     ``optimizer.predict`` (MC-averaged softmax with the given generator) and ``optimizer.predict_map``.
     """
 
@@ -107,7 +107,7 @@ class MeanFieldLearner(Learner):
         _check_batch(x, y)
         with torch.no_grad():
             acc = float((self.model(x).argmax(-1) == y).double().mean())
-        loss = self.optimizer.step(inputs=x, targets=y)
+        loss = self.optimizer.step(batch=(x, y))
         return {"loss": float(loss) / x.shape[0], "batch_acc": acc}
 
     @torch.no_grad()

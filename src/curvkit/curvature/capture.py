@@ -10,7 +10,8 @@ forward pass with autograd enabled,
   :func:`curvkit.structure.conv_patches`), and
 * the output h_l (B, out, ...) still on the autograd graph, so a caller can back-propagate any output-space
   vectors to it (``torch.autograd.grad(f, capture.outputs(), V)``), and, with ``output_grads=True``, the
-  rows of the gradient that the user's own backward pass sends through h_l (B*T, out).
+  rows of the gradient that the user's own backward pass sends through h_l (B*T, out), each paired with
+  the input rows of the forward pass it belongs to.
 
 Every pass counts the calls: :meth:`LayerCapture.check` raises when a layer ran more than once (its input
 and output gradient could not be paired) or its output was overwritten in place. Hooks are removed by
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches
 
-__all__ = ["CapturedLayer", "LayerCapture", "input_rows", "output_rows"]
+__all__ = ["CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
 
 
 def input_rows(layer: LayerInfo, x: Tensor) -> tuple[Tensor, int]:
@@ -52,15 +53,22 @@ def output_rows(layer: LayerInfo, g: Tensor) -> Tensor:
 
 @dataclass
 class CapturedLayer:
-    """What the hooks recorded for one layer in the last forward pass (see the module docstring)."""
+    """What the hooks recorded for one layer (see the module docstring).
+
+    ``a``/``output``/``calls`` describe the last forward pass; with ``output_grads`` every backward pass
+    through the layer appends one ``(a, delta)`` pair to ``pairs``, binding the gradient rows to the
+    input rows of the SAME forward pass (a later forward without backward cannot mismatch them).
+    """
 
     info: LayerInfo
-    a: Tensor | None = None  # (B*T, in) input rows, detached, without the bias column
+    a: Tensor | None = None  # (B*T, in) input rows of the last pass, detached, without the bias column
     positions: int = 1  # T
-    output: Tensor | None = None  # the layer output on the graph
-    delta: Tensor | None = None  # (B*T, out) output-gradient rows from the user's backward pass
-    calls: int = 0
+    output: Tensor | None = None  # the layer output of the last pass, on the graph
+    calls: int = 0  # calls in the current forward pass of the root (or since reset without a root)
+    reused: bool = False  # called more than once in some forward pass since reset
     version: int = 0
+    pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (a rows, delta rows) per backward
+    pass_sizes: list[int] = field(default_factory=list)  # examples (rows / T) of each backward pass
 
     @property
     def module(self) -> nn.Module:
@@ -70,13 +78,19 @@ class CapturedLayer:
     def has_bias(self) -> bool:
         return self.info.bias is not None
 
-    def x_rows(self, k: int | None = None) -> Tensor:
-        """The first ``k`` (all when None) input rows with the bias column of ones appended."""
-        if self.a is None:
-            raise ValueError(f"no input captured for layer {self.info.label!r}: run a forward pass with "
-                             "autograd enabled first")
-        a = self.a if k is None else self.a[:k]
-        return a if not self.has_bias else torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+    def paired_rows(self) -> tuple[Tensor, Tensor] | None:
+        """(input rows (K, in), output-gradient rows (K, out)) of every backward pass since reset, stacked;
+        None if there was none."""
+        if not self.pairs:
+            return None
+        if len(self.pairs) > 1:  # stacked once, then kept
+            self.pairs[:] = [(torch.cat([a for a, _ in self.pairs]), torch.cat([d for _, d in self.pairs]))]
+        return self.pairs[0]
+
+
+def with_bias_column(a: Tensor, bias: bool) -> Tensor:
+    """Rows a (K, in) with a column of ones appended when the layer has a bias."""
+    return a if not bias else torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
 
 
 @dataclass
@@ -86,12 +100,16 @@ class LayerCapture:
     Args:
         layers: from :meth:`curvkit.structure.ModelStructure.kronecker_layers`.
         what: the name used in error messages.
-        output_grads: also record the gradient rows of the user's backward pass (a tensor hook per pass).
+        output_grads: also record the gradient rows of every backward pass, paired with their inputs.
+        root: the model; its forward pre-hook starts a new pass (call counts restart), so a layer called
+            twice within one forward pass is told apart from two forward passes. Without a root every
+            call since :meth:`reset` counts.
     """
 
     layers: Sequence[LayerInfo]
     what: str = "Kronecker capture"
     output_grads: bool = False
+    root: nn.Module | None = None
     records: list[CapturedLayer] = field(init=False)
     _handles: list[Any] = field(init=False, default_factory=list)
 
@@ -100,9 +118,11 @@ class LayerCapture:
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> LayerCapture:
-        """Install the forward hooks (idempotent)."""
+        """Install the hooks (idempotent)."""
         if not self._handles:
             self._handles = [rec.module.register_forward_hook(self._hook(rec)) for rec in self.records]
+            if self.root is not None:
+                self._handles.append(self.root.register_forward_pre_hook(self._new_pass))
         return self
 
     def close(self) -> None:
@@ -122,20 +142,29 @@ class LayerCapture:
         self.close()
 
     def reset(self) -> None:
-        """Forget the last pass (call counts, recorded tensors)."""
+        """Forget everything recorded (call counts, tensors, pairs)."""
         for rec in self.records:
-            rec.a, rec.output, rec.delta, rec.calls = None, None, None, 0
+            rec.a, rec.output, rec.calls, rec.reused = None, None, 0, False
+            rec.pairs.clear()
+            rec.pass_sizes.clear()
+
+    def _new_pass(self, *_: Any) -> None:
+        if torch.is_grad_enabled():
+            for rec in self.records:
+                rec.calls = 0
 
     def _hook(self, rec: CapturedLayer) -> Any:
         def fwd(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
             if not torch.is_grad_enabled() or not isinstance(out, Tensor) or not out.requires_grad:
                 return
             rec.calls += 1
-            rec.a, rec.positions = input_rows(rec.info, inputs[0].detach())
-            rec.output, rec.version = out, out._version
+            rec.reused |= rec.calls > 1
+            a, rec.positions = input_rows(rec.info, inputs[0].detach())
+            rec.a, rec.output, rec.version = a, out, out._version
             if self.output_grads:
-                def bwd(grad: Tensor) -> None:
-                    rec.delta = output_rows(rec.info, grad.detach())
+                def bwd(grad: Tensor, a: Tensor = a, positions: int = rec.positions) -> None:
+                    rec.pairs.append((a, output_rows(rec.info, grad.detach())))
+                    rec.pass_sizes.append(a.shape[0] // positions)
 
                 out.register_hook(bwd)
 
@@ -145,11 +174,11 @@ class LayerCapture:
     def check(self) -> None:
         """Raise unless every layer ran exactly once in the last pass and kept its output unchanged."""
         for rec in self.records:
-            if rec.calls != 1:
+            if rec.calls != 1 or rec.reused:
                 raise UnsupportedModelError(
-                    f"{self.what}: module {rec.info.label!r} was called {rec.calls} times in one forward pass; "
-                    "a Kronecker block pairs one input with one output gradient, so shared, repeated or unused "
-                    "layers are not supported (use one module per call, or freeze it)")
+                    f"{self.what}: module {rec.info.label!r} was called {max(rec.calls, 2) if rec.reused else rec.calls} "
+                    "times in one forward pass; a Kronecker block pairs one input with one output gradient, so "
+                    "shared, repeated or unused layers are not supported (use one module per call, or freeze it)")
             assert rec.output is not None
             if rec.output._version != rec.version:
                 raise UnsupportedModelError(

@@ -49,9 +49,9 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._functional import iter_batches
-from curvkit.curvature.capture import LayerCapture, output_rows
+from curvkit.curvature.capture import LayerCapture, output_rows, with_bias_column
 from curvkit.curvature.recursion import activation_derivatives
-from curvkit.likelihoods import Likelihood
+from curvkit.likelihoods import BernoulliBCE, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
@@ -63,6 +63,27 @@ __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator"]
 Data = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
+
+
+def _output_hessian_sqrt(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
+    """S (B, C, R) with S S^T = H_L per sample; a head whose H_L depends on the label (attribute
+    ``hessian_needs_target``, e.g. the Bernoulli mixture of thesis Eq. 4.28) is evaluated at the labels y."""
+    if getattr(lik, "hessian_needs_target", False):
+        return lik.output_hessian_sqrt(f, y)  # type: ignore[call-arg]
+    return lik.output_hessian_sqrt(f)
+
+
+def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
+    """(C, C) batch mean of H_L (KFRA's G_L, Eq. 4.7) without a (B, C, C) tensor for the diagonal heads
+    (BCE and Gaussian: an autoencoder's C = 784 would need B * 784^2 entries) and in chunks otherwise."""
+    if getattr(lik, "hessian_needs_target", False):
+        return lik.output_hessian(f, y).mean(0)  # type: ignore[call-arg]
+    if isinstance(lik, (BernoulliBCE, Gaussian)):
+        return torch.diag(lik.output_hessian_diagonal(f).mean(0))
+    B, C = f.shape
+    n = max(1, 2**22 // (C * C))
+    total = sum(lik.output_hessian(f[i:i + n]).sum(0) for i in range(0, B, n))
+    return total / B  # type: ignore[return-value]
 
 
 def _check_likelihood(likelihood: Any) -> Likelihood:
@@ -227,7 +248,7 @@ class KroneckerEstimator(CurvatureEstimator):
         B = int(f.shape[0])
         A = [self._input_gram(rec.a, rec.has_bias) for rec in cap.records]
         if self.method == "kfra":
-            G = self._kfra(cap, f)
+            G = self._kfra(cap, f, y)
         else:
             G = self._backprop(cap, f, y, outs)
         return A + G, B
@@ -257,13 +278,13 @@ class KroneckerEstimator(CurvatureEstimator):
         """Output-space vectors (B, C) with weights w: G accumulates sum_n w c_n c_n^T at the output."""
         lik = self.likelihood
         if self.method == "kflr":
-            S = lik.output_hessian_sqrt(f)
+            S = _output_hessian_sqrt(lik, f, y)
             return [(S[:, :, r], 1.0) for r in range(S.shape[2])]
         if self.method == "empirical":
             return [(lik.output_grad(f, y), 1.0)]
         K, (B, C) = self.mc_samples, f.shape
         if self.method == "projection":
-            S = lik.output_hessian_sqrt(f)  # (B, C, R); E[S v v^T S^T] = S S^T = H_L
+            S = _output_hessian_sqrt(lik, f, y)  # (B, C, R); E[S v v^T S^T] = S S^T = H_L
             gen = self._gen(f.device)
             shape = (K, B, S.shape[2])
             if self.distribution == "gaussian":
@@ -301,14 +322,14 @@ class KroneckerEstimator(CurvatureEstimator):
                     per[i].append(rows)
         if self.keep_per_sample:
             wt = torch.tensor(weights, dtype=f.dtype, device=f.device)
-            self.per_sample = {rec.info.weight: (rec.x_rows(), torch.stack(p), wt)  # type: ignore[misc]
+            self.per_sample = {rec.info.weight: (with_bias_column(rec.a, rec.has_bias), torch.stack(p), wt)  # type: ignore[misc]
                                for rec, p in zip(cap.records, per)}
         return G  # type: ignore[return-value]
 
-    def _kfra(self, cap: LayerCapture, f: Tensor) -> list[Tensor]:
+    def _kfra(self, cap: LayerCapture, f: Tensor, y: Tensor) -> list[Tensor]:
         assert self.chain is not None
         B = f.shape[0]
-        G = self.likelihood.output_hessian(f.detach()).mean(0)
+        G = _mean_output_hessian(self.likelihood, f.detach(), y)
         per = [G]
         for l in range(len(self.chain.linears) - 2, -1, -1):
             W = self.chain.linears[l + 1].weight.detach()

@@ -94,9 +94,9 @@ def _make_opt(name: str, model: nn.Module, B: int, drift: bool) -> Any:
         "BFRMSPropSS": lambda: BFRMSPropSS(model.named_parameters(), lr=eta, batch_size=B, fisher=fisher),
         "BFAdam": lambda: BFAdam(model.named_parameters(), lr=eta, batch_size=B, fisher=fisher),
         "BFAdamSS": lambda: BFAdamSS(model.named_parameters(), lr=eta, batch_size=B, fisher=fisher),
-        "KFBayes": lambda: KFBayes(model, lr=eta, batch_size=B, sample_update="batched", fisher_samples=None,
+        "KFBayes": lambda: KFBayes(model.parameters(), model=model, lr=eta, batch_size=B, sample_update="batched", fisher_samples=None,
                                    inv_every=20),
-        "KFWhiten": lambda: KFWhiten(model, lr=eta, batch_size=B, inv_every=20),
+        "KFWhiten": lambda: KFWhiten(model.parameters(), model=model, lr=eta, batch_size=B, inv_every=20),
     }
     if name == "DenseKalman":
         d = sum(p.numel() for p in model.parameters())

@@ -24,7 +24,7 @@ Protocol (paper Appendix D, digest section 5 E1 and section 7):
   weight samples. For a ReLU net f is piecewise linear in every single weight, so the a.e. Hessian
   diagonal equals the GGN diagonal (digest T10), which :class:`curvkit.curvature.GGNOperator` gives
   exactly for all layers.
-* Estimates (``optimizer.hessian_diagonal()``): MESU Eq. 7, MESU w/o reg Eq. 9 = 1/(2 n sigma^2), BGD
+* Estimates (``optimizer.curvature()``): MESU Eq. 7, MESU w/o reg Eq. 9 = 1/(2 n sigma^2), BGD
   1/(n sigma^2); plus their transient-corrected versions (``debias=True``, not in the paper).
 * Metrics (digest 7 item 15): Pearson of log10 over entries where both are positive, Spearman, linear
   Pearson, the median ratio estimate/true, and for Fig. 2c the median ratio binned by the true value.
@@ -112,11 +112,11 @@ def _pretrain(X: torch.Tensor, y: torch.Tensor, epochs: int, seed: int, path: Pa
 def _optimizer(method: str, model: nn.Module, mc_samples: int, seed: int, reduction: str) -> MeanFieldOptimizer:
     common: dict[str, Any] = dict(mc_samples=mc_samples, seed=seed, loss_fn=CrossEntropy(reduction))  # type: ignore[arg-type]
     if method == "mesu":
-        return MESU(model, sigma_prior=SIGMA0, sigma_res=10.0, sigma_init=SIGMA0, **common)
+        return MESU(model.parameters(), model=model, sigma_prior=SIGMA0, sigma_res=10.0, sigma_init=SIGMA0, **common)
     if method == "mesu-noreg":
-        return MESUNoReg(model, sigma_init=SIGMA0, **common)
+        return MESUNoReg(model.parameters(), model=model, sigma_init=SIGMA0, **common)
     if method == "bgd":
-        return BGD(model, eta=1.0, sigma_init=SIGMA0, **common)
+        return BGD(model.parameters(), model=model, eta=1.0, sigma_init=SIGMA0, **common)
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
 
 
@@ -209,7 +209,7 @@ def _run_method(method: str, pre: nn.Module, Xa: torch.Tensor, ya: torch.Tensor,
                 continue
             while opt.num_steps < n:
                 idx = torch.randint(0, Xa.shape[0], (BATCH,), generator=gen)
-                loss = opt.step(inputs=Xa[idx], targets=ya[idx])
+                loss = opt.step(batch=(Xa[idx], ya[idx]))
                 bar.update()
                 if opt.num_steps % SAVE_EVERY == 0 and opt.num_steps < n:
                     _save(ckpt, model, opt, gen)
@@ -231,8 +231,8 @@ def _compare(method: str, model: nn.Module, opt: MeanFieldOptimizer, n: int, Xh:
         return json.loads(path.read_text())
     scale = (BATCH if proto.reduction == "sum" else 1.0) / Xh.shape[0]
     h_mu, h_sig = exact_diagonals(model, opt.sigma_dict(), Xh.double(), yh, proto.eps_draws, seed + n, scale)
-    est = opt.hessian_diagonal().flat.numpy()
-    est_db = opt.hessian_diagonal(debias=True).flat.numpy()
+    est = opt.curvature().flat.numpy()
+    est_db = opt.curvature(debias=True).flat.numpy()
     out_layer = np.zeros(h_mu.size, dtype=bool)
     out_layer[-1010:] = True  # 2.weight (10, 100) and 2.bias (10,)
     rec: dict[str, Any] = {

@@ -12,7 +12,7 @@ parameters**: for a ReLU net the almost-everywhere Hessian diagonal equals the G
 (digest T10), computed exactly by :class:`curvkit.curvature.GGNOperator` ``.diagonal()``; for the
 Bayesian runs it is averaged over ``eps_draws`` weight samples w = mu + sigma * eps (the Hessian of the
 expected loss, digest section 7 item 14). Estimates: MESU Eq. 7, MESU w/o reg Eq. 9 (1/(2 n sigma^2)),
-BGD 1/(n sigma^2) (``optimizer.hessian_diagonal()``); EWC the empirical and true diagonal Fisher on the
+BGD 1/(n sigma^2) (``optimizer.curvature()``); EWC the empirical and true diagonal Fisher on the
 same images; SI the path integral omega and the normalised Omega = omega / (Delta^2 + xi), xi = 1e-3.
 Correlations (all parameters, and the output layer alone): Pearson of log10 over entries where both are
 positive (the log-log scatter of the paper), Spearman, and linear Pearson. Scale factors (sum vs mean
@@ -81,11 +81,11 @@ def _learner(method: str, seed: int, proto: Protocol) -> Learner:
     model = kaiming_uniform_mlp([784, 100, 10], seed)
     K, s = proto.train_mc, seed + 1000
     if method == "mesu":
-        return MeanFieldLearner(model, MESU(model, sigma_prior=0.06, sigma_res=10.0, sigma_init=0.06, mc_samples=K, seed=s))
+        return MeanFieldLearner(model, MESU(model.parameters(), model=model, sigma_prior=0.06, sigma_res=10.0, sigma_init=0.06, mc_samples=K, seed=s))
     if method == "mesu-noreg":
-        return MeanFieldLearner(model, MESUNoReg(model, sigma_init=0.06, mc_samples=K, seed=s))
+        return MeanFieldLearner(model, MESUNoReg(model.parameters(), model=model, sigma_init=0.06, mc_samples=K, seed=s))
     if method == "bgd":
-        return MeanFieldLearner(model, BGD(model, eta=1.0, sigma_init=0.06, mc_samples=K, seed=s))
+        return MeanFieldLearner(model, BGD(model.parameters(), model=model, eta=1.0, sigma_init=0.06, mc_samples=K, seed=s))
     if method == "sgd":
         return TorchLearner(model, torch.optim.SGD(model.parameters(), lr=0.01), SynapticIntelligence(c=0.0, xi=1e-3))
     raise ValueError(f"unknown method {method!r}")
@@ -130,7 +130,7 @@ def correlations(est: np.ndarray, true: np.ndarray) -> dict[str, float]:
 def _estimates(method: str, learner: Learner, model64: nn.Module, Xh: torch.Tensor,
                yh: torch.Tensor) -> dict[str, np.ndarray]:
     if isinstance(learner, MeanFieldLearner):
-        return {ESTIMATES[method][0]: learner.optimizer.hessian_diagonal().flat.double().numpy()}
+        return {ESTIMATES[method][0]: learner.optimizer.curvature().flat.double().numpy()}
     assert isinstance(learner, TorchLearner) and isinstance(learner.penalty, SynapticIntelligence)
     omega, Omega = learner.penalty.importance(learner.model)
     return {"ewc_fisher_emp": _flat(diagonal_fisher(model64, Xh, yh, kind="empirical")),

@@ -107,10 +107,10 @@ def build_learner(method: str, seed: int, proto: Protocol, device: torch.device)
 
     model = build_model(seed).to(device)
     if method == "mesu":
-        return MeanFieldLearner(model, MESU(model, sigma_prior=0.04, sigma_res=10.0, sigma_init=0.04,
+        return MeanFieldLearner(model, MESU(model.parameters(), model=model, sigma_prior=0.04, sigma_res=10.0, sigma_init=0.04,
                                             mc_samples=proto.train_mc, seed=seed + 1000))
     if method == "bgd":
-        return MeanFieldLearner(model, BGD(model, eta=1.0, sigma_init=0.04, mc_samples=proto.train_mc, seed=seed + 1000))
+        return MeanFieldLearner(model, BGD(model.parameters(), model=model, eta=1.0, sigma_init=0.04, mc_samples=proto.train_mc, seed=seed + 1000))
     if method == "sgd":
         return TorchLearner(model, torch.optim.SGD(model.parameters(), lr=0.05))
     adam = torch.optim.Adam(model.parameters(), lr=1e-4)

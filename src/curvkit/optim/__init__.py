@@ -1,4 +1,6 @@
-"""Optimisers, all ``torch.optim.Optimizer`` subclasses (param groups, ``state_dict``, closures).
+"""Optimisers, all ``torch.optim.Optimizer`` subclasses on the conventions of :mod:`curvkit.optim.base`:
+``Opt(params, *, model=..., **hyperparameters)``, ``step(closure=None, *, batch=None, **extras)``,
+``curvature()``, ``posterior_mean()``, ``close()``, ``state_dict``.
 
 * Mean-field Gaussian (MESU paper 000): :class:`MESU`, :class:`MESUNoReg`, :class:`BGD`, :class:`BBBSGD`.
 * Bayesian filtering (Aitchison, paper 004): factorised :class:`BFNatGrad`, :class:`BFRMSProp`,
@@ -7,10 +9,11 @@
 * Natural gradient and Langevin dynamics (paper 003): :class:`KaldiNGD`, :class:`NaturalGradient`,
   :class:`SGLD`.
 
-Each optimiser that estimates curvature returns it in the engine's types
-(:class:`curvkit.linalg.DiagonalOperator` or :class:`curvkit.linalg.KroneckerOperator`).
+Each optimiser that estimates curvature returns it from ``curvature()`` in the engine's types
+(:class:`curvkit.linalg.DiagonalOperator`, :class:`curvkit.linalg.KroneckerOperator`, ...).
 """
 
+from curvkit.optim.base import CurvatureOptimizer
 from curvkit.optim.bbb import BBBSGD
 from curvkit.optim.bgd import BGD
 from curvkit.optim.filters import (
@@ -28,6 +31,7 @@ from curvkit.optim.kaldi_ngd import KaldiNGD
 from curvkit.optim.meanfield import MeanFieldOptimizer
 from curvkit.optim.mesu import MESU, MESUNoReg
 from curvkit.optim.natural_gradient import NaturalGradient
+from curvkit.optim.second_order import GaussNewton
 from curvkit.optim.sgld import SGLD
 
 __all__ = [
@@ -40,7 +44,9 @@ __all__ = [
     "BFNatGrad",
     "BFRMSProp",
     "BFRMSPropSS",
+    "CurvatureOptimizer",
     "DenseKalmanFilter",
+    "GaussNewton",
     "KFBayes",
     "KFNatGrad",
     "KFWhiten",

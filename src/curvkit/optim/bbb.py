@@ -4,7 +4,7 @@
 
 with the MC gradients of Eq. 1. The paper uses it only as motivation (it is not benchmarked). sigma may
 cross zero; sampling uses sigma as is (only |sigma| matters for w = mu + sigma*eps). Its only Hessian
-estimate is Lemma 1, ``hessian_diagonal(method='stein')`` = g_sigma / sigma (Eq. 11).
+estimate is Lemma 1, ``curvature(method='stein')`` = g_sigma / sigma (Eq. 11).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from curvkit.posterior.sampling import LossFn
 
 
 class BBBSGD(MeanFieldOptimizer):
-    """Plain SGD on (mu, sigma) of a mean-field Gaussian (Eq. 2). ``lr`` is required (the paper gives no
-    value); ``sigma_init`` defaults to 0.04. Other arguments as in :class:`curvkit.optim.MESU`."""
+    """Plain SGD on (mu, sigma) of a mean-field Gaussian (Eq. 2): ``BBBSGD(model.parameters(), model=model,
+    lr=...)``. ``lr`` is required (the paper gives no value); ``sigma_init`` defaults to 0.04. Other
+    arguments as in :class:`curvkit.optim.MESU`."""
 
     def __init__(
         self,
-        model: nn.Module,
         params: Iterable[Any] | None = None,
         *,
+        model: nn.Module | None = None,
         lr: float,
         sigma_init: float = 0.04,
         mc_samples: int = 10,
@@ -42,7 +43,7 @@ class BBBSGD(MeanFieldOptimizer):
     ):
         _positive("lr", lr)
         defaults = dict(lr=lr, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
-        super().__init__(model, params, defaults, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
+        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -51,8 +52,8 @@ class BBBSGD(MeanFieldOptimizer):
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         return -group["lr"] * g_mu, sigma - group["lr"] * g_sigma
 
-    def hessian_diagonal(self, method: str = "stein", debias: bool = False) -> DiagonalOperator:
+    def curvature(self, method: str = "stein", debias: bool = False) -> DiagonalOperator:
         """Lemma 1 estimate g_sigma / sigma of the last step (the only one for this rule)."""
         if method != "stein":
             raise ValueError("BBBSGD only has the Lemma 1 estimate: use method='stein'")
-        return super().hessian_diagonal("stein")
+        return super().curvature("stein")

@@ -28,15 +28,16 @@ from curvkit.posterior.sampling import LossFn
 
 
 class BGD(MeanFieldOptimizer):
-    """Bayesian Gradient Descent. torch.optim-compatible; per-group ``eta``, ``sigma_init``,
-    ``sigma_min``, ``max_ratio``. See :class:`curvkit.optim.MESU` for the arguments shared by all
-    mean-field optimisers and the module docstring for the rule."""
+    """Bayesian Gradient Descent: ``BGD(model.parameters(), model=model)``. torch.optim-compatible; per-group
+    ``eta``, ``sigma_init``, ``sigma_min``, ``max_ratio``. See :class:`curvkit.optim.MESU` for the arguments
+    shared by all mean-field optimisers (the loss must be SUMMED over the minibatch) and the module
+    docstring for the rule."""
 
     def __init__(
         self,
-        model: nn.Module,
         params: Iterable[Any] | None = None,
         *,
+        model: nn.Module | None = None,
         eta: float = 1.0,
         sigma_init: float = 0.04,
         mc_samples: int = 10,
@@ -49,7 +50,7 @@ class BGD(MeanFieldOptimizer):
     ):
         _positive("eta", eta)
         defaults = dict(eta=eta, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
-        super().__init__(model, params, defaults, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
+        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size)
 
     def _check_group(self, group: dict[str, Any]) -> None:

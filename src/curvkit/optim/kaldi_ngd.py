@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+
+from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras
+from curvkit.validation import integer, nonnegative, positive, unit_interval
 
 AxisState = dict[str, Any]
 
@@ -49,7 +51,7 @@ def init_axis_state(X: Tensor, alpha: float, eta: float, epsilon: float, delta: 
                     rank: int | None = None) -> AxisState:
     """State for an axis of size D = X.shape[1], initialised from the first gradient matrix X (N, D)."""
     D = X.shape[1]
-    R = default_rank(D) if rank is None or rank <= 0 else int(rank)
+    R = default_rank(D) if rank is None else int(rank)
     if not 0 < R < D:
         raise ValueError(f"rank must satisfy 0 < rank < D = {D}, got {R}")
     O = torch.zeros(R, D, dtype=X.dtype, device=X.device)
@@ -159,7 +161,7 @@ def precondition_axis(state: AxisState | None, X: Tensor, alpha: float, eta: flo
     return Xh, state
 
 
-class KaldiNGD(Optimizer):
+class KaldiNGD(CurvatureOptimizer):
     """Online natural-gradient SGD (Kaldi NG-SGD) with torch-SGD momentum/Nesterov.
 
     Defaults are the reproduction settings of the paper's repository (digest 2.3): alpha=0.1,
@@ -171,21 +173,24 @@ class KaldiNGD(Optimizer):
                  weight_decay: float = 0.0, nesterov: bool = True, alpha: float = 0.1, eta: float = 0.9,
                  epsilon: float = 1e-10, delta: float = 5e-4, rank: int | None = None, update_period: int = 4,
                  preserve_norm: bool = True):
-        checks = {
-            "lr": lr > 0, "momentum": momentum >= 0, "weight_decay": weight_decay >= 0, "alpha": alpha >= 0,
-            "eta": 0 < eta < 1, "epsilon": epsilon >= 0, "delta": 0 <= delta < 1, "update_period": update_period >= 1,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid KaldiNGD hyperparameter(s) {bad}: need lr > 0, momentum >= 0, "
-                             "weight_decay >= 0, alpha >= 0, 0 < eta < 1, epsilon >= 0, 0 <= delta < 1, "
-                             "update_period >= 1")
+        positive("lr", lr)
+        nonnegative("momentum", momentum)
+        nonnegative("dampening", dampening)
+        nonnegative("weight_decay", weight_decay)
+        nonnegative("alpha", alpha)
+        unit_interval("eta", eta)
+        nonnegative("epsilon", epsilon)
+        unit_interval("delta", delta, closed_left=True)
+        integer("update_period", update_period)
+        if rank is not None:
+            integer("rank", rank)  # None means automatic, min((D + 1) // 2, 80); never a negative number
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         alpha=alpha, eta=eta, epsilon=epsilon, delta=delta, rank=rank, update_period=update_period,
                         preserve_norm=preserve_norm)
         super().__init__(params, defaults)
+        self._steps = 0
 
     def precondition(self, p: Tensor, g: Tensor, group: dict[str, Any]) -> Tensor:
         """Apply the per-axis online NG to gradient ``g`` of parameter ``p`` (updates p's NG state)."""
@@ -204,11 +209,16 @@ class KaldiNGD(Optimizer):
         return g
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor] | None = None, **extras: Any) -> Tensor | None:  # type: ignore[override]
+        """One step; raises FloatingPointError, changing nothing, if a gradient is NaN or inf."""
+        check_step_extras(type(self).__name__, extras, ())
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_finite(self._steps + 1, [(f"the gradient of parameter #{i}", p.grad) for i, p in
+                                       enumerate(p for g in self.param_groups for p in g["params"])
+                                       if p.grad is not None], "KaldiNGD")
         for group in self.param_groups:
             mu = group["momentum"]
             for p in group["params"]:
@@ -226,4 +236,5 @@ class KaldiNGD(Optimizer):
                     buf = st["momentum_buffer"]
                     g = g.add(buf, alpha=mu) if group["nesterov"] else buf
                 p.add_(g, alpha=-group["lr"])
+        self._steps += 1
         return loss

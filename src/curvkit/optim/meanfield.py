@@ -12,16 +12,22 @@ items 4-5) in ``self.state[p]['sigma']``. One step:
 
 Three ways to feed a step (exactly one per call):
 
-* ``opt.step(inputs=X, targets=y)`` - the fast path: the K samples are evaluated together with
+* ``opt.step(batch=(X, y))`` - the fast path: the K samples are evaluated together with
   ``vmap`` + ``functional_call`` (:func:`curvkit.posterior.mc_gradients`) using ``loss_fn``;
 * ``opt.step(closure)`` - torch.optim-compatible: ``closure()`` must compute the loss of the module *as it
   currently is* and call ``backward()``; the optimiser writes each weight sample into the parameters in
   turn, calls the closure K times, accumulates the gradients and restores mu (K sequential passes);
 * ``opt.step(grads=MCGradients(...))`` - apply precomputed estimates (tests, custom estimators).
 
+(``step(inputs=X, targets=y)`` is the deprecated spelling of ``batch=``.) A step checks the new mu and
+sigma before writing them: a NaN or inf gradient raises FloatingPointError and changes nothing.
+
 Loss reduction (digest section 7 item 1): there is no global learning rate, so the scale of the loss sets
 the step size. The default ``loss_fn`` is ``CrossEntropy(reduction='sum')``: L = sum over the minibatch
-of the per-example NLL (paper and Zeno et al.'s BGD). A ``mean`` loss makes every step B times smaller.
+of the per-example NLL (paper and Zeno et al.'s BGD). A ``mean`` loss makes every step B times smaller,
+and such a run barely learns (9.9% after 60 MNIST steps where the summed loss reaches 76%): a ``loss_fn``
+that says it averages (a curvkit likelihood or a torch loss with ``reduction='mean'``) gets a
+:class:`MeanReductionWarning`; a closure cannot be inspected, so sum its loss over the batch.
 
 Diagnostics (digest section 3.7, always on; ``opt.diagnostics``):
 ``steps``; ``steps_large_sigma_grad`` / ``weights_large_sigma_grad`` (steps with any weight, and the total
@@ -33,7 +39,7 @@ fatal in itself (only |sigma| matters for sampling and the dynamics are odd-symm
 sigma <- max(sigma, sigma_min)) and ``max_ratio`` r (clamp |dmu| <= r |sigma| and |dsigma| <= r |sigma|;
 the authors' later code uses r = 0.1, which is not in this paper).
 
-Hessian-diagonal estimates: :meth:`MeanFieldOptimizer.hessian_diagonal` returns a
+Hessian-diagonal estimates: :meth:`MeanFieldOptimizer.curvature` returns a
 :class:`curvkit.linalg.DiagonalOperator` (float64) over the Bayesian parameters in the module's
 ``named_parameters`` order. ``method='state'`` reads the estimate off sigma (Eq. 7 for MESU, Eq. 9 for
 MESU w/o reg, 1/(n sigma^2) for BGD); ``method='stein'`` is Lemma 1 (Eq. 11), g_sigma / sigma of the last
@@ -43,19 +49,20 @@ the default sum reduction B times the per-example average Hessian.
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import DiagonalOperator
+from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras, legacy_model_first
 from curvkit.posterior.predict import predict_map, predict_mc
 from curvkit.posterior.sampling import LossFn, MCGradients, likelihood_loss, mc_gradients, sample_eps
+from curvkit.validation import integer, positive
 
 _DIAG_KEYS = (
     "steps",
@@ -70,20 +77,36 @@ _DIAG_KEYS = (
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    positive(name, value)
 
 
-class MeanFieldOptimizer(Optimizer):
+class MeanReductionWarning(UserWarning):
+    """The loss given to a mean-field optimiser averages over the batch; these rules assume a sum."""
+
+
+def _warn_if_mean(loss_fn: Any, cls: str) -> None:
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction == "mean":
+        warnings.warn(
+            f"{cls}: loss_fn has reduction='mean'; MESU, BGD and the other mean-field rules have no learning "
+            "rate and assume the loss SUMMED over the minibatch (paper Eq. 3), so a mean makes every step "
+            "batch-size times smaller and training barely moves. Use reduction='sum' (silence this warning "
+            "with warnings.filterwarnings('ignore', category=MeanReductionWarning) if intended)",
+            MeanReductionWarning, stacklevel=4)
+
+
+class MeanFieldOptimizer(CurvatureOptimizer):
     """Base class; see the module docstring. Subclasses implement :meth:`_deltas` and
     :meth:`_state_hessian` and validate their own hyperparameters in :meth:`_check_group`.
 
     Args:
-        model: the module whose parameters are the posterior means mu.
-        params: parameters (or param-group dicts) of ``model`` to treat as Bayesian; default all trainable
-            parameters. Parameters of ``model`` left out stay deterministic (never sampled, never updated).
+        params: parameters (or param-group dicts) of ``model`` to treat as Bayesian; None means all its
+            trainable parameters. Parameters of ``model`` left out stay deterministic (never sampled,
+            never updated).
         defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``, ``sigma_min``,
             ``max_ratio``).
+        model: the module whose parameters are the posterior means mu (required: the vectorised step
+            evaluates it at sampled weights).
         mc_samples: K, Monte Carlo samples per step (>= 1).
         loss_fn: per-sample-of-weights minibatch loss ``loss_fn(outputs, targets) -> scalar``; a
             :class:`~curvkit.likelihoods.Likelihood` or any callable; default ``CrossEntropy('sum')``.
@@ -94,33 +117,37 @@ class MeanFieldOptimizer(Optimizer):
 
     def __init__(
         self,
-        model: nn.Module,
         params: Iterable[Any] | None,
         defaults: dict[str, Any],
         *,
+        model: nn.Module | None,
         mc_samples: int = 10,
         loss_fn: LossFn | Likelihood | None = None,
         seed: int = 0,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
     ):
+        params, model = legacy_model_first(type(self).__name__, params, model)
+        if model is None:
+            raise TypeError(f"{type(self).__name__} needs the model: {type(self).__name__}(model.parameters(), "
+                            "model=model, ...)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples must be an integer >= 1, got {mc_samples!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+        self.mc_samples = integer("mc_samples", mc_samples)
+        if chunk_size is not None:
+            integer("chunk_size", chunk_size)
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self.mc_samples = int(mc_samples)
         self.chunk_size = chunk_size
         if loss_fn is None:
             loss_fn = CrossEntropy(reduction="sum")
+        _warn_if_mean(loss_fn, type(self).__name__)
         self.loss_fn: LossFn | Likelihood = loss_fn
         self._loss = likelihood_loss(loss_fn) if isinstance(loss_fn, Likelihood) else loss_fn
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
+        self._init_names(model)
         first = self.param_groups[0]["params"][0]
         if generator is None:
             generator = torch.Generator(device=first.device)
@@ -170,7 +197,7 @@ class MeanFieldOptimizer(Optimizer):
         return [(n, p, owner[id(p)]) for n, p in self.model.named_parameters() if id(p) in owner]
 
     def layout(self) -> ParamLayout:
-        """Layout of the Bayesian parameters (module order); the layout of :meth:`hessian_diagonal`."""
+        """Layout of the Bayesian parameters (module order); the layout of :meth:`curvature`."""
         items = self._bayes_params()
         return ParamLayout(tuple(n for n, _, _ in items), tuple(p.shape for _, p, _ in items))
 
@@ -253,41 +280,55 @@ class MeanFieldOptimizer(Optimizer):
         self,
         closure: Callable[[], Any] | None = None,
         *,
-        inputs: Tensor | None = None,
-        targets: Tensor | None = None,
+        batch: tuple[Tensor, Tensor] | None = None,
         grads: MCGradients | None = None,
+        **extras: Any,
     ) -> Tensor:
         """One update; returns the MC estimate of the loss C (mean over the K samples; NaN when only
-        ``grads`` without losses are given). Exactly one of ``closure``, ``inputs``+``targets``, ``grads``."""
-        given = sum(x is not None for x in (closure, inputs, grads))
-        if given != 1 or (inputs is None) != (targets is None):
-            raise ValueError("pass exactly one of: closure, inputs= and targets= together, or grads=")
+        ``grads`` without losses are given). Exactly one of ``closure``, ``batch=(X, y)``, ``grads=``.
+
+        Nothing is written unless every new mu and sigma is finite (else FloatingPointError)."""
+        if "inputs" in extras or "targets" in extras:
+            inputs, targets = extras.pop("inputs", None), extras.pop("targets", None)
+            warnings.warn("step(inputs=X, targets=y) is deprecated; use step(batch=(X, y))", DeprecationWarning,
+                          stacklevel=3)
+            if inputs is None or targets is None:
+                raise ValueError("pass inputs= and targets= together (better: batch=(X, y))")
+            if batch is not None:
+                raise ValueError("pass either batch= or inputs=/targets=, not both")
+            batch = (inputs, targets)
+        check_step_extras(type(self).__name__, extras, ())
+        given = sum(x is not None for x in (closure, batch, grads))
+        if given != 1:
+            raise ValueError("pass exactly one of: closure, batch=(X, y), or grads=")
         mu, sigma = self.mu_dict(), self.sigma_dict()
         if grads is None:
             if closure is not None:
                 grads = self._closure_gradients(closure, mu, sigma)
             else:
-                assert inputs is not None and targets is not None
+                assert batch is not None
+                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                    raise TypeError("batch must be an (inputs, targets) pair")
                 with torch.enable_grad():
-                    grads = self.mc_gradients(inputs, targets)
-        missing = [n for n in mu if n not in grads.g_mu or n not in grads.g_sigma]
-        if missing:
-            raise ValueError(f"grads lack entries for parameters {missing}")
+                    grads = self.mc_gradients(batch[0], batch[1])
+        self._check_grads(grads, mu)
         loss = grads.loss if grads.losses.numel() else torch.tensor(float("nan"))
         if not bool(torch.isfinite(loss)):
             raise ValueError(f"the Monte Carlo loss is not finite ({float(loss)}); sigma or mu has diverged "
                              "(see opt.diagnostics) or the data contain NaN/inf")
+        # phase 1: every update, counted and checked; phase 2: written (nothing changes if a value is bad)
+        updates = []
+        counts = dict.fromkeys(("flips", "large", "nonpos"), 0)
         any_large = any_nonpos = False
         for name, p, group in self._bayes_params():
-            st = self.state[p]
-            s = st["sigma"]
+            s = self.state[p]["sigma"]
             g_mu, g_sig = grads.g_mu[name], grads.g_sigma[name]
             d_mu, new_sigma = self._deltas(group, s, g_mu, g_sig)
             large = int(((s * g_sig) >= 1).sum())
             nonpos = int((new_sigma <= 0).sum())
-            self._diagnostics["sigma_sign_flips"] += int(((s > 0) & (new_sigma <= 0)).sum())
-            self._diagnostics["weights_large_sigma_grad"] += large
-            self._diagnostics["weights_nonpositive_sigma"] += nonpos
+            counts["flips"] += int(((s > 0) & (new_sigma <= 0)).sum())
+            counts["large"] += large
+            counts["nonpos"] += nonpos
             any_large |= large > 0
             any_nonpos |= nonpos > 0
             r = group["max_ratio"]
@@ -297,15 +338,35 @@ class MeanFieldOptimizer(Optimizer):
                 new_sigma = s + torch.maximum(torch.minimum(new_sigma - s, bound), -bound)
             if group["sigma_min"] is not None:
                 new_sigma = new_sigma.clamp_min(group["sigma_min"])
+            updates.append((name, p, d_mu, new_sigma, g_sig / s))
+        check_finite(self._step + 1, [(f"mu of {n}", d) for n, _, d, _, _ in updates]
+                     + [(f"sigma of {n}", ns) for n, _, _, ns, _ in updates], type(self).__name__)
+        for _name, p, d_mu, new_sigma, stein in updates:
+            st = self.state[p]
             # Lemma 1 estimate with the sigma the gradients were taken at (pre-step); 0/0 -> nan.
-            st["stein"] = (g_sig / s).detach()
+            st["stein"] = stein.detach()
             p.add_(d_mu)
-            s.copy_(new_sigma)
+            st["sigma"].copy_(new_sigma)
+        self._diagnostics["sigma_sign_flips"] += counts["flips"]
+        self._diagnostics["weights_large_sigma_grad"] += counts["large"]
+        self._diagnostics["weights_nonpositive_sigma"] += counts["nonpos"]
         self._step += 1
         self._diagnostics["steps"] += 1
         self._diagnostics["steps_large_sigma_grad"] += int(any_large)
         self._diagnostics["steps_nonpositive_sigma"] += int(any_nonpos)
         return loss.detach()
+
+    def _check_grads(self, grads: MCGradients, mu: dict[str, Tensor]) -> None:
+        if not isinstance(grads, MCGradients):
+            raise TypeError(f"grads must be an MCGradients, got {type(grads).__name__}")
+        for what, d in (("g_mu", grads.g_mu), ("g_sigma", grads.g_sigma)):
+            missing = [n for n in mu if n not in d]
+            if missing:
+                raise ValueError(f"grads.{what} lacks entries for parameters {missing}")
+            for n, m in mu.items():
+                if tuple(d[n].shape) != tuple(m.shape):
+                    raise ValueError(f"grads.{what}[{n!r}] has shape {tuple(d[n].shape)}, expected the "
+                                     f"parameter's shape {tuple(m.shape)}")
 
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         """(delta_mu, new_sigma) of the rule from the pre-step sigma and the MC gradients."""
@@ -316,6 +377,12 @@ class MeanFieldOptimizer(Optimizer):
         raise NotImplementedError(f"{type(self).__name__} has no sigma-state Hessian estimate; use method='stein'")
 
     def hessian_diagonal(self, method: str = "state", debias: bool = False) -> DiagonalOperator:
+        """Deprecated name of :meth:`curvature`."""
+        warnings.warn(f"{type(self).__name__}.hessian_diagonal() is deprecated; use curvature()", DeprecationWarning,
+                      stacklevel=2)
+        return self.curvature(method, debias)
+
+    def curvature(self, method: str = "state", debias: bool = False) -> DiagonalOperator:
         """Current estimate of the Hessian diagonal of the per-step loss, as a float64 DiagonalOperator.
 
         ``method='state'``: read off sigma (Eq. 7 / Eq. 9 / 1/(n sigma^2), see the subclass);
@@ -335,7 +402,7 @@ class MeanFieldOptimizer(Optimizer):
                 out.append(st["stein"].to(torch.float64))
             else:
                 if self._step == 0:
-                    raise RuntimeError(f"{type(self).__name__}.hessian_diagonal(method='state') needs at least "
+                    raise RuntimeError(f"{type(self).__name__}.curvature(method='state') needs at least "
                                        "one step")
                 out.append(self._state_hessian(group, st["sigma"].to(torch.float64), debias))
         return DiagonalOperator(layout, out)

@@ -43,12 +43,17 @@ from curvkit.posterior.sampling import LossFn
 
 
 class MESU(MeanFieldOptimizer):
-    """MESU optimiser (Eq. 3). torch.optim-compatible (param groups, ``state_dict``, ``step(closure)``).
+    """MESU optimiser (Eq. 3): ``MESU(model.parameters(), model=model)``, then ``opt.step(batch=(X, y))``.
+
+    **The loss must be the minibatch SUM of the per-example NLL** (the default ``loss_fn`` is
+    ``CrossEntropy(reduction='sum')``): there is no learning rate, and a batch mean makes every step B
+    times smaller (a :class:`~curvkit.optim.meanfield.MeanReductionWarning` says so when the loss declares
+    a mean reduction). torch.optim-compatible (param groups, ``state_dict``, ``step(closure)``).
 
     Args:
-        model: module whose parameters are the means mu (updated in place).
         params: the Bayesian parameters or param groups (default: all trainable parameters of ``model``);
             groups may override ``sigma_prior``, ``sigma_res``, ``sigma_init``, ``sigma_min``, ``max_ratio``.
+        model: module whose parameters are the means mu (updated in place); required.
         sigma_prior: sigma_p > 0, the value sigma is pulled toward (default 0.04).
         sigma_res: sigma_res > 0, sets the strength of the pull, 1/sigma_res^2 (default 10).
         sigma_init: sigma_0 > 0 of every weight (default: the group's ``sigma_prior``, as in all paper
@@ -59,8 +64,8 @@ class MESU(MeanFieldOptimizer):
         sigma_min, max_ratio: optional safeguards (default off; see :mod:`curvkit.optim.meanfield`).
         seed, generator, chunk_size: noise generator and vmap chunking.
 
-    Use: ``loss = opt.step(inputs=X, targets=y)`` (vectorised over the K samples) or ``opt.step(closure)``.
-    ``opt.hessian_diagonal()`` returns Eq. 7 (or Eq. 9 with ``regularize=False``) as a DiagonalOperator.
+    Use: ``loss = opt.step(batch=(X, y))`` (vectorised over the K samples) or ``opt.step(closure)``.
+    ``opt.curvature()`` returns Eq. 7 (or Eq. 9 with ``regularize=False``) as a DiagonalOperator.
 
     Derived constants (digest 3.6): Newton learning rate sigma_p^2/sigma_res^2, relaxation time of sigma
     tau = sigma_res^2/(2 sigma_p^2) steps (:meth:`relaxation_time`), memory window sigma_res^2/sigma_p^2.
@@ -68,9 +73,9 @@ class MESU(MeanFieldOptimizer):
 
     def __init__(
         self,
-        model: nn.Module,
         params: Iterable[Any] | None = None,
         *,
+        model: nn.Module | None = None,
         sigma_prior: float = 0.04,
         sigma_res: float = 10.0,
         sigma_init: float | None = None,
@@ -93,7 +98,7 @@ class MESU(MeanFieldOptimizer):
             sigma_min=sigma_min,
             max_ratio=max_ratio,
         )
-        super().__init__(model, params, defaults, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
+        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -136,12 +141,12 @@ class MESUNoReg(MESU):
         mu_{n+1} = mu_n - sigma_n^2 dC/dmu_n ;   sigma_{n+1} = sigma_n - sigma_n^2 dC/dsigma_n.
 
     ``sigma_prior``/``sigma_res`` are unused; ``sigma_init`` defaults to 0.1 (the Fig. 2c value).
-    ``hessian_diagonal()`` is Eq. 9, 1/(2 n sigma_n^2). Equals BGD's rule to first order in sigma*g_sigma
+    ``curvature()`` is Eq. 9, 1/(2 n sigma_n^2). Equals BGD's rule to first order in sigma*g_sigma
     up to a factor 0.5 on the sigma step (see :class:`curvkit.optim.BGD`).
     """
 
-    def __init__(self, model: nn.Module, params: Iterable[Any] | None = None, *, sigma_init: float = 0.1,
-                 **kwargs: Any):
+    def __init__(self, params: Iterable[Any] | None = None, *, model: nn.Module | None = None,
+                 sigma_init: float = 0.1, **kwargs: Any):
         if "regularize" in kwargs:
             raise TypeError("MESUNoReg has no 'regularize' argument (it is MESU with regularize=False)")
-        super().__init__(model, params, sigma_init=sigma_init, regularize=False, **kwargs)
+        super().__init__(params, model=model, sigma_init=sigma_init, regularize=False, **kwargs)

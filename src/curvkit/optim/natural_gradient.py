@@ -1,18 +1,19 @@
-"""Textbook damped natural gradient, the paper's equations 5-7 taken literally (digest 003 section 2.3).
+"""Textbook damped natural gradient, the NGD-vs-SGD paper's equations 5-7 taken literally.
 
-    w <- w - η F_s⁻¹ ∇L,    F_s = F + κ I,    κ = (α / d) · max(tr F, ε),            (eq. 5-7)
+    w <- w - η F_s⁻¹ ∇L,    F_s = F + κ I,    κ = (α / d) · max(tr F, ε) + damping,          (eq. 5-7)
 
 with d the total number of parameters and F the Fisher of the model's predictive distribution at the
-current parameters on the current minibatch. As κ -> ∞ the step tends to SGD with learning rate η/κ.
-Unlike :class:`curvkit.optim.kaldi_ngd.KaldiNGD` (what the paper's authors ran) there is no norm
-preservation and no running average; the Fisher is recomputed on every ``step(data)``.
+current parameters on the current minibatch (``damping`` is an optional absolute floor, 0 by default,
+i.e. the paper's κ). As κ -> ∞ the step tends to SGD with learning rate η/κ. Unlike
+:class:`curvkit.optim.kaldi_ngd.KaldiNGD` (what the paper's authors ran) there is no norm preservation;
+the Fisher is re-estimated on every step's minibatch (or averaged with ``fisher_ema``).
 
 Fisher representations (``fisher=``):
 * ``"exact"`` - :class:`curvkit.curvature.FisherOperator` (type-2 Fisher, exact expectation over the
   model's predictive; for softmax cross-entropy this is the GGN), made dense: O(d²) memory, for small
   models (d <= ``max_exact_dim``).
-* ``"kfac"`` - :func:`curvkit.curvature.kronecker.kfac` (a KroneckerOperator); κ uses its exact trace
-  and the step uses ``.inverse(damping=κ)``.
+* ``"kfac"`` - a :class:`curvkit.curvature.estimators.KroneckerEstimator` (Monte Carlo Fisher, one label
+  per datum); κ uses its exact trace and the step the exact damped Kronecker inverse.
 * ``"auto"`` - exact when d <= ``max_exact_dim``, otherwise KFAC.
 
 Momentum (heavy-ball / Nesterov, torch SGD formula) is applied after preconditioning.
@@ -21,15 +22,18 @@ Momentum (heavy-ball / Nesterov, torch SGD formula) is applied after preconditio
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
+from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
-from curvkit.linalg.operator import CurvatureOperator
+from curvkit.linalg.operator import CurvatureOperator, DenseOperator
+from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras, legacy_model_first
+from curvkit.validation import integer, nonnegative, positive, unit_interval
 
 
 def paper_kappa(trace_f: float, d: int, alpha: float, epsilon: float) -> float:
@@ -37,93 +41,152 @@ def paper_kappa(trace_f: float, d: int, alpha: float, epsilon: float) -> float:
     return alpha / d * max(float(trace_f), epsilon)
 
 
-def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: float, epsilon: float) -> tuple[Tensor, float]:
-    """(F + κI)⁻¹ g with the paper's κ, for a dense (d, d) matrix or an operator with ``inverse``/``solve``.
+def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: float, epsilon: float,
+                     damping: float = 0.0) -> tuple[Tensor, float]:
+    """(F + κI)⁻¹ g with the paper's κ (plus ``damping``), for a dense (d, d) matrix or any operator.
 
     Returns the flat (d,) direction and κ.
     """
     if isinstance(fisher, Tensor):
-        d = fisher.shape[0]
-        kappa = paper_kappa(float(torch.trace(fisher)), d, alpha, epsilon)
-        A = fisher + kappa * torch.eye(d, dtype=fisher.dtype, device=fisher.device)
-        return torch.linalg.solve(A, grad.to(fisher.dtype)), kappa
+        fisher = DenseOperator(ParamLayout.from_tensors([grad]), fisher)
     d = fisher.layout.dim
-    kappa = paper_kappa(float(fisher.trace()), d, alpha, epsilon)
-    if kappa <= 0:
-        raise ValueError("the damping kappa is 0 (alpha = 0 or a zero Fisher with epsilon = 0); the Fisher "
-                         "may be singular: use alpha > 0 and epsilon > 0")
-    inv = getattr(fisher, "inverse", None)
-    if inv is not None:
-        return inv(kappa) @ grad.to(fisher.dtype), kappa
+    kappa = paper_kappa(float(fisher.trace()), d, alpha, epsilon) + damping
+    if not kappa > 0:
+        raise ValueError("the damping kappa is 0 (alpha = 0 or a zero Fisher with epsilon = 0, and no damping); "
+                         "the Fisher may be singular: use alpha > 0 and epsilon > 0")
     return fisher.solve(grad.to(fisher.dtype), damping=kappa), kappa
 
 
-class NaturalGradient(Optimizer):
-    """Damped NGD (paper eq. 5-7). Call ``loss.backward()`` then ``opt.step((x, y))`` with the batch.
+class NaturalGradient(CurvatureOptimizer):
+    """Damped NGD (paper eq. 5-7): ``NaturalGradient(model.parameters(), model=model, likelihood=lik)``;
+    per step ``loss.backward()`` then ``opt.step(batch=(X, y))`` (the Fisher is taken on that batch).
 
-    Args: ``model`` (its trainable parameters are optimised; one parameter group), ``likelihood``
-    (a curvkit Likelihood, e.g. ``CrossEntropy()``), ``lr`` = η, ``alpha`` and ``epsilon`` of eq. 7,
-    ``fisher`` ("exact" | "kfac" | "auto"), ``momentum``, ``nesterov``.
+    Args:
+        params: the model's trainable parameters (one parameter group; the Fisher is over all of them).
+        model, likelihood: the network and its curvkit :class:`~curvkit.likelihoods.Likelihood`.
+        lr: η > 0.  alpha, epsilon: α >= 0, ε >= 0 of eq. 7 (not both 0).
+        damping: an absolute floor added to κ (>= 0; default 0, the paper's κ).
+        fisher: ``"exact"`` | ``"kfac"`` | ``"auto"``.  fisher_ema: moving average of the KFAC factors
+            across steps (None: the current minibatch only, as the paper).
+        momentum, nesterov: torch-SGD momentum on the preconditioned direction.
+        seed: seed of the KFAC label sampler.
+
+    ``curvature()`` is the (undamped) Fisher of the last step; a step writes nothing unless the new
+    parameters are finite.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Any, lr: float = 1e-2, alpha: float = 0.01,
-                 epsilon: float = 1e-10, fisher: str = "auto", momentum: float = 0.0, nesterov: bool = False,
-                 max_exact_dim: int = 3000):
+    def __init__(self, params: Any = None, *, model: nn.Module | None = None, likelihood: Likelihood | None = None,
+                 lr: float = 1e-2, alpha: float = 0.01, epsilon: float = 1e-10, damping: float = 0.0,
+                 fisher: str = "auto", fisher_ema: float | None = None, momentum: float = 0.0,
+                 nesterov: bool = False, max_exact_dim: int = 3000, seed: int = 0):
+        if isinstance(params, nn.Module) and isinstance(model, Likelihood) and likelihood is None:
+            likelihood, model = model, None  # the former NaturalGradient(model, likelihood, ...) form
+        params, model = legacy_model_first(type(self).__name__, params, model)
+        if model is None or not isinstance(likelihood, Likelihood):
+            raise TypeError("NaturalGradient needs the model and a curvkit likelihood: "
+                            "NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy())")
         if fisher not in ("exact", "kfac", "auto"):
             raise ValueError(f"fisher must be 'exact', 'kfac' or 'auto', got {fisher!r}")
-        if not (lr > 0 and alpha >= 0 and epsilon >= 0 and momentum >= 0):
-            raise ValueError(f"need lr > 0, alpha >= 0, epsilon >= 0, momentum >= 0; got lr={lr}, "
-                             f"alpha={alpha}, epsilon={epsilon}, momentum={momentum}")
-        if alpha == 0 and epsilon == 0:
-            raise ValueError("alpha = epsilon = 0 gives no damping; the Fisher is singular for nets: set alpha > 0")
-        params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(params, dict(lr=lr, alpha=alpha, epsilon=epsilon, momentum=momentum, nesterov=nesterov))
-        self.model, self.likelihood = model, likelihood
-        self.layout = ParamLayout.from_module(model)
+        positive("lr", lr)
+        nonnegative("alpha", alpha)
+        nonnegative("epsilon", epsilon)
+        nonnegative("damping", damping)
+        nonnegative("momentum", momentum)
+        integer("max_exact_dim", max_exact_dim)
+        if fisher_ema is not None:
+            unit_interval("fisher_ema", fisher_ema, closed_left=True)
+        if alpha == 0 and epsilon == 0 and damping == 0:
+            raise ValueError("alpha = epsilon = damping = 0 gives no damping; the Fisher is singular for nets: "
+                             "set alpha > 0")
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, dict(lr=lr, alpha=alpha, epsilon=epsilon, damping=damping, momentum=momentum,
+                                      nesterov=nesterov))
+        if len(self.param_groups) != 1:
+            raise ValueError("NaturalGradient takes one parameter group (its Fisher spans all parameters)")
+        self._init_names(model)
+        self.likelihood = likelihood
+        self.layout_ = ParamLayout.from_module(model)
+        if [id(p) for p in self.ordered_params()] != [id(p) for p in model.parameters() if p.requires_grad]:
+            raise ValueError("NaturalGradient optimises all trainable parameters of the model (its Fisher is over "
+                             "all of them); freeze the others with requires_grad_(False)")
         kind = fisher
         if kind == "auto":
-            kind = "exact" if self.layout.dim <= max_exact_dim else "kfac"
-        if kind == "exact" and self.layout.dim > max_exact_dim:
-            raise ValueError(f"fisher='exact' builds a dense {self.layout.dim}^2 matrix; d exceeds "
+            kind = "exact" if self.layout_.dim <= max_exact_dim else "kfac"
+        if kind == "exact" and self.layout_.dim > max_exact_dim:
+            raise ValueError(f"fisher='exact' builds a dense {self.layout_.dim}^2 matrix; d exceeds "
                              f"max_exact_dim={max_exact_dim}: use fisher='kfac'")
         self.fisher_kind = kind
-        self.last_kappa = math.nan
+        self._estimator: Any = None
+        if kind == "kfac":
+            from curvkit.curvature.estimators import KroneckerEstimator
 
-    def fisher(self, data: tuple[Tensor, Tensor]) -> CurvatureOperator | Tensor:
+            self._estimator = KroneckerEstimator(model, likelihood, "kfac", ema=fisher_ema, seed=seed)
+        self._fisher: CurvatureOperator | None = None
+        self.last_kappa = math.nan
+        self._steps = 0
+
+    def _fisher_of(self, batch: tuple[Tensor, Tensor]) -> CurvatureOperator:
+        assert self.model is not None
         if self.fisher_kind == "exact":
             from curvkit.curvature import FisherOperator
 
-            return FisherOperator(self.model, self.likelihood, data).to_dense()
-        from curvkit.curvature.kronecker import kfac
+            return DenseOperator(self.layout_, FisherOperator(self.model, self.likelihood, batch).to_dense())
+        if self._estimator.ema is None:
+            self._estimator.reset()
+        return self._estimator.update(batch).operator()  # type: ignore[no-any-return]
 
-        return kfac(self.model, self.likelihood, data)
+    def fisher(self, data: tuple[Tensor, Tensor]) -> CurvatureOperator:
+        """Deprecated: the Fisher on ``data`` (use ``curvature()`` after a step)."""
+        warnings.warn("NaturalGradient.fisher(data) is deprecated; the Fisher of the last step is curvature()",
+                      DeprecationWarning, stacklevel=2)
+        return self._fisher_of(data)
+
+    def curvature(self) -> CurvatureOperator:
+        """The Fisher F of the last step (without the damping κ) as a CurvatureOperator."""
+        if self._fisher is None:
+            raise RuntimeError("NaturalGradient has no Fisher yet: call step(batch=...) first")
+        return self._fisher
 
     @torch.no_grad()
-    def step(self, data: tuple[Tensor, Tensor] | None = None,  # type: ignore[override]
-             closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        if data is None:
-            raise ValueError("NaturalGradient.step needs the minibatch: call opt.step((x, y))")
+    def step(self, closure: Callable[[], Tensor] | None = None, *,  # type: ignore[override]
+             batch: tuple[Tensor, Tensor] | None = None, **extras: Any) -> Tensor | None:
+        if isinstance(closure, (tuple, list)):  # the former step((x, y)) form
+            warnings.warn("NaturalGradient.step((x, y)) is deprecated; use step(batch=(x, y))", DeprecationWarning,
+                          stacklevel=2)
+            closure, batch = None, closure  # type: ignore[assignment]
+        check_step_extras(type(self).__name__, extras, ())
+        if batch is None:
+            raise ValueError("NaturalGradient.step needs the minibatch: opt.step(batch=(x, y))")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
-        params = group["params"]
+        params = self.ordered_params()
         if any(p.grad is None for p in params):
             raise ValueError("every parameter needs a gradient before NaturalGradient.step (call backward)")
-        g = self.layout.flatten([p.grad for p in params])
+        g = self.layout_.flatten([p.grad for p in params if p.grad is not None])
+        check_finite(self._steps + 1, [("the gradient", g)], "NaturalGradient")
         with torch.enable_grad():
-            F = self.fisher(data)
-        direction, self.last_kappa = damped_direction(F, g, group["alpha"], group["epsilon"])
-        steps = self.layout.unflatten(direction.to(g.dtype))
+            F = self._fisher_of(batch)
+        direction, kappa = damped_direction(F, g, group["alpha"], group["epsilon"], group["damping"])
+        steps = self.layout_.unflatten(direction.to(g.dtype))
         mu = group["momentum"]
+        updates = []
         for p, s in zip(params, steps):
+            buf = None
             if mu != 0:
                 st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = s.clone()
-                else:
-                    st["momentum_buffer"].mul_(mu).add_(s)
-                s = s.add(st["momentum_buffer"], alpha=mu) if group["nesterov"] else st["momentum_buffer"]
+                buf = s.clone() if "momentum_buffer" not in st else st["momentum_buffer"] * mu + s
+                s = s.add(buf, alpha=mu) if group["nesterov"] else buf
+            updates.append((p, s, buf))
+        check_finite(self._steps + 1, [("the update", torch.cat([u.reshape(-1) for _, u, _ in updates]))],
+                     "NaturalGradient")
+        for p, s, buf in updates:
+            if buf is not None:
+                self.state[p]["momentum_buffer"] = buf
             p.add_(s, alpha=-group["lr"])
+        self._fisher, self.last_kappa = F, kappa
+        self._steps += 1
         return loss

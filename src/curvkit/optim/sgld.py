@@ -20,22 +20,20 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+
+from curvkit.optim.base import CurvatureOptimizer, check_step_extras
+from curvkit.validation import nonnegative, positive
 
 
-class SGLD(Optimizer):
+class SGLD(CurvatureOptimizer):
     """Stochastic-gradient Langevin dynamics with localization (lr = ε, nbeta = nβ, localization = γ)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, nbeta: float = 1.0, localization: float = 0.0,
                  noise_level: float = 1.0, generator: torch.Generator | None = None):
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"SGLD lr (step size epsilon) must be positive, got {lr}")
-        if not (math.isfinite(nbeta) and nbeta > 0):
-            raise ValueError(f"nbeta must be positive, got {nbeta}")
-        if not localization >= 0:
-            raise ValueError(f"localization (gamma) must be >= 0, got {localization}")
-        if not noise_level >= 0:
-            raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+        positive("lr (step size epsilon)", lr)
+        positive("nbeta", nbeta)
+        nonnegative("localization (gamma)", localization)
+        nonnegative("noise_level", noise_level)
         super().__init__(params, dict(lr=lr, nbeta=nbeta, localization=localization, noise_level=noise_level))
         self.generator = generator
         for group in self.param_groups:
@@ -43,7 +41,8 @@ class SGLD(Optimizer):
                 self.state[p]["anchor"] = p.detach().clone()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor] | None = None, **extras: Any) -> Tensor | None:  # type: ignore[override]
+        check_step_extras(type(self).__name__, extras, ())
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -51,12 +50,15 @@ class SGLD(Optimizer):
         for group in self.param_groups:
             lr, nbeta, gamma = group["lr"], group["nbeta"], group["localization"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not bool(torch.isfinite(p.grad).all()):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                     raise FloatingPointError(
                         f"SGLD got a NaN/inf gradient (lr={lr:g}, nbeta={nbeta:g}, localization={gamma:g}); "
-                        "the chain diverged: reduce lr or increase localization")
+                        "the chain diverged: reduce lr or increase localization. Nothing was changed")
+        for group in self.param_groups:
+            lr, nbeta, gamma = group["lr"], group["nbeta"], group["localization"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
                 anchor = self.state[p]["anchor"]
                 drift = (p - anchor).mul_(gamma).add_(p.grad, alpha=nbeta)  # nβ g + γ (w - w*)
                 gen_dev = self.generator.device if self.generator is not None else p.device

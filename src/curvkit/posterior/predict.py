@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from curvkit.posterior.sampling import _check_posterior, _fixed_tensors, sample_eps, sample_weights
+from curvkit.structure import read_model
 
 
 @torch.no_grad()
@@ -39,8 +40,10 @@ def predict_mc(
     weights = sample_weights(mu, sigma, eps)
     fixed = _fixed_tensors(model, mu)
 
+    structure = read_model(model)
+
     def probs(w: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, {**fixed, **w}, (x,)).softmax(-1)
+        return structure.functional_call({**fixed, **w}, (x,)).softmax(-1)
 
     batched = vmap(probs, in_dims=(0, None), randomness="different")
     n = inputs.shape[0]

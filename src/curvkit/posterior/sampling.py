@@ -10,7 +10,8 @@ functionally, never written into the module:
 with **one eps per scalar weight per Monte Carlo sample, shared by every example of the minibatch**
 (weight sampling, digest section 7 item 3; not the local reparameterisation trick). The K samples are
 evaluated together with ``torch.func.vmap`` over ``functional_call``, so any module that
-``functional_call`` supports (MLPs, CNNs, ...) works.
+``functional_call`` supports (MLPs, CNNs, ...) works, and the module itself is never changed
+(:meth:`curvkit.structure.ModelStructure.functional_call`).
 
 Gradient estimators (paper Eq. 1, Bayes by Backprop), for C = E_q[L(w)]:
 
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.structure import read_model
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """loss_fn(outputs, targets) -> scalar loss of one weight sample on the whole minibatch (e.g. a
@@ -112,14 +114,15 @@ def sample_weights(
 
 
 def _fixed_tensors(model: nn.Module, exclude: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    fixed = {n: p.detach() for n, p in model.named_parameters() if n not in exclude}
-    fixed.update({n: b for n, b in model.named_buffers()})
-    return fixed
+    """The deterministic parameters, detached (no graph through them)."""
+    return {n: p.detach() for n, p in model.named_parameters() if n not in exclude}
 
 
 def _loss_of(model: nn.Module, loss_fn: LossFn, fixed: dict[str, Tensor]) -> Callable[..., Tensor]:
+    structure = read_model(model)
+
     def f(weights: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
-        out = functional_call(model, {**fixed, **weights}, (inputs,))
+        out = structure.functional_call({**fixed, **weights}, (inputs,))
         return loss_fn(out, targets)
 
     return f

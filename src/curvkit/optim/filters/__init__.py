@@ -4,7 +4,8 @@ descent as Bayesian filtering"; engineering digest 004).
 Dense reference filter (O1), factorised filters (O2-O6) and Kronecker-factored filters (O7-O9), all
 ``torch.optim.Optimizer`` subclasses with a common interface: explicit loss scaling (``reduction``,
 ``batch_size``), lookahead bookkeeping (parameters hold the prior mean, ``posterior_mean()`` swaps in the
-posterior mean), ``posterior_precision()`` (a curvkit curvature operator) and ``effective_lr()``.
+posterior mean), ``curvature()`` (the posterior precision as a curvkit curvature operator), ``effective_lr()``
+and ``close()`` (the Kronecker filters remove their hooks).
 """
 
 from curvkit.optim.filters.dense import DenseKalmanFilter

@@ -19,13 +19,15 @@ Conventions used by every filter in :mod:`curvkit.optim.filters`:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+
+from curvkit.optim.base import CurvatureOptimizer
 
 Reduction = Literal["mean", "sum"]
 
@@ -108,8 +110,10 @@ def stationary_variance(sigma2: float, s0: float | None, lr_sgd: float, batch: i
     return lr_sgd / batch
 
 
-class FilterOptimizer(Optimizer):
-    """Base class: parameter names, loss scaling and posterior-mean swapping."""
+class FilterOptimizer(CurvatureOptimizer):
+    """Base class: parameter names, loss scaling and posterior-mean swapping. Pass
+    ``model.named_parameters()`` as ``params`` to name the parameters in :meth:`curvature` and
+    :meth:`effective_lr`."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], reduction: Reduction, batch_size: int | None):
         self.loss_scale = LossScale(reduction, batch_size)
@@ -152,7 +156,13 @@ class FilterOptimizer(Optimizer):
                     p.copy_(old)
 
     # ---------------------------------------------------------------- interface
-    def posterior_precision(self) -> Any:  # pragma: no cover - abstract
+    def posterior_precision(self) -> Any:
+        """Deprecated name of :meth:`curvature`."""
+        warnings.warn(f"{type(self).__name__}.posterior_precision() is deprecated; use curvature()",
+                      DeprecationWarning, stacklevel=2)
+        return self.curvature()
+
+    def curvature(self) -> Any:  # pragma: no cover - abstract
         """The filter's current posterior precision as a curvkit curvature operator."""
         raise NotImplementedError
 

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvkit.optim.base import check_finite, check_step_extras
 from curvkit.optim.filters._base import FilterOptimizer, Reduction, ascent_grad
+from curvkit.validation import finite_tensor
 
 
 def kalman_predict(mu: Tensor, S: Tensor, F: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,7 +49,7 @@ class DenseKalmanFilter(FilterOptimizer):
             which the prediction leaves unchanged). The initial parameters are mu_prior(1).
         reduction, batch_size: loss scaling (see :mod:`._base`).
 
-    ``step(closure=None, fisher=None)``: ``fisher`` is a (K, D) tensor of rank-1 Fisher samples in summed
+    ``step(closure=None, *, fisher=None)``: ``fisher`` is a (K, D) tensor of rank-1 Fisher samples in summed
     log-likelihood units; ``None`` uses the empirical e = g (one sample).
     """
 
@@ -62,10 +64,17 @@ class DenseKalmanFilter(FilterOptimizer):
         dtype, device = ps[0].dtype, ps[0].device
         eye = torch.eye(D, dtype=dtype, device=device)
         for name, M in (("prior_cov", prior_cov), ("transition", transition), ("process_noise", process_noise)):
-            if M is not None and tuple(M.shape) != (D, D):
-                raise ValueError(f"{name} must have shape ({D}, {D}) for {D} parameters, got {tuple(M.shape)}")
+            if M is None:
+                continue
+            if not isinstance(M, Tensor) or tuple(M.shape) != (D, D):
+                shape = tuple(M.shape) if isinstance(M, Tensor) else type(M).__name__
+                raise ValueError(f"{name} must be a ({D}, {D}) tensor for {D} parameters, got {shape}")
+            finite_tensor(name, M)
         if not torch.allclose(prior_cov, prior_cov.T) or bool(torch.linalg.eigvalsh(prior_cov).min() <= 0):
             raise ValueError("prior_cov must be symmetric positive definite")
+        if process_noise is not None and (not torch.allclose(process_noise, process_noise.T)
+                                          or bool(torch.linalg.eigvalsh(process_noise.double()).min() < -1e-12)):
+            raise ValueError("process_noise must be symmetric positive semi-definite (a covariance)")
         self.F = eye if transition is None else transition.to(dtype)
         self.Q = torch.zeros_like(eye) if process_noise is None else process_noise.to(dtype)
         self.state[ps[0]] = {"S": prior_cov.clone().to(dtype), "mu_post": None, "step": 0}
@@ -96,7 +105,11 @@ class DenseKalmanFilter(FilterOptimizer):
         return self._flat() if mu is None else mu
 
     @torch.no_grad()
-    def step(self, closure: Any = None, fisher: Tensor | None = None, batch_size: int | None = None) -> Any:
+    def step(self, closure: Any = None, *, fisher: Tensor | None = None, batch_size: int | None = None,
+             **extras: Any) -> Any:
+        """One Kalman step. ``fisher``: (K, D) rank-1 Fisher samples (summed log-likelihood units) or None
+        (the empirical e = g). Nothing is written unless the new mean and covariance are finite."""
+        check_step_extras(type(self).__name__, extras, ("fisher", "batch_size"))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -107,11 +120,19 @@ class DenseKalmanFilter(FilterOptimizer):
                        for i, p in enumerate(self.param_groups[0]["params"])])
         mu_prior = self._flat()
         S = self.F @ st["S"] @ self.F.T + self.Q
+        if fisher is not None:
+            if not isinstance(fisher, Tensor) or fisher.dim() not in (1, 2) or fisher.shape[-1] != g.numel():
+                shape = tuple(fisher.shape) if isinstance(fisher, Tensor) else type(fisher).__name__
+                raise ValueError(f"fisher must be a (K, {g.numel()}) tensor of Fisher samples (one row per sample, "
+                                 f"{g.numel()} parameters), got {shape}")
+            finite_tensor("fisher", fisher)
         E = g[None] if fisher is None else fisher.reshape(-1, g.numel()).to(g.dtype)
         for e in E:
             S = kalman_rank1_update(S, e)
         S = 0.5 * (S + S.T)
         mu_post = mu_prior + S @ g
+        check_finite(st["step"] + 1, [("the posterior covariance", S), ("the posterior mean", mu_post)],
+                     "DenseKalmanFilter")
         st.update(S=S, mu_post=mu_post, step=st["step"] + 1)
         self._write(self.F @ mu_post)
         return loss
@@ -129,7 +150,8 @@ class DenseKalmanFilter(FilterOptimizer):
         finally:
             self._write(saved)
 
-    def posterior_precision(self) -> Any:
+    def curvature(self) -> Any:
+        """The posterior precision Sigma_post^{-1} as a DenseOperator."""
         from curvkit.linalg.operator import DenseOperator
 
         return DenseOperator(self._layout(), torch.linalg.inv(self.covariance))

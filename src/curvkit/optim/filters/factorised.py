@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvkit.optim.base import check_step_extras
 from curvkit.optim.filters._base import (
     FilterOptimizer,
     Reduction,
@@ -73,8 +74,10 @@ class _Factorised(FilterOptimizer):
         raise NotImplementedError
 
     @torch.no_grad()
-    def step(self, closure: Any = None, fisher_diag: Any = None, batch_size: int | None = None) -> Any:
+    def step(self, closure: Any = None, *, fisher_diag: Any = None, batch_size: int | None = None,
+             **extras: Any) -> Any:
         """One filtering step. ``fisher_diag``: list (one per parameter, summed-loss units) for fisher='given'."""
+        check_step_extras(type(self).__name__, extras, ("fisher_diag", "batch_size"))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -107,7 +110,7 @@ class _Factorised(FilterOptimizer):
     def _posterior_var(self, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
         return state[self._var_key]
 
-    def posterior_precision(self) -> Any:
+    def curvature(self) -> Any:
         """Diagonal posterior precision 1/s (summed-log-likelihood units) as a DiagonalOperator."""
         from curvkit.linalg.operator import DiagonalOperator
 

@@ -1,23 +1,28 @@
-"""Per-layer capture of layer inputs x and backpropagated output gradients delta for the
-Kronecker-factored filters (forward hooks plus a tensor hook on each layer output).
+"""Per-layer records of the Kronecker-factored filters on top of the shared capture
+(:class:`curvkit.curvature.capture.LayerCapture`): for each supported layer, the input rows x and the
+back-propagated output-gradient rows delta of the user's own backward pass, paired per pass.
 
-Supported: ``nn.Linear`` (x: (B, in[+1]), delta: (B, out)) and, where the caller allows it,
-``nn.Conv2d`` (x: unfolded patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions).
-The hook stores the input rows without the bias column (``a``); ``x_rows(k)`` appends the column of ones on
-demand, so a caller that needs only k of the B rows does not copy all of them.
-A module that owns trainable parameters and is not supported raises a ``ValueError`` naming it.
-Captured tensors are detached; capture happens only in forward passes with autograd enabled.
+Supported: ``nn.Linear`` (x: (B, in[+1]), delta: (B, out)) and, where the caller allows it, ``nn.Conv2d``
+(x: unfolded patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions, any padding mode). The
+layers come from :meth:`curvkit.structure.ModelStructure.kronecker_layers`: a module that owns trainable
+parameters and is not supported, a shared parameter or a module registered twice raise a ``ValueError``
+naming it; a layer called twice in one forward pass is refused at the step. The input rows are stored
+without the bias column; ``x_rows(k)`` appends the column of ones on demand, so a caller that needs only k
+of the B rows does not copy all of them. Several backward passes before one step (gradient
+accumulation) stack their rows, matching the summed gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
+
+from curvkit.curvature.capture import CapturedLayer, LayerCapture
+from curvkit.structure import UnsupportedModelError, read_model
 
 
 @dataclass
@@ -28,16 +33,30 @@ class LayerRecord:
     bias: nn.Parameter | None
     weight_name: str
     bias_name: str | None
-    a: Tensor | None = None   # layer input rows (B, in), without the bias column
-    delta: Tensor | None = None
-    positions: int = 1
-    handles: list[Any] = field(default_factory=list)
+    cap: CapturedLayer
+
+    @property
+    def a(self) -> Tensor | None:
+        """The input rows (K, in) of every backward pass since the last step (None: nothing captured)."""
+        rows = self.cap.paired_rows()
+        return None if rows is None else rows[0]
+
+    @property
+    def delta(self) -> Tensor | None:
+        """The output-gradient rows (K, out) paired with :attr:`a`."""
+        rows = self.cap.paired_rows()
+        return None if rows is None else rows[1]
+
+    @property
+    def positions(self) -> int:
+        return self.cap.positions
 
     def x_rows(self, k: int | None = None) -> Tensor:
         """The first ``k`` (all when None) captured input rows, with the bias column of ones appended."""
-        if self.a is None:
+        a = self.a
+        if a is None:
             raise ValueError(f"no activations captured for layer {self.name!r}")
-        a = self.a if k is None else self.a[:k]
+        a = a if k is None else a[:k]
         return a if self.bias is None else torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
 
     @property
@@ -98,72 +117,43 @@ class LayerRecord:
                 self.bias.copy_(b)
 
 
-def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str) -> list[LayerRecord]:
-    """Find the parameter-bearing layers; raise naming any unsupported one."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    layers: list[LayerRecord] = []
-    for mname, module in model.named_modules():
-        mod: Any = module
-        own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        if not isinstance(mod, tuple(supported)):
-            allowed = ", ".join(t.__name__ for t in supported)
-            raise ValueError(
-                f"{optimiser} cannot handle module {mname or '<root>'!r} ({type(mod).__name__}): it has trainable "
-                f"parameters but only {allowed} layers have Kronecker factors here; freeze it "
-                "(requires_grad_(False)) or use a factorised filter such as BFRMSProp"
-            )
-        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.padding_mode != "zeros"
-                                           or isinstance(mod.padding, str)):
-            raise ValueError(f"{optimiser}: Conv2d {mname!r} must have groups=1 and numeric zero padding")
-        w: nn.Parameter = getattr(module, "weight")  # noqa: B009
-        bias: Any = getattr(mod, "bias", None)
-        b = bias if (bias is not None and bias.requires_grad) else None
-        if not w.requires_grad:
-            raise ValueError(f"{optimiser}: layer {mname!r} has a frozen weight but a trainable bias; unsupported")
-        layers.append(LayerRecord(mname, module, w, b, names[id(w)], None if b is None else names[id(b)]))
-    if not layers:
-        raise ValueError(f"{optimiser}: the model has no trainable layers")
-    return layers
+def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str,
+                   params: Sequence[Tensor] | None = None) -> tuple[list[LayerRecord], LayerCapture]:
+    """The filter's layers and their (attached) capture; raise naming any module that is not supported.
+
+    ``params`` (default: all trainable parameters) selects the layers: each parameter must be the weight or
+    bias of a supported layer, and a selected layer must bring its weight (and its trainable bias)."""
+    structure = read_model(model)
+    layers = structure.kronecker_layers(optimiser, allow_conv=nn.Conv2d in tuple(supported))
+    if params is not None:
+        chosen = {id(p) for p in params}
+        by_id = {id(getattr(lay.module, attr)): lay for lay in layers for attr in ("weight", "bias")
+                 if getattr(lay.module, attr, None) is not None}
+        for p in params:
+            if id(p) not in by_id:
+                raise ValueError(f"{optimiser}: a parameter of shape {tuple(p.shape)} is not the weight or bias of "
+                                 "one of the model's Kronecker layers; pass model.parameters()")
+        layers = [lay for lay in layers if id(getattr(lay.module, "weight")) in chosen]  # noqa: B009
+        for lay in layers:
+            bias: Any = getattr(lay.module, "bias", None)
+            if lay.bias is not None and id(bias) not in chosen:
+                raise ValueError(f"{optimiser}: layer {lay.label!r} is optimised without its bias; pass both")
+        if not layers:
+            raise ValueError(f"{optimiser}: none of the given parameters is a layer weight")
+    capture = LayerCapture(layers, optimiser, output_grads=True, root=model).attach()
+    records = []
+    for lay, cap in zip(layers, capture.records):
+        mod: Any = lay.module
+        b = mod.bias if lay.bias is not None else None
+        name = "" if lay.label == "<root>" else lay.label  # the qualified module name (fisher_samples keys)
+        records.append(LayerRecord(name, lay.module, mod.weight, b, lay.weight, lay.bias, cap))  # type: ignore[arg-type]
+    return records, capture
 
 
-class Capture:
-    """Registers the hooks; ``records`` hold the last training forward/backward of each layer."""
-
-    def __init__(self, layers: list[LayerRecord]):
-        self.records = layers
-        for rec in layers:
-            rec.handles.append(rec.module.register_forward_hook(self._hook(rec)))
-
-    @staticmethod
-    def _hook(rec: LayerRecord) -> Any:
-        def fwd(mod: nn.Module, inputs: tuple[Tensor, ...], out: Tensor) -> None:
-            if not torch.is_grad_enabled() or not out.requires_grad:
-                return
-            a = inputs[0].detach()
-            if isinstance(mod, nn.Conv2d):
-                cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,  # type: ignore[arg-type]
-                                stride=mod.stride)
-                rec.positions = int(cols.shape[-1])
-                a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-            else:
-                rec.positions = 1
-                a = a.reshape(-1, a.shape[-1])
-            rec.a = a
-
-            def bwd(grad: Tensor) -> None:
-                if isinstance(mod, nn.Conv2d):
-                    rec.delta = grad.detach().flatten(2).transpose(1, 2).reshape(-1, grad.shape[1])
-                else:
-                    rec.delta = grad.detach().reshape(-1, grad.shape[-1])
-
-            out.register_hook(bwd)
-
-        return fwd
-
-    def remove(self) -> None:
-        for rec in self.records:
-            for h in rec.handles:
-                h.remove()
-            rec.handles.clear()
+def check_captured(records: Sequence[LayerRecord], optimiser: str) -> None:
+    """Raise if a layer was called more than once in a forward pass since the last step."""
+    for rec in records:
+        if rec.cap.reused:
+            raise UnsupportedModelError(
+                f"{optimiser}: module {rec.name!r} was called more than once in one forward pass; its input and "
+                "output gradient cannot be paired into per-example Fisher samples. Use one module per call")

@@ -49,16 +49,17 @@ convolution's per-example gradient, a sum over positions, is not).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
+from curvkit.optim.base import CurvatureOptimizer, check_step_extras, legacy_model_first
 from curvkit.optim.filters._base import LossScale, Reduction, all_finite, check_positive, check_unit_interval
-from curvkit.optim.filters.kron_capture import Capture, LayerRecord, collect_layers
+from curvkit.optim.filters.kron_capture import LayerRecord, check_captured, collect_layers
 from curvkit.optim.filters.kron_math import (
     apply_root,
     first_order_coefficients,
@@ -84,23 +85,68 @@ def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None
         st["mu_post"] = W_post
 
 
-class _KroneckerBase(Optimizer):
+class _KroneckerBase(CurvatureOptimizer):
     supported: tuple[type[nn.Module], ...] = (nn.Linear,)
 
-    def __init__(self, model: nn.Module, defaults: dict[str, Any], reduction: Reduction, batch_size: int | None):
+    def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
+                 batch_size: int | None):
+        params, model = legacy_model_first(type(self).__name__, params, model)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), got {type(model).__name__}")
+            raise TypeError(f"{type(self).__name__} needs the model for its layer structure: "
+                            f"{type(self).__name__}(model.parameters(), model=model, ...)")
         self.loss_scale = LossScale(reduction, batch_size)
-        self.layers: list[LayerRecord] = collect_layers(model, self.supported, type(self).__name__)
-        self._layout_names = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-        params = []
+        given = None if params is None else list(params)
+        if given is not None and any(isinstance(g, dict) for g in given):
+            raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
+        self.layers, self.capture = collect_layers(model, self.supported, type(self).__name__, given)
+        ordered = []
         for rec in self.layers:
-            params.append(rec.weight)
+            ordered.append(rec.weight)
             if rec.bias is not None:
-                params.append(rec.bias)
-        super().__init__(params, defaults)
-        self.capture = Capture(self.layers)
+                ordered.append(rec.bias)
+        super().__init__(ordered, defaults)
+        self._init_names(model)
         self._work: dict[tuple[str, str], Tensor] = {}
+
+    def close(self) -> None:
+        """Remove the capture hooks from the model (idempotent; also on ``with``-exit and deletion)."""
+        capture = getattr(self, "capture", None)
+        if capture is not None:
+            capture.close()
+
+    def _begin_step(self, closure: Any, fisher_samples: dict[str, Any] | None, batch_size: int | None,
+                    extras: dict[str, Any]) -> tuple[Any, float]:
+        """Common start of a step: refuse unknown inputs, run the closure, check the capture, and return
+        (loss, the loss scale from the captured rows)."""
+        check_step_extras(type(self).__name__, extras, ("fisher_samples", "batch_size"))
+        if fisher_samples is not None:
+            known = {rec.name for rec in self.layers}
+            unknown = sorted(set(fisher_samples) - known)
+            if unknown:
+                raise ValueError(f"fisher_samples has unknown layer name(s) {unknown}; the layers are "
+                                 f"{sorted(known)}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        check_captured(self.layers, type(self).__name__)
+        return loss, self._scale(batch_size)
+
+    def _scale(self, batch_size: int | None) -> float:
+        """The factor turning ``p.grad`` into the gradient of the summed log-likelihood. With a mean loss the
+        batch size is read off the captured rows (so a last, partial batch is scaled by its own size); a
+        ``batch_size`` that contradicts them is refused."""
+        if self.loss_scale.reduction == "sum":
+            return 1.0
+        sizes = next((rec.cap.pass_sizes for rec in self.layers if rec.cap.pass_sizes), [])
+        if not sizes:
+            return self.loss_scale.factor(batch_size)
+        if len(set(sizes)) > 1:
+            raise ValueError(f"{len(sizes)} backward passes of different batch sizes {sizes} were accumulated with "
+                             "reduction='mean'; the summed gradient is ambiguous: use reduction='sum'")
+        if batch_size is not None and int(batch_size) != sizes[0]:
+            raise ValueError(f"step(batch_size={batch_size}) but the captured minibatch has {sizes[0]} examples")
+        return float(sizes[0])
 
     def _buffer(self, rec: LayerRecord, role: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A per-layer scratch tensor reused across steps (not optimiser state: never saved). Reusing the large
@@ -111,9 +157,7 @@ class _KroneckerBase(Optimizer):
         return buf
 
     def _layout(self) -> Any:
-        from curvkit.linalg.layout import ParamLayout
-
-        return ParamLayout(tuple(n for n, _ in self._layout_names), tuple(s for _, s in self._layout_names))
+        return self.layout()
 
     def _group(self) -> dict[str, Any]:
         return self.param_groups[0]
@@ -144,8 +188,7 @@ class _KroneckerBase(Optimizer):
         return rec.delta.to(dtype) * -scale, rec.x_rows().to(dtype)
 
     def _clear(self) -> None:
-        for rec in self.layers:
-            rec.a = rec.delta = None
+        self.capture.reset()
 
     @contextmanager
     def posterior_mean(self) -> Iterator[None]:
@@ -172,6 +215,12 @@ class _KroneckerBase(Optimizer):
         raise NotImplementedError
 
     def posterior_precision(self) -> Any:
+        """Deprecated name of :meth:`curvature`."""
+        warnings.warn(f"{type(self).__name__}.posterior_precision() is deprecated; use curvature()",
+                      DeprecationWarning, stacklevel=2)
+        return self.curvature()
+
+    def curvature(self) -> Any:
         """Posterior precision as a :class:`curvkit.linalg.kron.KroneckerOperator` (one block per layer,
         G = output-side, A = input-side factor, row-major W_hat layout), in summed-log-likelihood units."""
         from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
@@ -239,7 +288,10 @@ class KFBayes(_KroneckerBase):
     """Kronecker-factored filter with weight drift (O8). ``lr`` = eta; eta = 0 gives O7.
 
     Args:
-        model: the network (all trainable parameters must sit in ``nn.Linear`` layers).
+        params: the parameters to optimise (default: all of ``model``'s); they must be the weights and
+            biases of its ``nn.Linear`` layers.
+        model: the network (required: the filter reads its layer structure and captures each layer's
+            input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
         sigma2: stationary prior variance (inf: no weight decay).
         s0: initial posterior variance per weight; Sigma^x = Sigma^delta = sqrt(s0) I (digest A5);
@@ -250,10 +302,10 @@ class KFBayes(_KroneckerBase):
         inv_every: refresh period of Lambda_x, Lambda_delta in Eq. 28.
     """
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, sigma2: float = math.inf, s0: float | None = None,
-                 lr_sgd: float = 0.1, fisher_samples: int | None = 8, sample_update: str = "sequential",
-                 projection: str = "first_order", inv_every: int = 10, reduction: Reduction = "mean",
-                 batch_size: int | None = None):
+    def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3,
+                 sigma2: float = math.inf, s0: float | None = None, lr_sgd: float = 0.1,
+                 fisher_samples: int | None = 8, sample_update: str = "sequential", projection: str = "first_order",
+                 inv_every: int = 10, reduction: Reduction = "mean", batch_size: int | None = None):
         check_positive("lr", lr, allow_zero=True)
         check_positive("sigma2", sigma2, allow_inf=True)
         check_positive("lr_sgd", lr_sgd)
@@ -270,7 +322,7 @@ class KFBayes(_KroneckerBase):
         s_init = s0 if s0 is not None else lr_sgd / (batch_size or 1)
         defaults = {"lr": float(lr), "sigma2": float(sigma2), "s0": float(s_init), "fisher_samples": fisher_samples,
                     "sample_update": sample_update, "projection": projection, "inv_every": int(inv_every)}
-        super().__init__(model, defaults, reduction, batch_size)
+        super().__init__(params, model, defaults, reduction, batch_size)
         if projection == "exact":
             for rec in self.layers:
                 if rec.in_dim * rec.out_dim > 4096:
@@ -406,14 +458,10 @@ class KFBayes(_KroneckerBase):
         return out
 
     @torch.no_grad()
-    def step(self, closure: Any = None, fisher_samples: dict[str, Any] | None = None,
-             batch_size: int | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure: Any = None, *, fisher_samples: dict[str, Any] | None = None,
+             batch_size: int | None = None, **extras: Any) -> Any:
+        loss, scale = self._begin_step(closure, fisher_samples, batch_size, extras)
         grp = self._group()
-        scale = self.loss_scale.factor(batch_size)
         decay = self._decay()
         for rec in self.layers:
             st = self._init(rec)
@@ -474,10 +522,10 @@ class KFBayes(_KroneckerBase):
 class KFNatGrad(KFBayes):
     """Kronecker-factored natural gradient with static weights (O7): :class:`KFBayes` with eta = 0."""
 
-    def __init__(self, model: nn.Module, s0: float | None = None, lr_sgd: float = 0.1,
-                 fisher_samples: int | None = 8, sample_update: str = "sequential",
+    def __init__(self, params: Any = None, *, model: nn.Module | None = None, s0: float | None = None,
+                 lr_sgd: float = 0.1, fisher_samples: int | None = 8, sample_update: str = "sequential",
                  projection: str = "first_order", reduction: Reduction = "mean", batch_size: int | None = None):
-        super().__init__(model, lr=0.0, sigma2=math.inf, s0=s0, lr_sgd=lr_sgd, fisher_samples=fisher_samples,
+        super().__init__(params, model=model, lr=0.0, sigma2=math.inf, s0=s0, lr_sgd=lr_sgd, fisher_samples=fisher_samples,
                          sample_update=sample_update, projection=projection, reduction=reduction,
                          batch_size=batch_size)
 
@@ -533,8 +581,9 @@ class KFWhiten(_KroneckerBase):
     of lam, which is at most sqrt(1/damping) times the typical gain.
 
     Args:
+        params: the parameters to optimise (default: all of ``model``'s).
         model: network whose trainable parameters sit in ``nn.Linear`` or ``nn.Conv2d`` layers (Conv2d: the
-            KFC-style patch statistics, x = unfolded patches, delta per position).
+            KFC-style patch statistics, x = unfolded patches, delta per position); required.
         lr: eta (the Adam/RMSProp learning rate of the steady state).
         beta: EMA factor of the covariances (bias-corrected).
         damping: relative Tikhonov damping (see above).
@@ -546,8 +595,8 @@ class KFWhiten(_KroneckerBase):
 
     supported = (nn.Linear, nn.Conv2d)
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, beta: float = 0.99, damping: float = 1e-3,
-                 inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
+    def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,
+                 damping: float = 1e-3, inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
                  reduction: Reduction = "mean", batch_size: int | None = None):
         check_positive("lr", lr)
         check_unit_interval("beta", beta)
@@ -558,7 +607,7 @@ class KFWhiten(_KroneckerBase):
             raise ValueError(f"inv_every must be a positive integer, got {inv_every!r}")
         defaults = {"lr": float(lr), "beta": beta, "damping": damping, "inv_every": int(inv_every),
                     "eta_p": eta_p, "sigma2": float(sigma2)}
-        super().__init__(model, defaults, reduction, batch_size)
+        super().__init__(params, model, defaults, reduction, batch_size)
 
     def _decay(self) -> float:
         g = self._group()
@@ -588,15 +637,11 @@ class KFWhiten(_KroneckerBase):
         return sx, lx, sd, ld
 
     @torch.no_grad()
-    def step(self, closure: Any = None, fisher_samples: dict[str, Any] | None = None,
-             batch_size: int | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure: Any = None, *, fisher_samples: dict[str, Any] | None = None,
+             batch_size: int | None = None, **extras: Any) -> Any:
+        loss, scale = self._begin_step(closure, fisher_samples, batch_size, extras)
         grp = self._group()
         check_positive("lr", grp["lr"])
-        scale = self.loss_scale.factor(batch_size)
         for rec in self.layers:
             st = self.state[rec.weight]
             self._check_finite(rec)
