@@ -115,6 +115,8 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         chunk_size: optional ``vmap`` chunk size over the K samples (bounds memory).
     """
 
+    model: nn.Module
+
     def __init__(
         self,
         params: Iterable[Any] | None,
