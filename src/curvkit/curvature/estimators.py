@@ -322,8 +322,9 @@ class KroneckerEstimator(CurvatureEstimator):
                     per[i].append(rows)
         if self.keep_per_sample:
             wt = torch.tensor(weights, dtype=f.dtype, device=f.device)
-            self.per_sample = {rec.info.weight: (with_bias_column(rec.a, rec.has_bias), torch.stack(p), wt)  # type: ignore[arg-type]  # type: ignore[misc]
-                               for rec, p in zip(cap.records, per)}
+            self.per_sample = {
+                str(rec.info.weight): (with_bias_column(rec.a, rec.has_bias), torch.stack(p), wt)  # type: ignore[arg-type]
+                for rec, p in zip(cap.records, per)}
         return G  # type: ignore[return-value]
 
     def _kfra(self, cap: LayerCapture, f: Tensor, y: Tensor) -> list[Tensor]:
