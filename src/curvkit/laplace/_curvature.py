@@ -1,0 +1,113 @@
+"""Curvature statistics of a Laplace posterior, gathered batch by batch (thesis Sec. 5.1.1).
+
+Every source keeps SUMS over all data seen and hands out per-datum MEANS, so the posterior precision
+``N * mean + prior`` can be formed for any pseudo-data count N later (thesis Eq. 5.7/5.14: N and the prior
+precision are hyperparameters changed without recomputing curvature). Batches of unequal size are weighted
+by their size; with data augmentation every augmented copy counts as one datum of the mean and the caller
+sets N to the size of the data set.
+
+* :class:`KroneckerSource` - per Linear/Conv2d layer ``G_l (x) A_l`` from
+  :class:`~curvkit.curvature.estimators.KroneckerEstimator` (``kflr``, ``kfac`` with ``mc_samples`` labels,
+  ``kfra``, ``projection``, ``empirical``).
+* :class:`DiagonalSource` - the diagonal of the GGN (``ggn``), of the Monte Carlo Fisher with sampled labels
+  (``mc_fisher``: per-example squared gradients, thesis Eq. 5.10) or of the empirical Fisher, from
+  :class:`~curvkit.curvature.estimators.DiagonalEstimator`.
+* :class:`DenseSource` - the dense curvature of a parameter group (``full`` Laplace of small nets, a
+  BatchNorm layer's parameters) from the exact operators' ``to_dense()``, batch by batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
+from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
+from curvkit.laplace._subset import only_trainable
+from curvkit.likelihoods import Likelihood
+from curvkit.structure import LayerInfo
+
+__all__ = ["DenseSource", "DiagonalSource", "KroneckerSource"]
+
+KRON_METHODS = ("kflr", "kfac", "kfra", "projection", "empirical")
+ELEMENT_METHODS = ("ggn", "mc_fisher", "empirical")
+
+
+class KroneckerSource:
+    """Kronecker factors of the layers ``names`` (their weights and biases) from a KroneckerEstimator."""
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
+                 mc_samples: int, seed: int):
+        self.names = list(names)
+        with only_trainable(model, self.names):
+            self.estimator = KroneckerEstimator(model, likelihood.with_reduction("mean"), method,  # type: ignore[arg-type]
+                                                mc_samples=mc_samples, seed=seed)
+        self.layers: list[LayerInfo] = list(self.estimator.layers)
+
+    def update(self, X: Tensor, y: Tensor) -> None:
+        self.estimator.update((X, y))
+
+    def factors(self) -> list[tuple[LayerInfo, Tensor, Tensor]]:
+        """(layer, G mean, A mean) per layer: the per-datum curvature block is ``G (x) A``."""
+        op = self.estimator.operator()
+        by_weight = {b.weight_name: b for b in op.blocks}
+        return [(lay, by_weight[lay.weight].G, by_weight[lay.weight].A) for lay in self.layers]  # type: ignore[index]
+
+
+class DiagonalSource:
+    """Per-datum mean diagonal curvature of the parameters ``names``."""
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
+                 mc_samples: int, seed: int):
+        self.model, self.names = model, list(names)
+        with only_trainable(model, self.names):
+            self.estimator = DiagonalEstimator(model, likelihood.with_reduction("mean"), method,  # type: ignore[arg-type]
+                                               mc_samples=mc_samples, seed=seed)
+
+    def update(self, X: Tensor, y: Tensor) -> None:
+        with only_trainable(self.model, self.names):
+            self.estimator.update((X, y))
+
+    def mean(self) -> dict[str, Tensor]:
+        op = self.estimator.operator()
+        return dict(zip(op.layout.names, op.tensors))
+
+
+class DenseSource:
+    """Per-datum mean dense curvature (d, d) of the parameters ``names`` (flat ``named_parameters()`` order)."""
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
+                 mc_samples: int, seed: int):
+        if method not in ELEMENT_METHODS:
+            raise ValueError(f"unknown dense curvature {method!r}; use one of {ELEMENT_METHODS}")
+        self.model, self.names, self.method = model, list(names), method
+        self.likelihood = likelihood.with_reduction("sum")
+        self.mc_samples = int(mc_samples)
+        self._seeds = torch.Generator().manual_seed(int(seed))
+        self.total: Tensor | None = None
+        self.count = 0
+
+    def update(self, X: Tensor, y: Tensor) -> None:
+        with only_trainable(self.model, self.names):
+            op: Any
+            if self.method == "ggn":
+                op = GGNOperator(self.model, self.likelihood, (X, y))
+            elif self.method == "empirical":
+                op = EmpiricalFisherOperator(self.model, self.likelihood, (X, y))
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+                op = MCFisherOperator(self.model, self.likelihood, (X, y), mc_samples=self.mc_samples, seed=seed)
+            D = op.to_dense()
+        if not bool(torch.isfinite(D).all()):
+            raise ValueError("the dense curvature of this batch contains NaN or inf; check the inputs and the model")
+        self.total = D if self.total is None else self.total + D
+        self.count += int(X.shape[0])
+
+    def mean(self) -> Tensor:
+        if self.total is None:
+            raise ValueError("no data seen yet")
+        M = self.total / self.count
+        return 0.5 * (M + M.T)

@@ -1,0 +1,426 @@
+"""The Laplace posterior (thesis chapter 5, Sec. 5.1): one entry point, :class:`Laplace`, parametrised by
+its structure and its curvature source.
+
+    post = Laplace(model, CrossEntropy(), structure="kron", curvature="kflr", prior_precision=1e-2)
+    post.fit(train_batches)                   # curvature summed over the data set, once
+    post.num_data, post.prior_precision = 10 * post.num_data, 1.0   # no recomputation
+    probs = post.predict(X_test, method="mc", num_samples=100)      # thesis Eq. 5.9
+
+The posterior is ``N(theta*, P^{-1})`` over the parameters of ``subset`` (``'all'``, ``'last_layer'`` or
+names), the others fixed at their fitted values, with theta* the model's parameters at :meth:`Laplace.fit`
+and the precision
+
+    P = N * C_bar + prior            (thesis Eq. 5.7: N times the per-datum curvature plus the prior)
+
+built per layer by the ``structure``:
+
+* ``'kron'`` (thesis Eqs. 5.12-5.14): Linear and Conv2d layers (Conv2d through the Kronecker factors of
+  the estimators, KFC convention) get the matrix-normal posterior
+  ``W_hat ~ MN(W_hat*, (sqrt(N) G + sqrt(lam) I)^{-1}, (sqrt(N) A + sqrt(lam) I)^{-1})`` in PyTorch's
+  output-first layout (``prior_form='factored'``, omega = 1 as Eq. 5.14; ``trace_balance=True`` splits
+  ``sqrt(lam)`` by the trace-norm ratio of Eq. 4.27 instead); ``prior_form='exact'`` uses
+  ``N G (x) A + lam I`` exactly through the factors' eigendecompositions. Normalisation layers
+  (BatchNorm and friends; their parameters are vectors) get a diagonal or full per-layer Laplace
+  (``norm_structure``), as the thesis's "standard Laplace" for BatchNorm (Sec. 5.2.4). Any other layer
+  with trainable parameters is an error naming it.
+* ``'diag'`` (Eqs. 5.10-5.11): ``N diag(F) + lam`` per parameter.
+* ``'full'``: ``N F + diag(lam)`` over all parameters of the subset (small nets only).
+
+Curvature sources (``curvature``): for ``kron`` ``'kflr'`` (exact output factor, default), ``'kfac'``
+(``mc_samples`` labels sampled from the model per datum), ``'kfra'``, ``'projection'``, ``'empirical'``;
+for ``diag`` and ``full`` ``'mc_fisher'`` (per-example gradients at ``mc_samples`` sampled labels: the
+Fisher identity of Eq. 5.10 with one sample per point, the thesis's choice and the default), ``'ggn'``
+(exact) or ``'empirical'``. Normalisation layers in a ``kron`` posterior use ``'ggn'`` for
+``kflr``/``kfra``/``projection``, ``'mc_fisher'`` for ``kfac`` and ``'empirical'`` for ``empirical``.
+
+Prior precision: a scalar, or one value per layer (a sequence in :attr:`Laplace.layer_names` order or a
+dict by layer name). It is the precision of the Gaussian prior on the SUMMED log-likelihood (lambda of
+Eq. 5.14, the ICLR paper's tau); ``N`` defaults to the number of data seen by :meth:`fit` (pass
+``num_data`` there when the batches hold augmented copies of a smaller data set).
+
+BatchNorm must be in eval mode (running statistics; thesis Sec. 5.2.4), Dropout too (``model.eval()``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Self
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.curvature._functional import iter_batches
+from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
+from curvkit.laplace._curvature import (
+    ELEMENT_METHODS,
+    KRON_METHODS,
+    DenseSource,
+    DiagonalSource,
+    KroneckerSource,
+)
+from curvkit.laplace._subset import resolve_subset, subset_layers
+from curvkit.laplace.operators import BlockSumOperator
+from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.linalg.layout import ParamLayout
+from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
+from curvkit.structure import LayerInfo, read_model, refuse
+from curvkit.validation import integer, positive
+
+__all__ = ["Laplace", "log_likelihood"]
+
+StructureName = Literal["kron", "diag", "full"]
+_NORM_SOURCE = {"kflr": "ggn", "kfra": "ggn", "projection": "ggn", "kfac": "mc_fisher", "empirical": "empirical"}
+
+
+def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
+    """Per-sample log-likelihood (B,), with the Gaussian normaliser included (the evidence needs it)."""
+    ll = -likelihood.nll_per_sample(f, y)
+    if isinstance(likelihood, Gaussian) and not likelihood.include_normaliser:
+        ll = ll - 0.5 * f.shape[-1] * math.log(2 * math.pi * likelihood.sigma**2)
+    return ll
+
+
+class Laplace:
+    """A Laplace posterior over (a subset of) a model's parameters; see the module docstring.
+
+    Args:
+        model: the trained network (its parameters at :meth:`fit` are the posterior mean theta*).
+        likelihood: :class:`~curvkit.likelihoods.CrossEntropy`, :class:`~curvkit.likelihoods.BernoulliBCE`
+            or :class:`~curvkit.likelihoods.Gaussian` (its ``reduction`` is irrelevant here).
+        structure: ``'kron'`` | ``'diag'`` | ``'full'``.
+        curvature: the curvature source (module docstring); default ``'kflr'`` for ``kron``,
+            ``'mc_fisher'`` otherwise.
+        subset: ``'all'`` | ``'last_layer'`` | module labels and/or parameter names.
+        prior_precision: scalar, per-layer sequence or dict (changeable after fitting).
+        mc_samples: sampled labels per datum for ``kfac``/``mc_fisher`` (random projections for
+            ``projection``).
+        seed: seed of the curvature's sampled labels (predictions take their own generator).
+        prior_form: ``'factored'`` (Eq. 5.14) | ``'exact'`` (kron only).
+        trace_balance: split the prior term by the trace-norm ratio (factored kron only).
+        norm_structure: ``'diag'`` | ``'full'`` per normalisation layer (kron only).
+    """
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood, structure: StructureName = "kron",
+                 curvature: str | None = None, *, subset: Any = "all", prior_precision: Any = 1.0,
+                 mc_samples: int = 1, seed: int = 0, prior_form: str = "factored", trace_balance: bool = False,
+                 norm_structure: str = "diag"):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(likelihood, (CrossEntropy, BernoulliBCE, Gaussian)):
+            raise TypeError("likelihood must be a curvkit CrossEntropy, BernoulliBCE or Gaussian, got "
+                            f"{type(likelihood).__name__}")
+        if structure not in ("kron", "diag", "full"):
+            raise ValueError(f"structure must be 'kron', 'diag' or 'full', got {structure!r}")
+        if curvature is None:
+            curvature = "kflr" if structure == "kron" else "mc_fisher"
+        allowed = KRON_METHODS if structure == "kron" else ELEMENT_METHODS
+        if curvature not in allowed:
+            hint = ("'ggn' is exact; Kronecker factors of the exact GGN's output side are 'kflr'"
+                    if structure == "kron" else "'kfac' is a Kronecker method; its diagonal analogue is 'mc_fisher'")
+            raise ValueError(f"curvature {curvature!r} is not available for structure {structure!r}; use one of "
+                             f"{allowed} ({hint})")
+        if prior_form not in ("factored", "exact"):
+            raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {prior_form!r}")
+        if norm_structure not in ("diag", "full"):
+            raise ValueError(f"norm_structure must be 'diag' or 'full', got {norm_structure!r}")
+        self.model, self.likelihood = model, likelihood
+        self.structure, self.curvature = structure, curvature
+        self.mc_samples, self.seed = integer("mc_samples", mc_samples), int(seed)
+        self.prior_form, self.trace_balance, self.norm_structure = prior_form, bool(trace_balance), norm_structure
+        self.names = resolve_subset(model, subset)
+        self.layer_info: list[LayerInfo] = subset_layers(model, self.names)
+        self.layer_names = [lay.label for lay in self.layer_info]
+        if structure == "kron":
+            for lay in self.layer_info:
+                if lay.kind not in ("linear", "conv2d", "norm"):
+                    raise refuse("Kronecker Laplace", lay.label, lay.module, "has trainable parameters but only "
+                                 "Linear and Conv2d layers have Kronecker factors (and normalisation layers a "
+                                 "per-layer Laplace)", "freeze it, leave it out of the subset, or use "
+                                 "structure='diag'/'full'")
+        shapes = dict(model.named_parameters())
+        self.layout = ParamLayout(tuple(self.names), tuple(shapes[n].shape for n in self.names))
+        p0 = shapes[self.names[0]]
+        self.dtype, self.device = p0.dtype, p0.device
+        self._layer_of = {n: i for i, lay in enumerate(self.layer_info) for n in lay.params}
+        self._prior = self._as_prior(prior_precision)
+        self._num_data: float | None = None
+        self.num_seen = 0
+        self.loglik = 0.0
+        self.blocks: list[PosteriorBlock] = []
+        self.params: dict[str, Tensor] = {}
+        self.buffers: dict[str, Tensor] = {}
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _as_prior(self, value: Any) -> Tensor:
+        L = len(self.layer_names)
+        if isinstance(value, Mapping):
+            unknown = [k for k in value if k not in self.layer_names]
+            missing = [k for k in self.layer_names if k not in value]
+            if unknown or missing:
+                raise ValueError(f"prior_precision dict needs exactly the layers {self.layer_names}; unknown "
+                                 f"{unknown}, missing {missing}")
+            vals = [positive(f"prior_precision[{k!r}]", value[k]) for k in self.layer_names]
+        elif isinstance(value, (Sequence, Tensor)) and not (isinstance(value, Tensor) and value.dim() == 0):
+            vals = [positive("prior_precision", v) for v in value]
+            if len(vals) != L:
+                raise ValueError(f"prior_precision has {len(vals)} values but the posterior has {L} layers "
+                                 f"({', '.join(self.layer_names)})")
+        else:
+            vals = [positive("prior_precision", value)] * L
+        return torch.tensor(vals, dtype=self.dtype, device=self.device)
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """Per-layer prior precisions (L,), in :attr:`layer_names` order."""
+        return self._prior.clone()
+
+    @prior_precision.setter
+    def prior_precision(self, value: Any) -> None:
+        self._prior = self._as_prior(value)
+
+    @property
+    def num_data(self) -> float:
+        """The pseudo-data count N (default: the number of data seen by :meth:`fit`)."""
+        self._require_fit()
+        assert self._num_data is not None
+        return self._num_data
+
+    @num_data.setter
+    def num_data(self, value: Any) -> None:
+        self._num_data = positive("num_data", value)
+
+    def _require_fit(self) -> None:
+        if not self.blocks:
+            raise ValueError("the posterior is not fitted yet: call fit(data) first")
+
+    def _hyper(self, num_data: Any = None, prior_precision: Any = None) -> tuple[float, Tensor]:
+        self._require_fit()
+        N = self.num_data if num_data is None else positive("num_data", num_data)
+        lam = self._prior if prior_precision is None else self._as_prior(prior_precision)
+        return N, lam
+
+    # ------------------------------------------------------------------ fitting
+    def fit(self, data: Any, num_data: float | None = None) -> Self:
+        """Sum the curvature over ``data`` (an ``(X, y)`` pair or an iterable of pairs, read once) at the
+        model's current parameters, which become the posterior mean. ``num_data`` sets N (default: the
+        number of data seen). Replaces any earlier fit."""
+        model, lik = self.model, self.likelihood
+        structure = read_model(model)
+        structure.require_deterministic("Laplace")
+        structure.require_independent_samples("Laplace")
+        sources = self._sources()
+        count, ll = 0, 0.0
+        for X, y in iter_batches(data, self.device):
+            for src in sources.values():
+                src.update(X, y)
+            with torch.no_grad():
+                f = model(X)
+                lik.check(f, y)
+                ll += float(log_likelihood(lik, f, y).sum())
+            count += int(X.shape[0])
+        self.num_seen, self.loglik = count, ll
+        self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        self._build(self._statistics(sources))
+        self._num_data = float(count) if num_data is None else positive("num_data", num_data)
+        return self
+
+    def _sources(self) -> dict[str, Any]:
+        m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
+        if self.structure == "diag":
+            return {"diag": DiagonalSource(m, lik, self.names, self.curvature, k, s)}
+        if self.structure == "full":
+            return {"dense": DenseSource(m, lik, self.names, self.curvature, k, s)}
+        out: dict[str, Any] = {}
+        kron = [n for lay in self.layer_info if lay.kind != "norm" for n in lay.params]
+        if kron:
+            out["kron"] = KroneckerSource(m, lik, kron, self.curvature, k, s)
+        method = _NORM_SOURCE[self.curvature]
+        for lay in self.layer_info:
+            if lay.kind == "norm":
+                src: Any = DiagonalSource if self.norm_structure == "diag" else DenseSource
+                out[f"norm:{lay.label}"] = src(m, lik, list(lay.params), method, k, s)
+        return out
+
+    def _statistics(self, sources: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per-block statistics (per-datum means), the form :meth:`state_dict` stores."""
+        stats: list[dict[str, Any]] = []
+        if "diag" in sources:
+            mean = sources["diag"].mean()
+            for lay in self.layer_info:
+                stats.append({"type": "diag", "layer": lay.label,
+                              "f": torch.cat([mean[n].reshape(-1) for n in self._ordered(lay.params)])})
+            return stats
+        if "dense" in sources:
+            return [{"type": "dense", "F": sources["dense"].mean()}]
+        kron = {lay.label: (G, A) for lay, G, A in sources["kron"].factors()} if "kron" in sources else {}
+        for lay in self.layer_info:
+            if lay.label in kron:
+                G, A = kron[lay.label]
+                stats.append({"type": "kron", "layer": lay.label, "G": G, "A": A})
+            elif self.norm_structure == "diag":
+                mean = sources[f"norm:{lay.label}"].mean()
+                stats.append({"type": "diag", "layer": lay.label,
+                              "f": torch.cat([mean[n].reshape(-1) for n in self._ordered(lay.params)])})
+            else:
+                stats.append({"type": "dense", "layer": lay.label, "F": sources[f"norm:{lay.label}"].mean()})
+        return stats
+
+    def _ordered(self, names: Iterable[str]) -> list[str]:
+        wanted = set(names)
+        return [n for n in self.names if n in wanted]
+
+    def _build(self, stats: list[dict[str, Any]]) -> None:
+        by_label = {lay.label: (i, lay) for i, lay in enumerate(self.layer_info)}
+        blocks: list[PosteriorBlock] = []
+        for s in stats:
+            if s["type"] == "dense" and "layer" not in s:  # the full posterior
+                blocks.append(DenseBlock(self.layout, [self._layer_of[n] for n in self.names], s["F"]))
+                continue
+            i, lay = by_label[s["layer"]]
+            names = self._ordered(lay.params)
+            layout = sub_layout(self.layout, names)
+            if s["type"] == "kron":
+                blocks.append(KroneckerBlock(layout, i, lay.weight, lay.bias, lay.module, s["G"], s["A"],  # type: ignore[arg-type]
+                                             self.prior_form, self.trace_balance))
+            elif s["type"] == "diag":
+                layered = lay.kind in ("linear", "conv2d") and lay.weight is not None
+                blocks.append(DiagonalBlock(layout, [i] * len(names), s["f"], lay.module if layered else None,
+                                            lay.weight if layered else None, lay.bias if layered else None))
+            else:
+                blocks.append(DenseBlock(layout, [i] * len(names), s["F"]))
+        self.blocks = blocks
+        self._block_index = [_indices(self.layout, b.layout.names, self.device) for b in blocks]
+        self._stats = stats
+
+    # ------------------------------------------------------------------ the posterior
+    @property
+    def mean(self) -> Tensor:
+        """The posterior mean theta* (flat, :attr:`layout` order)."""
+        self._require_fit()
+        return self.layout.flatten([self.params[n] for n in self.names])
+
+    def _combine(self, parts: list[CurvatureOperator]) -> CurvatureOperator:
+        return parts[0] if len(parts) == 1 else BlockSumOperator(self.layout, parts)
+
+    def precision(self, num_data: Any = None, prior_precision: Any = None) -> CurvatureOperator:
+        """The posterior precision as a :class:`~curvkit.linalg.operator.CurvatureOperator` (current or
+        given hyperparameters)."""
+        N, lam = self._hyper(num_data, prior_precision)
+        return self._combine([b.precision(N, lam) for b in self.blocks])
+
+    def covariance(self, num_data: Any = None, prior_precision: Any = None) -> CurvatureOperator:
+        """The posterior covariance (the inverse of :meth:`precision`, in closed form per block)."""
+        N, lam = self._hyper(num_data, prior_precision)
+        return self._combine([b.covariance(N, lam) for b in self.blocks])
+
+    def log_det_precision(self, num_data: Any = None, prior_precision: Any = None) -> Tensor:
+        N, lam = self._hyper(num_data, prior_precision)
+        return self._logdet(torch.tensor(N, dtype=self.dtype, device=self.device), lam)
+
+    def _logdet(self, N: Tensor, lam: Tensor) -> Tensor:
+        return sum((b.logdet(N, lam) for b in self.blocks), torch.zeros((), dtype=self.dtype, device=self.device))
+
+    def sample(self, num_samples: int = 1, generator: torch.Generator | None = None) -> Tensor:
+        """(S, d) draws ``theta ~ N(theta*, P^{-1})`` (flat, :attr:`layout` order); Kronecker blocks by two
+        triangular solves per layer (``W = W* + L_G^{-T} Z L_A^{-1}``)."""
+        S = integer("num_samples", num_samples)
+        N, lam = self._hyper()
+        out = self.mean.expand(S, -1).clone()
+        for b, idx in zip(self.blocks, self._block_index):
+            out[:, idx] += b.sample(N, lam, S, generator)
+        return out
+
+    def sample_params(self, flat: Tensor) -> dict[str, Tensor]:
+        """The full parameter dict (every parameter of the model) for one flat sample (d,)."""
+        params = dict(self.params)
+        params.update(zip(self.names, self.layout.unflatten(flat)))
+        return params
+
+    # ------------------------------------------------------------------ evidence
+    def log_marginal_likelihood(self, prior_precision: Any = None, num_data: Any = None) -> Tensor:
+        """Laplace's log evidence (thesis Ch. 1; MacKay 1992):
+
+            log p(D) ~ (N / n) log p(D | theta*) - sum_l lam_l ||theta*_l||^2 / 2
+                       + sum_l d_l log(lam_l) / 2 - log det P / 2
+
+        (n = data seen by :meth:`fit`; N = n gives the usual formula). Differentiable in a tensor
+        ``prior_precision``/``num_data``, which is how :func:`curvkit.laplace.optimize_prior_precision`
+        uses it. Exact for Bayesian linear regression with ``structure='full'`` and ``curvature='ggn'``.
+        """
+        self._require_fit()
+        lam = self._prior_tensor(prior_precision)
+        N = self._tensor(self.num_data if num_data is None else num_data)
+        sq = torch.zeros(len(self.layer_names), dtype=self.dtype, device=self.device)
+        dims = torch.zeros_like(sq)
+        for n in self.names:
+            sq[self._layer_of[n]] += (self.params[n].to(self.dtype) ** 2).sum()
+            dims[self._layer_of[n]] += self.params[n].numel()
+        fit = (N / self.num_seen) * self.loglik
+        return fit - 0.5 * (lam * sq).sum() + 0.5 * (dims * lam.log()).sum() - 0.5 * self._logdet(N, lam)
+
+    def _tensor(self, v: Any) -> Tensor:
+        return v if isinstance(v, Tensor) else torch.tensor(float(v), dtype=self.dtype, device=self.device)
+
+    def _prior_tensor(self, value: Any) -> Tensor:
+        if value is None:
+            return self._prior
+        if isinstance(value, Tensor) and value.requires_grad:
+            return value.expand(len(self.layer_names)) if value.dim() == 0 else value
+        return self._as_prior(value)
+
+    # ------------------------------------------------------------------ predictions
+    def predict(self, X: Tensor, method: Literal["glm", "mc"] = "glm", **kwargs: Any) -> Any:
+        """The predictive distribution at inputs ``X`` (:mod:`curvkit.laplace.predictive`): ``'mc'`` the Monte
+        Carlo average of thesis Eq. 5.9, ``'glm'`` the linearised predictive. Classification returns
+        probabilities (B, C); regression ``(mean, variance)`` (B, C) each."""
+        from curvkit.laplace import predictive
+
+        if method == "mc":
+            return predictive.mc_predictive(self, X, **kwargs)
+        if method == "glm":
+            return predictive.glm_predictive(self, X, **kwargs)
+        raise ValueError(f"method must be 'glm' or 'mc', got {method!r}")
+
+    def functional_variance(self, X: Tensor, batch_size: int = 256) -> tuple[Tensor, Tensor]:
+        """``(f(X; theta*), J Sigma J^T)``: outputs (B, C) and their linearised covariance (B, C, C)."""
+        from curvkit.laplace import predictive
+
+        return predictive.functional_variance(self, X, batch_size=batch_size)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a fitted posterior needs (statistics, mean, hyperparameters), for ``torch.save``."""
+        self._require_fit()
+        return {"version": 1, "structure": self.structure, "curvature": self.curvature, "names": list(self.names),
+                "layer_names": list(self.layer_names), "prior_form": self.prior_form,
+                "trace_balance": self.trace_balance, "norm_structure": self.norm_structure,
+                "num_data": self.num_data, "num_seen": self.num_seen, "loglik": self.loglik,
+                "prior_precision": self._prior.clone(), "params": dict(self.params), "buffers": dict(self.buffers),
+                "stats": self._stats}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a fitted posterior saved by :meth:`state_dict` (built with the same model and settings)."""
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ValueError("not a Laplace state_dict (version 1)")
+        for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"state_dict has {key}={state[key]!r}, this posterior {getattr(self, key)!r}")
+        if list(state["names"]) != list(self.names) or list(state["layer_names"]) != list(self.layer_names):
+            raise ValueError("state_dict covers other parameters/layers than this posterior")
+        own = dict(self.model.named_parameters())
+        for n, t in state["params"].items():
+            if n not in own or tuple(own[n].shape) != tuple(t.shape):
+                raise ValueError(f"state_dict parameter {n!r} does not match the model")
+        self.params = {n: t.to(self.device) for n, t in state["params"].items()}
+        self.buffers = {n: t.to(self.device) for n, t in state["buffers"].items()}
+        self.num_seen, self.loglik = int(state["num_seen"]), float(state["loglik"])
+        self._prior = state["prior_precision"].to(device=self.device, dtype=self.dtype)
+        self._build(state["stats"])
+        self._num_data = float(state["num_data"])
+
+    def __repr__(self) -> str:
+        fitted = f"N={self._num_data:g}" if self._num_data is not None else "not fitted"
+        return (f"Laplace(structure={self.structure!r}, curvature={self.curvature!r}, d={self.layout.dim}, "
+                f"layers={len(self.layer_names)}, {fitted})")

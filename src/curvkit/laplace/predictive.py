@@ -1,0 +1,176 @@
+"""Predictive distributions of a fitted :class:`~curvkit.laplace.Laplace` posterior.
+
+* :func:`mc_predictive` - thesis Eq. 5.9: ``p(y|x) ~ (1/K) sum_k p(y | x, theta_k)``, theta_k drawn from the
+  posterior; PROBABILITIES are averaged (not logits). Regression returns the moments of the Gaussian
+  mixture (mean of the sampled outputs; their variance plus the noise variance).
+* :func:`glm_predictive` - the linearised model ``f(x; theta) ~ f(x; theta*) + J (theta - theta*)``
+  (not in the thesis; what users of Laplace libraries expect): ``f ~ N(f*, J Sigma J^T)``; classification
+  by the probit approximation ``softmax(f* / sqrt(1 + pi/8 diag(J Sigma J^T)))`` (MacKay 1992;
+  ``link='mc'`` samples f instead), regression in closed form ``N(f*, J Sigma J^T + sigma^2 I)``.
+* :func:`functional_variance` - ``J Sigma J^T`` per input, batch by batch (memory bounded by
+  ``batch_size``; see :mod:`curvkit.laplace._jacobians`).
+* :func:`predictive_nll` - the mean negative log predictive density of targets (used to select N and the
+  prior precision on validation data, thesis Sec. 5.1.1).
+
+Inputs are processed in chunks of ``batch_size``; Monte Carlo predictions draw their posterior samples
+once (from ``generator``, or the given ``samples``) and use the same samples for every chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from curvkit.laplace._jacobians import generic_jacobian, layer_jacobians
+from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
+from curvkit.structure import read_model
+from curvkit.validation import integer
+
+__all__ = ["functional_variance", "glm_predictive", "mc_predictive", "predictive_function", "predictive_nll"]
+
+
+def _chunks(X: Tensor, batch_size: int) -> list[Tensor]:
+    b = integer("batch_size", batch_size)
+    return [X[i:i + b] for i in range(0, X.shape[0], b)]
+
+
+def _check_inputs(post: Any, X: Tensor) -> Tensor:
+    if not isinstance(X, Tensor) or X.dim() < 1 or X.shape[0] == 0:
+        raise ValueError("X must be a non-empty tensor of inputs (B, ...)")
+    if X.is_floating_point() and not bool(torch.isfinite(X).all()):
+        raise ValueError("X contains NaN or inf")
+    post._require_fit()
+    return X.to(post.device)
+
+
+def _link(post: Any, f: Tensor) -> Tensor:
+    """Output -> the likelihood's mean parameter (probabilities; the mean itself for regression)."""
+    if isinstance(post.likelihood, CrossEntropy):
+        return f.softmax(-1)
+    if isinstance(post.likelihood, BernoulliBCE):
+        return torch.sigmoid(f)
+    return f
+
+
+def predictive_function(post: Any, samples: Tensor, batch_size: int | None = None) -> Callable[[Tensor], Tensor]:
+    """``x -> (1/K) sum_k p(. | x, theta_k)`` for FIXED flat samples (K, d), differentiable in x (adversarial
+    attacks through the MC predictive; thesis Sec. 5.2.3). Regression: the mean of the sampled outputs."""
+    structure = read_model(post.model)
+    params = [post.sample_params(s) for s in samples]
+
+    def fn(x: Tensor) -> Tensor:
+        out = None
+        for p in params:
+            y = _link(post, structure.functional_call(p, (x,), post.buffers))
+            out = y if out is None else out + y
+        assert out is not None
+        return out / len(params)
+
+    return fn
+
+
+def mc_predictive(post: Any, X: Tensor, num_samples: int = 100, generator: torch.Generator | None = None,
+                  samples: Tensor | None = None, batch_size: int = 1024) -> Any:
+    """Thesis Eq. 5.9 (module docstring). ``samples`` (K, d) overrides ``num_samples``/``generator``.
+    Returns probabilities (B, C) for classification, ``(mean, variance)`` for regression."""
+    X = _check_inputs(post, X)
+    if samples is None:
+        samples = post.sample(num_samples, generator)
+    structure = read_model(post.model)
+    regression = isinstance(post.likelihood, Gaussian)
+    outs: list[Any] = []
+    with torch.no_grad():
+        params = [post.sample_params(s) for s in samples]
+        for xb in _chunks(X, batch_size):
+            acc = sq = None
+            for p in params:
+                y = _link(post, structure.functional_call(p, (xb,), post.buffers))
+                acc = y if acc is None else acc + y
+                if regression:
+                    sq = y * y if sq is None else sq + y * y
+            assert acc is not None
+            mean = acc / len(params)
+            if regression:
+                assert sq is not None
+                var = (sq / len(params) - mean**2).clamp_min(0) + post.likelihood.sigma**2
+                outs.append((mean, var))
+            else:
+                outs.append(mean)
+    if regression:
+        return torch.cat([m for m, _ in outs]), torch.cat([v for _, v in outs])
+    return torch.cat(outs)
+
+
+def functional_variance(post: Any, X: Tensor, batch_size: int = 256) -> tuple[Tensor, Tensor]:
+    """``(f*, J Sigma J^T)`` of shapes (B, C) and (B, C, C) at the posterior mean, batch by batch."""
+    X = _check_inputs(post, X)
+    N, lam = post._hyper()
+    structure = read_model(post.model)
+    layered = [b for b in post.blocks if b.jacobian == "layer"]
+    generic = [b for b in post.blocks if b.jacobian != "layer"]
+    infos = {lay.label: lay for lay in post.layer_info}
+    layer_list = [infos[structure.label(b.module)] for b in layered]
+    fs, vs = [], []
+    for xb in _chunks(X, batch_size):
+        if layer_list:
+            f, jacs = layer_jacobians(structure, post.params, post.buffers, layer_list, xb)
+        else:
+            with torch.no_grad():
+                f = structure.functional_call(post.params, (xb,), post.buffers)
+            jacs = {}
+        var = torch.zeros(f.shape[0], f.shape[1], f.shape[1], dtype=f.dtype, device=f.device)
+        for b, lay in zip(layered, layer_list):
+            var += b.glm_variance(N, lam, jacs[lay.label])
+        if generic:
+            names = [n for b in generic for n in b.layout.names]
+            J = generic_jacobian(structure, post.params, post.buffers, names, xb)
+            start = 0
+            for b in generic:
+                var += b.glm_variance(N, lam, J[:, :, start:start + b.dim])
+                start += b.dim
+        fs.append(f)
+        vs.append(0.5 * (var + var.transpose(1, 2)))
+    return torch.cat(fs), torch.cat(vs)
+
+
+def glm_predictive(post: Any, X: Tensor, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
+                   num_samples: int = 100, generator: torch.Generator | None = None) -> Any:
+    """The linearised predictive (module docstring); ``link`` for classification only."""
+    f, V = functional_variance(post, X, batch_size)
+    lik = post.likelihood
+    if isinstance(lik, Gaussian):
+        return f, V.diagonal(dim1=1, dim2=2) + lik.sigma**2
+    if link == "probit":
+        kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8 * V.diagonal(dim1=1, dim2=2).clamp_min(0))
+        return _link(post, kappa * f)
+    if link != "mc":
+        raise ValueError(f"link must be 'probit' or 'mc', got {link!r}")
+    S = integer("num_samples", num_samples)
+    C = f.shape[1]
+    jitter = 1e-10 * (1 + V.diagonal(dim1=1, dim2=2).abs().amax(-1))[:, None, None]
+    L, _ = torch.linalg.cholesky_ex(V + jitter * torch.eye(C, dtype=f.dtype, device=f.device))
+    z = torch.randn(S, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
+    fs = f + torch.einsum("bij,sbj->sbi", L, z)
+    return _link(post, fs).mean(0)
+
+
+def predictive_nll(post: Any, prediction: Any, y: Tensor) -> float:
+    """Mean negative log predictive density of targets ``y`` under ``prediction`` (what
+    :func:`mc_predictive`/:func:`glm_predictive` returned; regression uses the Gaussian with the predicted
+    mean and variance)."""
+    lik = post.likelihood
+    y = y.to(post.device)
+    if isinstance(lik, Gaussian):
+        mean, var = prediction
+        yv = y.to(mean.dtype).reshape(mean.shape)
+        return float((0.5 * ((yv - mean) ** 2 / var + torch.log(2 * math.pi * var))).sum(-1).mean())
+    p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
+    if isinstance(lik, CrossEntropy):
+        return float(-torch.log(p.gather(1, y.long()[:, None])).mean())
+    q = (1 - prediction).clamp_min(torch.finfo(prediction.dtype).tiny)
+    yv = y.to(p.dtype)
+    return float(-(yv * p.log() + (1 - yv) * q.log()).sum(-1).mean())
