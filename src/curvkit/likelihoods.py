@@ -229,3 +229,128 @@ def get_likelihood(name: str, reduction: Reduction = "mean") -> Likelihood:
         return _BY_NAME[name](reduction=reduction)
     except KeyError:
         raise ValueError(f"unknown likelihood {name!r}; choose one of {sorted(_BY_NAME)}") from None
+
+
+class BernoulliMixture(Likelihood):
+    """Two-component mixture of Bernoulli classifiers for a binary label (thesis Eq. 4.28, Sec. 4.5.3):
+
+        p(y | h) = s(h_1) s(h_2)^y (1 - s(h_2))^(1-y) + (1 - s(h_1)) s(h_3)^y (1 - s(h_3))^(1-y),
+
+    s the logistic sigmoid; f = h (B, 3) are the network outputs, y (B,) labels in {0, 1} (any numeric
+    dtype). The head is not an exponential family in h, so its NLL is not convex in h and its output
+    Hessian depends on the label: the Gauss-Newton matrix (G_L = H_L at the data labels) and the type-2
+    Fisher (G_L replaced by E_{y ~ p(y|h)}[g g^T]) differ, which is what thesis Fig. 4.4 compares.
+
+    Output Hessian (exact, per sample). With log p = logsumexp(u_1, u_2), u_1 = log s(h_1) + log Bern(y|h_2),
+    u_2 = log s(-h_1) + log Bern(y|h_3), responsibilities r = softmax(u_1, u_2) and
+    grad u_1 = (1 - s_1, y - s_2, 0), grad u_2 = (-s_1, 0, y - s_3):
+
+        -grad log p   = -(r_1 grad u_1 + r_2 grad u_2)                                   (output_grad)
+        H_exact       = -sum_k r_k hess u_k - sum_k r_k grad u_k grad u_k^T + grad log p grad log p^T,
+        hess u_1 = -diag(s_1(1-s_1), s_2(1-s_2), 0),  hess u_2 = -diag(s_1(1-s_1), 0, s_3(1-s_3)).
+
+    H_exact can be indefinite; the thesis does not say what it used, so ``output_hessian(f, y)`` returns
+    its projection onto the PSD cone (eigenvalues clipped at 0: the nearest PSD matrix in Frobenius norm),
+    and the counters :attr:`projections` (samples whose smallest eigenvalue was below -rounding level,
+    i.e. where the projection acted) and :attr:`evaluations` (samples evaluated) record how often it acts.
+    Because H_L needs the label, ``hessian_needs_target = True`` and the Hessian methods take ``y``
+    (the Kronecker estimators pass it); ``output_fisher_sqrt(f)`` gives the type-2 Fisher factor
+    (two columns sqrt(p(y|h)) g(h, y), y = 0, 1).
+    """
+
+    name = "Bernoulli mixture (thesis Eq. 4.28)"
+    hessian_needs_target = True
+
+    def __init__(self, reduction: Reduction = "mean"):
+        super().__init__(reduction)
+        self.projections = 0
+        self.evaluations = 0
+
+    def check(self, f: Tensor, y: Tensor | None = None) -> None:
+        super().check(f, y)
+        if f.shape[1] != 3:
+            raise ValueError(f"{self.name}: the model must have 3 outputs (h_1 mixing logit, h_2 and h_3 "
+                             f"component logits), got {f.shape[1]}")
+        if y is not None:
+            if y.shape != f.shape[:1]:
+                raise ValueError(f"{self.name}: targets must have shape ({f.shape[0]},), got {tuple(y.shape)}")
+            if y.numel() and not bool(((y == 0) | (y == 1)).all()):
+                raise ValueError(f"{self.name}: targets must be 0 or 1")
+
+    def _terms(self, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(u (B, 2), r (B, 2), grad u_1 (B, 3), grad u_2 (B, 3), s = sigmoid(f) (B, 3))."""
+        y = y.to(f.dtype)
+        h1, h2, h3 = f.unbind(-1)
+        lb2 = -F.binary_cross_entropy_with_logits(h2, y, reduction="none")
+        lb3 = -F.binary_cross_entropy_with_logits(h3, y, reduction="none")
+        u = torch.stack([F.logsigmoid(h1) + lb2, F.logsigmoid(-h1) + lb3], dim=-1)
+        r = u.softmax(-1)
+        s = torch.sigmoid(f)
+        zero = torch.zeros_like(h1)
+        g1 = torch.stack([1 - s[:, 0], y - s[:, 1], zero], dim=-1)
+        g2 = torch.stack([-s[:, 0], zero, y - s[:, 2]], dim=-1)
+        return u, r, g1, g2, s
+
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        u = self._terms(f, y)[0]
+        return -torch.logsumexp(u, dim=-1)
+
+    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        _, r, g1, g2, _ = self._terms(f, y)
+        return -(r[:, :1] * g1 + r[:, 1:] * g2)
+
+    def output_hessian_exact(self, f: Tensor, y: Tensor) -> Tensor:
+        """(B, 3, 3) exact Hessian of the per-sample NLL in h (possibly indefinite)."""
+        _, r, g1, g2, s = self._terms(f, y)
+        v = s * (1 - s)
+        d1 = torch.stack([v[:, 0], v[:, 1], torch.zeros_like(v[:, 0])], dim=-1)
+        d2 = torch.stack([v[:, 0], torch.zeros_like(v[:, 0]), v[:, 2]], dim=-1)
+        g = r[:, :1] * g1 + r[:, 1:] * g2
+        H = torch.diag_embed(r[:, :1] * d1 + r[:, 1:] * d2)
+        H = H - r[:, :1, None] * g1[:, :, None] * g1[:, None, :] - r[:, 1:, None] * g2[:, :, None] * g2[:, None, :]
+        return H + g[:, :, None] * g[:, None, :]
+
+    def _projected(self, f: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor]:
+        if y is None:
+            raise ValueError(f"{self.name}: the output Hessian depends on the label; pass the targets y "
+                             "(output_hessian(f, y))")
+        H = self.output_hessian_exact(f, y)
+        lam, U = torch.linalg.eigh(0.5 * (H + H.transpose(-1, -2)))
+        tol = 3 * torch.finfo(f.dtype).eps * lam.abs().amax(-1).clamp_min(torch.finfo(f.dtype).tiny)
+        self.projections += int((lam[:, 0] < -tol).sum())
+        self.evaluations += int(f.shape[0])
+        return lam.clamp_min(0), U
+
+    def output_hessian(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """(B, 3, 3) PSD projection of the exact output Hessian at the labels y (class docstring)."""
+        lam, U = self._projected(f, y)
+        return (U * lam[:, None, :]) @ U.transpose(-1, -2)
+
+    def output_hessian_sqrt(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """(B, 3, 3) S = U diag(sqrt(lam_+)) with S S^T = the projected Hessian."""
+        lam, U = self._projected(f, y)
+        return U * lam.sqrt()[:, None, :]
+
+    def output_hessian_diagonal(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        return self.output_hessian(f, y).diagonal(dim1=-2, dim2=-1)
+
+    def prob_one(self, f: Tensor) -> Tensor:
+        """(B,) p(y = 1 | h) = s(h_1) s(h_2) + (1 - s(h_1)) s(h_3)."""
+        s = torch.sigmoid(f)
+        return s[:, 0] * s[:, 1] + (1 - s[:, 0]) * s[:, 2]
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return torch.bernoulli(self.prob_one(f), generator=generator)
+
+    def output_fisher_sqrt(self, f: Tensor) -> Tensor:
+        """(B, 3, 2) factor of the output Fisher E_{y ~ p(y|h)}[g g^T]: columns sqrt(p(y|h)) g(h, y)."""
+        p1 = self.prob_one(f)
+        cols = []
+        for lab, p in ((0.0, 1 - p1), (1.0, p1)):
+            g = self.output_grad(f, torch.full_like(p1, lab))
+            cols.append(g * p.clamp_min(0).sqrt()[:, None])
+        return torch.stack(cols, dim=-1)
+
+    def accuracy(self, f: Tensor, y: Tensor) -> Tensor:
+        """Fraction of samples whose more probable label is y."""
+        return ((self.prob_one(f) > 0.5).to(y.dtype) == y).to(f.dtype).mean()

@@ -1,0 +1,105 @@
+"""Products with the EXACT minibatch Gauss-Newton matrix that the step size needs (thesis Eqs. 4.17-4.20).
+
+For directions d_1..d_k (parameter-shaped), the Gram matrix of the minibatch GGN
+
+    M_ij = d_i^T G d_j = w sum_n (J_n d_i)^T H_L^n (J_n d_j),   w = 1/B ('mean') or 1 ('sum'),
+
+needs only the Jacobian-vector products J d_i (the R-operator of Schraudolph 2002; one forward-mode pass,
+no backward pass) and the output Hessians H_L^n, never a (B, C, C) tensor for the diagonal heads.
+
+* :class:`Linearisation` records one forward pass and returns J V for k directions at once: from the
+  recorded activations by tangent propagation when the model is a plain ``nn.Sequential`` of
+  Linear/Conv layers and parameter-free modules (:class:`curvkit.curvature._tangent.SequentialTangent`,
+  about two forward passes' matrix products for k = 1), otherwise with ``torch.func.jvp`` through
+  :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed).
+* :func:`output_gram` contracts J V with H_L in output space: softmax cross-entropy
+  v^T (diag p - p p^T) u = sum p v u - (p.v)(p.u); sigmoid BCE sum s(1-s) v u; Gaussian sum v u / sigma^2;
+  a head whose H_L depends on the label (``hessian_needs_target``) through its (B, C, C) Hessian at y;
+  any other head through its square root S (H_L = S S^T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import jvp
+
+from curvkit.curvature._tangent import SequentialTangent
+from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.structure import ModelStructure
+
+__all__ = ["Linearisation", "output_gram"]
+
+
+class Linearisation:
+    """J V of one recorded forward pass (module docstring).
+
+    Args:
+        model: the network; ``structure`` its :class:`ModelStructure`.
+        names: canonical names of the parameters the directions live in (the optimiser's order).
+    """
+
+    def __init__(self, model: nn.Module, structure: ModelStructure, names: Sequence[str]):
+        self.model = model
+        self.structure = structure
+        self.names = list(names)
+        self.tangent = SequentialTangent.for_model(model, self.names)
+        self._X: Tensor | None = None
+
+    @property
+    def route(self) -> str:
+        """``'tangent'`` (recorded activations) or ``'torch.func'``."""
+        return "tangent" if self.tangent is not None else "torch.func"
+
+    def record(self, X: Tensor, forward: Callable[[], Tensor] | None = None) -> Tensor:
+        """Run the forward pass ``forward()`` (default ``model(X)``) and keep what J V needs; returns f."""
+        fwd = forward if forward is not None else (lambda: self.model(X))
+        self._X = X
+        if self.tangent is not None:
+            return self.tangent.record(fwd)
+        return fwd()
+
+    def __call__(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
+        """(k, B, C) J d_i for k directions, each a list of parameter-shaped tensors in ``names`` order.
+
+        Uses the parameter values of the recorded pass: call before changing the parameters in place.
+        """
+        if self._X is None:
+            raise RuntimeError("Linearisation: record a forward pass first")
+        if self.tangent is not None:
+            V = tuple(torch.stack([d[j] for d in directions]) for j in range(len(self.names)))
+            with torch.no_grad():
+                return self.tangent(V)
+        params = dict(self.model.named_parameters())
+        primals = tuple(params[n].detach() for n in self.names)
+        X = self._X
+
+        def fn(*p: Tensor) -> Tensor:
+            return self.structure.functional_call(dict(zip(self.names, p)), (X,))
+
+        out = []
+        for d in directions:
+            out.append(jvp(fn, primals, tuple(t.detach() for t in d))[1])
+        return torch.stack(out)
+
+
+def output_gram(likelihood: Likelihood, f: Tensor, y: Tensor | None, JV: Tensor) -> Tensor:
+    """(k, k) M_ij = w sum_n (J_n d_i)^T H_L^n (J_n d_j) from JV (k, B, C) (module docstring)."""
+    f = f.detach()
+    B = f.shape[0]
+    w = likelihood.scale(B)
+    if isinstance(likelihood, BernoulliBCE | Gaussian):
+        h = likelihood.output_hessian_diagonal(f)  # (B, C)
+        return w * torch.einsum("kbc,bc,lbc->kl", JV, h, JV)
+    if isinstance(likelihood, CrossEntropy):
+        p = f.softmax(-1)
+        pv = torch.einsum("bc,kbc->kb", p, JV)
+        return w * (torch.einsum("kbc,bc,lbc->kl", JV, p, JV) - pv @ pv.T)
+    if getattr(likelihood, "hessian_needs_target", False):
+        H = likelihood.output_hessian(f, y)  # type: ignore[call-arg]
+        return w * torch.einsum("kbc,bcd,lbd->kl", JV, H, JV)
+    S = likelihood.output_hessian_sqrt(f)  # (B, C, R)
+    SV = torch.einsum("bcr,kbc->kbr", S, JV)
+    return w * torch.einsum("kbr,lbr->kl", SV, SV)
