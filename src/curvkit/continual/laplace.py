@@ -1,0 +1,425 @@
+"""Online structured Laplace for continual learning (thesis Sec. 5.3; Ritter, Botev & Barber 2018).
+
+Assumed density filtering with a Gaussian ``q(theta) = N(mu_t, Lambda_t^{-1})`` (Eqs. 5.19-5.23): task t+1
+is trained on ``-log p(D_{t+1} | theta) + (1/2) (theta - mu_t)^T Lambda_t (theta - mu_t)`` and afterwards
+
+    Online Laplace (Eq. 5.25):       Lambda_{t+1} = lam * G_{t+1}(mu_{t+1}) + Lambda_t,  Lambda_0 = lam_0 I
+    Non-Online Laplace (Eq. 5.24):   Lambda_{t+1} = lam_0 I + lam * sum_{i <= t+1} G_i(mu_{t+1})   (needs old data)
+    EWC Laplace (Eq. 5.26):          penalty sum_i (1/2) (theta - mu_i)^T lam G_i(mu_i) (theta - mu_i)
+
+where ``G_i`` is the curvature of task i's SUMMED log-likelihood, ``N_i`` times its per-datum mean
+(stored as per-datum factors and the coefficient ``lam * N_i``), either Kronecker-factored per layer
+(``curvature='kron'``, Eq. 5.14's ``G_{i,l} (x) A_{i,l}`` in PyTorch's output-first layout) or diagonal
+(``curvature='diag'``). The penalty's gradient for a Kronecker layer is
+
+    sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0),      W_hat = [W | b]
+
+computed for all stored tasks at once with batched matrix products and never a Kronecker product
+(:class:`_KroneckerQuadratic`: the forward pass computes this gradient and the value
+``(1/2) <W_hat - M, gradient>``, the backward pass only scales it).
+
+Storage (Sec. 5.3.1): sums of Kronecker products do not factorise, so ``memory='per_task'`` keeps one
+(G, A) pair per task per layer (memory and cost grow with the tasks, as in the thesis's experiments);
+``memory='summed'`` keeps one pair, the constant-memory approximation the thesis mentions without
+experiments: ``(sum_i c_i) (sum_i w_i G_i) (x) (sum_i w_i A_i)`` with weights ``w_i = c_i / sum_j c_j``
+(our choice where the thesis only says "adding up the Kronecker factors separately": exact when all tasks
+share their factors, and the total curvature scale ``sum_i c_i`` is kept). Diagonal curvature adds
+exactly, so ``memory`` only matters for ``kron``.
+
+Choices where the thesis is silent (digest ambiguities): the prior precision ``lam_0`` is on the
+summed-loss scale (default 1e-2, the only prior precision the thesis states, Sec. 5.2.2) and is part of
+the task-1 objective; Online and Non-Online Laplace centre it at the latest mode (it is part of
+Lambda_t), EWC keeps it at the prior mean 0 (EWC's penalties are the tasks' likelihood terms only); the
+multiplier ``lam`` also multiplies the Non-Online curvature for comparability; the per-datum curvature
+of ``kron`` defaults to KFLR (exact output factor) and of ``diag`` to the exact GGN diagonal.
+
+Units. With ``reduction='mean'`` the penalty is divided by the CURRENT task's training-set size
+(``task_size``, changed with :meth:`LaplacePenalty.set_task_size`), so it adds to a mean-reduced data
+loss as :class:`curvkit.continual.penalties.Penalty` requires; ``'sum'`` adds it to a summed loss.
+
+Multi-head models: penalise only the shared parameters (``params=``); when the model has a
+``set_task(i)`` method (:class:`MultiHead`) the penalty selects task i's head while it computes task i's
+curvature.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.continual.learners import TorchLearner
+from curvkit.continual.penalties import Penalty
+from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
+from curvkit.laplace._subset import only_trainable
+from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.structure import LayerInfo, read_model
+from curvkit.validation import integer, nonnegative, positive
+
+__all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
+
+Mode = Literal["online", "non_online", "ewc"]
+TaskData = Callable[[int], Any]
+
+
+def decayed_lr(lr0: float, k: float, task: int) -> float:
+    """The per-task learning rate ``lr0 / (1 + k t)`` of thesis Sec. 5.4.1 (t = 0 for the first task)."""
+    return positive("lr0", lr0) / (1.0 + nonnegative("k", k) * integer("task", task, minimum=0))
+
+
+class MultiHead(nn.Module):
+    """A shared trunk and one output head per task (thesis Sec. 5.4.3): ``forward(x)`` uses the head of
+    the active task, set with :meth:`set_task`. Parameters: ``trunk.*`` and ``heads.<i>.*``."""
+
+    def __init__(self, trunk: nn.Module, heads: Sequence[nn.Module]):
+        super().__init__()
+        if not heads:
+            raise ValueError("MultiHead needs at least one head")
+        self.trunk, self.heads = trunk, nn.ModuleList(heads)
+        self.task = 0
+
+    def set_task(self, task: int) -> None:
+        if not 0 <= int(task) < len(self.heads):
+            raise IndexError(f"task {task} out of range [0, {len(self.heads)})")
+        self.task = int(task)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.heads[self.task](self.trunk(x))  # type: ignore[no-any-return]
+
+    def shared_parameters(self) -> list[str]:
+        """Names of the trunk's parameters (the ones a consolidation penalty should act on)."""
+        return [f"trunk.{n}" for n, p in self.trunk.named_parameters() if p.requires_grad]
+
+
+class _KroneckerQuadratic(torch.autograd.Function):
+    """``value = (1/2) sum_t c_t <D_t, G_t D_t A_t> + (lam0/2) ||D_0||^2`` with ``D_t = W_hat - M_t``; the
+    gradient ``sum_t c_t G_t D_t A_t + lam0 D_0`` is computed in the forward pass (batched over t)."""
+
+    @staticmethod
+    def forward(ctx: Any, W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
+                prior_anchor: Tensor) -> Tensor:
+        grad, value = _kron_grad_value(W, G, A, coef, anchors, lam0, prior_anchor)
+        ctx.save_for_backward(grad)
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return g * grad, None, None, None, None, None, None
+
+
+def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
+                     prior_anchor: Tensor) -> tuple[Tensor, Tensor]:
+    D = W - anchors  # (o, i) for one shared anchor, (T, o, i) per task
+    M = torch.matmul(torch.matmul(G, D), A)  # (T, o, i)
+    grad = torch.einsum("t,toi->oi", coef, M)
+    if D.dim() == 2:
+        value = 0.5 * (D * grad).sum()
+    else:
+        value = 0.5 * torch.einsum("t,toi,toi->", coef, D, M)
+    if lam0 > 0:
+        D0 = W - prior_anchor
+        grad = grad + lam0 * D0
+        value = value + 0.5 * lam0 * (D0 * D0).sum()
+    return grad, value
+
+
+def _w_hat(model_params: Mapping[str, Tensor], lay: LayerInfo) -> Tensor:
+    W = model_params[lay.weight]  # type: ignore[index]
+    W = W.reshape(W.shape[0], -1)
+    if lay.bias is None:
+        return W
+    return torch.cat([W, model_params[lay.bias][:, None]], dim=1)
+
+
+def _batches(data: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Tensor):
+        X, y = data
+        for i in range(0, X.shape[0], batch_size):
+            yield X[i:i + batch_size], y[i:i + batch_size]
+    else:
+        yield from data
+
+
+class LaplacePenalty(Penalty):
+    """Online / Non-Online / EWC Laplace penalty (module docstring) for the continual harness.
+
+    Args:
+        curvature: ``'kron'`` (Linear/Conv2d layers) | ``'diag'``.
+        mode: ``'online'`` (Eq. 5.25) | ``'non_online'`` (Eq. 5.24) | ``'ewc'`` (Eq. 5.26).
+        lam: the curvature multiplier lambda (one value for all tasks).
+        prior_precision: lam_0, on the summed-loss scale.
+        memory: ``'per_task'`` | ``'summed'`` (kron only; see the module docstring).
+        method: curvature source: ``kflr`` (default) / ``kfac`` / ... for kron, ``ggn`` (default) /
+            ``mc_fisher`` / ``empirical`` for diag.
+        mc_samples: sampled labels per datum (kfac, mc_fisher).
+        likelihood: the task likelihood (default softmax cross-entropy).
+        batch_size: batch size of the curvature pass when the data is one (X, y) pair.
+        reduction: ``'mean'`` (divide by the current task size) | ``'sum'``.
+        task_size: the current task's training-set size (required for ``'mean'``; also N_i when
+            :meth:`on_task_end` is given a sample of the task, as the continual runner does).
+        params: names of the parameters to penalise (default: every trainable parameter at the first
+            call); for ``kron`` they must be whole Linear/Conv2d layers.
+        task_data: ``task_data(i) -> (X, y) or batches`` of task i, required by ``'non_online'``.
+        seed: seed of sampled labels.
+    """
+
+    def __init__(self, *, curvature: Literal["kron", "diag"] = "kron", mode: Mode = "online", lam: float = 1.0,
+                 prior_precision: float = 1e-2, memory: Literal["per_task", "summed"] = "per_task",
+                 method: str | None = None, mc_samples: int = 1, likelihood: Likelihood | None = None,
+                 batch_size: int = 250, reduction: Literal["mean", "sum"] = "mean", task_size: int | None = None,
+                 params: Sequence[str] | None = None, task_data: TaskData | None = None, seed: int = 0):
+        if curvature not in ("kron", "diag"):
+            raise ValueError(f"curvature must be 'kron' or 'diag', got {curvature!r}")
+        if mode not in ("online", "non_online", "ewc"):
+            raise ValueError(f"mode must be 'online', 'non_online' or 'ewc', got {mode!r}")
+        if memory not in ("per_task", "summed"):
+            raise ValueError(f"memory must be 'per_task' or 'summed', got {memory!r}")
+        if memory == "summed" and mode == "ewc":
+            raise ValueError("EWC keeps one anchor per task; memory='summed' needs one anchor (online/non_online)")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if reduction == "mean" and task_size is None:
+            raise ValueError("reduction='mean' divides the penalty by the current task's training-set size: pass "
+                             "task_size (and call set_task_size when it changes)")
+        if mode == "non_online" and task_data is None:
+            raise ValueError("Non-Online Laplace recomputes every earlier task's curvature: pass task_data")
+        self.curvature, self.mode, self.memory = curvature, mode, memory
+        self.lam, self.lam0 = positive("lam", lam), nonnegative("prior_precision", prior_precision)
+        default = "kflr" if curvature == "kron" else "ggn"
+        self.method = default if method is None else method
+        self.mc_samples, self.batch_size = integer("mc_samples", mc_samples), integer("batch_size", batch_size)
+        self.likelihood = likelihood if likelihood is not None else CrossEntropy()
+        self.reduction = reduction
+        self.task_size = None if task_size is None else integer("task_size", task_size)
+        self.params = None if params is None else list(params)
+        self.task_data, self.seed = task_data, int(seed)
+        self.tasks_seen = 0
+        self.sizes: list[int] = []
+        # kron: layer label -> {"G": (T, o, o), "A": (T, i, i), "coef": (T,), "anchor": (o, i) | (T, o, i)}
+        # diag: param name -> {"F": (T, *shape), "coef": (T,), "anchor": shape | (T, *shape)}
+        self.store: dict[str, dict[str, Tensor]] = {}
+        self._layers: list[LayerInfo] | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def set_task_size(self, n: int) -> None:
+        """The training-set size of the task now being learnt (the mean-loss scale)."""
+        self.task_size = integer("task_size", n)
+
+    def _names(self, model: nn.Module) -> list[str]:
+        if self.params is None:
+            self.params = [n for n, p in model.named_parameters() if p.requires_grad]
+        own = dict(model.named_parameters())
+        missing = [n for n in self.params if n not in own]
+        if missing:
+            raise ValueError(f"penalised parameter(s) {missing} are not parameters of the model")
+        return self.params
+
+    def layers(self, model: nn.Module) -> list[LayerInfo]:
+        """The penalised layers (weights and biases restricted to ``params``)."""
+        if self._layers is None:
+            names = self._names(model)
+            with only_trainable(model, names):
+                structure = read_model(model)
+                self._layers = (structure.kronecker_layers("Kronecker Laplace penalty")
+                                if self.curvature == "kron" else list(structure.layers))
+        return self._layers
+
+    # ------------------------------------------------------------------ penalty
+    def _scale(self) -> float:
+        if self.reduction == "sum":
+            return 1.0
+        assert self.task_size is not None
+        return 1.0 / self.task_size
+
+    def loss(self, model: nn.Module) -> Tensor:
+        named = dict(model.named_parameters())
+        p0 = named[self._names(model)[0]]
+        total = torch.zeros((), dtype=p0.dtype, device=p0.device)
+        if self.curvature == "kron":
+            for lay in self.layers(model):
+                W = _w_hat(named, lay)
+                s = self.store.get(lay.label)
+                if s is None:  # before the first task ends: the prior only
+                    total = total + 0.5 * self.lam0 * (W * W).sum()
+                    continue
+                total = total + _KroneckerQuadratic.apply(W, s["G"], s["A"], s["coef"], s["anchor"], self.lam0,
+                                                          self._prior_anchor(s["anchor"], W))
+        else:
+            for n in self._names(model):
+                p = named[n]
+                s = self.store.get(n)
+                if s is None:
+                    total = total + 0.5 * self.lam0 * (p * p).sum()
+                    continue
+                D = p - s["anchor"]  # shape, or (T, *shape) with one anchor per task
+                cF = s["F"] * s["coef"].reshape(-1, *[1] * p.dim())
+                D0 = p - self._prior_anchor(s["anchor"], p)
+                total = total + 0.5 * ((cF * D * D).sum() + self.lam0 * (D0 * D0).sum())
+        return total * self._scale()
+
+    def _prior_anchor(self, anchor: Tensor, W: Tensor) -> Tensor:
+        if self.mode == "ewc":
+            return torch.zeros_like(W)
+        return anchor
+
+    def gradient(self, model: nn.Module) -> list[Tensor]:
+        """The analytic penalty gradient ``sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0)`` (scaled as
+        :meth:`loss`), one tensor per penalised parameter in ``params`` order, without autograd."""
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        out: dict[str, Tensor] = {}
+        if self.curvature == "kron":
+            for lay in self.layers(model):
+                W = _w_hat(named, lay)
+                s = self.store.get(lay.label)
+                g = self.lam0 * W if s is None else _kron_grad_value(
+                    W, s["G"], s["A"], s["coef"], s["anchor"], self.lam0, self._prior_anchor(s["anchor"], W))[0]
+                w = named[lay.weight]  # type: ignore[index]
+                out[lay.weight] = g[:, :w[0].numel()].reshape(w.shape)  # type: ignore[index]
+                if lay.bias is not None:
+                    out[lay.bias] = g[:, -1]
+        else:
+            for n in self._names(model):
+                p, s = named[n], self.store.get(n)
+                if s is None:
+                    out[n] = self.lam0 * p
+                    continue
+                cF = s["F"] * s["coef"].reshape(-1, *[1] * p.dim())
+                out[n] = (cF * (p - s["anchor"])).sum(0) + self.lam0 * (p - self._prior_anchor(s["anchor"], p))
+        return [out[n] * self._scale() for n in self._names(model)]
+
+    # ------------------------------------------------------------------ consolidation
+    def on_task_end(self, model: nn.Module, data: Any) -> None:
+        """The task that just ended: its curvature at the current parameters joins the precision. ``data``
+        is an (X, y) pair or an iterable of batches of that task; N_i is ``task_size`` when set (the data
+        may be a sample of the task), else the number of examples in ``data``."""
+        self.consolidate(model, data, num_data=self.task_size)
+
+    def consolidate(self, model: nn.Module, data: Any, num_data: int | None = None) -> None:
+        """As :meth:`on_task_end`, with N_i given explicitly (default: the number of examples seen)."""
+        task = self.tasks_seen
+        stats, count = self._task_curvature(model, data, task)
+        n_i = count if num_data is None else integer("num_data", num_data)
+        self.sizes.append(n_i)
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if self.mode == "non_online":
+            assert self.task_data is not None
+            all_stats = []
+            for j in range(task):
+                s_j, _ = self._task_curvature(model, self.task_data(j), j)
+                all_stats.append(s_j)
+            all_stats.append(stats)
+            self.store = {}
+            for j, s_j in enumerate(all_stats):
+                self._add(model, s_j, self.lam * self.sizes[j], anchor)
+        else:
+            self._add(model, stats, self.lam * n_i, anchor)
+        self.tasks_seen += 1
+
+    def _task_curvature(self, model: nn.Module, data: Any, task: int) -> tuple[dict[str, Any], int]:
+        select = getattr(model, "set_task", None)
+        previous = getattr(model, "task", None)
+        if callable(select):
+            select(task)
+        names = self._names(model)
+        lik = self.likelihood.with_reduction("mean")
+        try:
+            with only_trainable(model, names):
+                est: Any
+                if self.curvature == "kron":
+                    est = KroneckerEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
+                                             seed=self.seed + 7919 * task)
+                else:
+                    est = DiagonalEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
+                                            seed=self.seed + 7919 * task)
+                was_training = model.training
+                model.eval()
+                try:
+                    for X, y in _batches(data, self.batch_size):
+                        p = next(model.parameters())
+                        est.update((X.to(p.device), y.to(p.device)))
+                finally:
+                    model.train(was_training)
+                op = est.operator()
+        finally:
+            if callable(select) and previous is not None:
+                select(previous)
+        if self.curvature == "kron":
+            by_w = {b.weight_name: b for b in op.blocks}
+            stats = {lay.label: (by_w[lay.weight].G, by_w[lay.weight].A) for lay in self.layers(model)}
+        else:
+            stats = dict(zip(op.layout.names, op.tensors))
+        return stats, int(est.num_data)
+
+    def _add(self, model: nn.Module, stats: dict[str, Any], c: float, anchor: dict[str, Tensor]) -> None:
+        per_task_anchor = self.mode == "ewc"
+        if self.curvature == "kron":
+            for lay in self.layers(model):
+                G, A = stats[lay.label]
+                a = _w_hat(anchor, lay)
+                self.store[lay.label] = self._append(self.store.get(lay.label), {"G": G, "A": A}, c, a,
+                                                     per_task_anchor, summed=self.memory == "summed")
+        else:
+            for n in self._names(model):
+                self.store[n] = self._append(self.store.get(n), {"F": stats[n]}, c, anchor[n], per_task_anchor,
+                                             summed=not per_task_anchor)
+
+    @staticmethod
+    def _append(old: dict[str, Tensor] | None, new: dict[str, Tensor], c: float, anchor: Tensor,
+                per_task_anchor: bool, summed: bool) -> dict[str, Tensor]:
+        coef = torch.tensor([c], dtype=anchor.dtype, device=anchor.device)
+        fresh = {k: v[None] for k, v in new.items()}
+        if old is None:
+            out = {**fresh, "coef": coef}
+        elif summed:  # one (weighted-mean) set of factors with the total coefficient
+            total = old["coef"] + coef
+            out = {k: (old[k] * old["coef"].reshape(-1, *[1] * (v.dim() - 1)) + fresh[k] * c) / total.reshape(
+                -1, *[1] * (v.dim() - 1)) for k, v in fresh.items()}
+            out["coef"] = total
+        else:
+            out = {k: torch.cat([old[k], fresh[k]]) for k in fresh}
+            out["coef"] = torch.cat([old["coef"], coef])
+        if per_task_anchor:
+            out["anchor"] = anchor[None] if old is None else torch.cat([old["anchor"], anchor[None]])
+        else:
+            out["anchor"] = anchor
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"tasks_seen": self.tasks_seen, "sizes": list(self.sizes), "task_size": self.task_size,
+                "params": None if self.params is None else list(self.params),
+                "store": {k: dict(v) for k, v in self.store.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tasks_seen, self.sizes = int(state["tasks_seen"]), list(state["sizes"])
+        self.task_size = state["task_size"]
+        self.params = None if state["params"] is None else list(state["params"])
+        self.store = {k: dict(v) for k, v in state["store"].items()}
+        self._layers = None
+
+    def memory_numel(self) -> int:
+        """Scalars stored (factors, coefficients, anchors): grows with the tasks for ``per_task``."""
+        return sum(int(t.numel()) for s in self.store.values() for t in s.values())
+
+
+class LRDecayLearner(TorchLearner):
+    """:class:`~curvkit.continual.learners.TorchLearner` whose learning rate is reset at every task boundary
+    to ``lr0 / (1 + k t)`` (thesis Sec. 5.4.1; t = index of the task that starts), for the continual runner.
+    The learning rate lives in the optimiser's state, so the runner's checkpoints resume it."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, penalty: Penalty | None = None,
+                 k: float = 0.0):
+        super().__init__(model, optimizer, penalty)
+        self.lr0 = float(optimizer.param_groups[0]["lr"])
+        self.k = nonnegative("k", k)
+        if math.isnan(self.lr0):
+            raise ValueError("the optimiser's lr is NaN")
+
+    def on_task_end(self, task: int, data: tuple[Tensor, Tensor]) -> None:
+        super().on_task_end(task, data)
+        for g in self.optimizer.param_groups:
+            g["lr"] = decayed_lr(self.lr0, self.k, task + 1)
