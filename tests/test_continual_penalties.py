@@ -14,6 +14,7 @@ from curvkit.continual import (
     TorchLearner,
 )
 from curvkit.continual.penalties import diagonal_fisher
+from curvkit.linalg.operator import DiagonalOperator
 from curvkit.likelihoods import CrossEntropy
 from curvkit.models import mlp
 from reference import dense_empirical_fisher, dense_fisher_categorical
@@ -27,16 +28,14 @@ def _tiny(seed=0):
     return model, X, y
 
 
-def _flat(ts):
-    return torch.cat([t.reshape(-1) for t in ts])
-
-
 def test_diagonal_fisher_matches_dense_reference():
     model, X, y = _tiny()
-    emp = _flat(diagonal_fisher(model, X, y, kind="empirical", chunk_size=3))
+    op = diagonal_fisher(model, X, y, kind="empirical", chunk_size=3)
+    assert isinstance(op, DiagonalOperator) and op.layout.names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    emp = op.flat
     ref = dense_empirical_fisher(model, CrossEntropy("mean"), (X, y)).diagonal()
     torch.testing.assert_close(emp, ref, rtol=1e-10, atol=1e-12)
-    true = _flat(diagonal_fisher(model, X, kind="true", chunk_size=4))
+    true = diagonal_fisher(model, X, kind="true", chunk_size=4).flat
     ref_true = dense_fisher_categorical(model, (X, y), reduction="mean").diagonal()
     torch.testing.assert_close(true, ref_true, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="labels"):
@@ -52,7 +51,7 @@ def test_ewc_zero_before_and_exact_quadratic_after_first_task(fisher):
     assert float(ewc.loss(model)) == 0.0  # before any boundary
     ewc.on_task_end(model, (X, y))
     assert float(ewc.loss(model).detach()) == 0.0  # at the anchor
-    F = diagonal_fisher(model, X, y, kind=fisher)
+    F = diagonal_fisher(model, X, y, kind=fisher).tensors
     anchor = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():
@@ -70,13 +69,13 @@ def test_online_ewc_decay_and_offline_sum():
     model, X, y = _tiny()
     online = EWC(lam=1.0, online=True, gamma=0.5)
     offline = EWC(lam=1.0)
-    F1 = diagonal_fisher(model, X, y)
+    F1 = diagonal_fisher(model, X, y).tensors
     online.on_task_end(model, (X, y))
     offline.on_task_end(model, (X, y))
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.3)
-    F2 = diagonal_fisher(model, X, y)
+    F2 = diagonal_fisher(model, X, y).tensors
     online.on_task_end(model, (X, y))
     offline.on_task_end(model, (X, y))
     assert len(online.fishers) == 1 and len(offline.fishers) == 2

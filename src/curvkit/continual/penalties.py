@@ -21,7 +21,7 @@ softmax(f(x; theta))_y and N examples:
     empirical:  F_i = (1/N) sum_n (d log p(y_n | x_n) / d theta_i)^2                  (true labels)
     true:       F_i = (1/N) sum_n sum_c p(c | x_n) (d log p(c | x_n) / d theta_i)^2   (exact expectation)
 
-computed from per-example gradients (``torch.func.vmap`` of ``grad``/``jacrev``), in chunks.
+computed by the curvature engine's diagonal estimator (:func:`diagonal_fisher`), in chunks.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jacrev, vmap
+
+from curvkit.curvature.estimators import DiagonalEstimator
+from curvkit.likelihoods import CrossEntropy
+from curvkit.linalg.operator import DiagonalOperator
+from curvkit.validation import integer
 
 FisherKind = Literal["empirical", "true"]
 
@@ -43,12 +47,14 @@ def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def diagonal_fisher(
     model: nn.Module, X: Tensor, y: Tensor | None = None, kind: FisherKind = "empirical", chunk_size: int = 64,
-) -> list[Tensor]:
-    """Diagonal Fisher of a softmax classifier, averaged over the N examples (formulas in the module doc).
+) -> DiagonalOperator:
+    """Diagonal Fisher of a softmax classifier, averaged over the N examples (formulas in the module doc),
+    as the engine's :class:`~curvkit.linalg.operator.DiagonalOperator` over the trainable parameters.
 
-    ``X``: (N, ...) inputs; ``y``: (N,) labels (needed for ``kind='empirical'``). Returns one tensor per
-    trainable parameter, in ``named_parameters()`` order, with the parameter's shape. ``kind='true'``
-    costs C per-example gradients per example (C = number of classes).
+    ``X``: (N, ...) inputs; ``y``: (N,) labels (needed for ``kind='empirical'``). ``kind='true'`` is the
+    exact expectation over the model's labels, which for softmax cross-entropy is the GGN diagonal (thesis
+    Eqs. 3.37-3.38): :class:`~curvkit.curvature.estimators.DiagonalEstimator` with ``method='ggn'``
+    (``'empirical'`` for the empirical Fisher), over chunks of ``chunk_size`` examples.
     """
     if kind not in ("empirical", "true"):
         raise ValueError(f"kind must be 'empirical' or 'true', got {kind!r}")
@@ -56,34 +62,12 @@ def diagonal_fisher(
         raise ValueError("the empirical Fisher needs labels y of shape (N,) matching X")
     if X.shape[0] == 0:
         raise ValueError("diagonal_fisher needs at least one example")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    named = _named_trainable(model)
-    params = {n: p.detach() for n, p in named}
-
-    def log_probs(p: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, p, (x.unsqueeze(0),)).squeeze(0).log_softmax(-1)
-
-    def log_lik(p: dict[str, Tensor], x: Tensor, t: Tensor) -> Tensor:
-        return log_probs(p, x).gather(0, t.reshape(1)).squeeze(0)
-
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    integer("chunk_size", chunk_size)
     N = X.shape[0]
-    for i in range(0, N, chunk_size):
-        xb = X[i:i + chunk_size]
-        if kind == "empirical":
-            assert y is not None
-            g = vmap(grad(log_lik), in_dims=(None, 0, 0))(params, xb, y[i:i + chunk_size])
-            for n in total:
-                total[n] += g[n].pow(2).sum(0)
-        else:
-            probs = vmap(log_probs, in_dims=(None, 0))(params, xb).exp()  # (b, C)
-            jac = vmap(jacrev(log_probs), in_dims=(None, 0))(params, xb)  # name -> (b, C, *shape)
-            for n in total:
-                j2 = jac[n].pow(2)
-                w = probs.reshape(*probs.shape, *([1] * (j2.dim() - 2)))
-                total[n] += (w * j2).sum((0, 1))
-    return [total[n] / N for n, _ in named]
+    targets = y if y is not None else torch.zeros(N, dtype=torch.long, device=X.device)
+    est = DiagonalEstimator(model, CrossEntropy("mean"), "empirical" if kind == "empirical" else "ggn")
+    est.update([(X[i:i + chunk_size], targets[i:i + chunk_size]) for i in range(0, N, chunk_size)])
+    return est.operator()
 
 
 class Penalty(ABC):
@@ -160,7 +144,7 @@ class EWC(Penalty):
 
     def on_task_end(self, model: nn.Module, data: tuple[Tensor, Tensor]) -> None:
         X, y = data
-        F = diagonal_fisher(model, X, y, kind=self.fisher, chunk_size=self.chunk_size)
+        F = diagonal_fisher(model, X, y, kind=self.fisher, chunk_size=self.chunk_size).tensors
         anchor = [p.detach().clone() for _, p in _named_trainable(model)]
         if self.online and self.fishers:
             self.fishers = [[self.gamma * old + new for old, new in zip(self.fishers[0], F)]]

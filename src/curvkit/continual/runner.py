@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from curvkit import checkpoint
 from curvkit.continual.learners import Learner
 from curvkit.continual.streams import TaskStream
 
@@ -110,18 +110,6 @@ class RunResult:
         return asdict(self)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _json_safe(x: Any) -> Any:
     if isinstance(x, float) and not np.isfinite(x):
         return str(x)
@@ -194,14 +182,14 @@ class ContinualRunner:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()},  # noqa: NPY002
         }
-        _atomic_torch_save(state, path)
+        checkpoint.save(state, path)
         self.write_results()
 
     def load_checkpoint(self) -> bool:
         path = self.checkpoint_path()
         if path is None or not path.exists():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = checkpoint.load(path)
         if state["fingerprint"] != self._fingerprint():
             raise ValueError(f"checkpoint {path} was written by a run with a different configuration; use a "
                              "fresh output directory or delete the checkpoint")
@@ -220,7 +208,7 @@ class ContinualRunner:
     def write_results(self) -> None:
         if self.out_dir is None:
             return
-        _atomic_write_text(self.out_dir / RESULTS, json.dumps(_json_safe(self.result.to_json())) + "\n")
+        checkpoint.write_text(self.out_dir / RESULTS, json.dumps(_json_safe(self.result.to_json())) + "\n")
 
     # -- evaluation -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -3,10 +3,13 @@
 * Exact operators (:mod:`curvkit.curvature.exact`): Hessian, GGN, type-2 Fisher, MC Fisher, empirical
   Fisher, with the convenience builders ``hessian``, ``ggn``, ``fisher``, ``mc_fisher``,
   ``empirical_fisher``; the output-space Fisher (:mod:`curvkit.curvature.output_space`).
-* Kronecker-factored approximations (:mod:`curvkit.curvature.kronecker`) and the block-diagonal
-  recursions (:mod:`curvkit.curvature.recursion`).
+* Estimators updated batch by batch (:mod:`curvkit.curvature.estimators`: Kronecker and diagonal), the
+  one-shot Kronecker factors (:mod:`curvkit.curvature.kronecker`) and the block-diagonal recursions
+  (:mod:`curvkit.curvature.recursion`).
+* Metrics comparing an estimate with a reference (:mod:`curvkit.curvature.compare`).
 """
 
+from curvkit.curvature.estimators import CurvatureEstimator, DiagonalEstimator, KroneckerEstimator
 from curvkit.curvature.exact import (
     EmpiricalFisherOperator,
     ExactCurvatureOperator,
@@ -29,11 +32,14 @@ from curvkit.curvature.recursion import BlockDiagonalCurvature, blockdiag_ggn, b
 
 __all__ = [
     "BlockDiagonalCurvature",
+    "CurvatureEstimator",
+    "DiagonalEstimator",
     "EmpiricalFisherOperator",
     "ExactCurvatureOperator",
     "FisherOperator",
     "GGNOperator",
     "HessianOperator",
+    "KroneckerEstimator",
     "MCFisherOperator",
     "OutputFactorOperator",
     "blockdiag_ggn",

@@ -13,7 +13,7 @@ KMNIST: CC BY-SA 4.0).
 
 from curvkit.data import idx, loader, synthetic, transforms
 from curvkit.data.idx import DataFileError, MissingDataFileError, read_idx, write_idx
-from curvkit.data.idx_datasets import fashion_mnist, mnist
+from curvkit.data.idx_datasets import fashion_mnist, mnist, mnist_vectors
 from curvkit.data.kmnist import kmnist_test
 from curvkit.data.loader import iterate_batches, train_test_split
 from curvkit.data.sklearn_digits import digits
@@ -28,6 +28,7 @@ __all__ = [
     "kmnist_test",
     "loader",
     "mnist",
+    "mnist_vectors",
     "read_idx",
     "synthetic",
     "train_test_split",

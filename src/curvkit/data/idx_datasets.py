@@ -246,3 +246,18 @@ def fashion_mnist(
     verified and raise :class:`DataFileError`).
     """
     return _load(_FASHION_MNIST, train, root, verify)
+
+
+def mnist_vectors(train: bool = True, n: int | None = None, padding: int = 0,
+                  dtype: torch.dtype = torch.float32, root: str | os.PathLike[str] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST (:func:`mnist`) as flat vectors in [0, 1]: X (N, D) ``dtype``, y int64 (N,); the first ``n``
+    images when given, zero-padded by ``padding`` pixels on every side first (``padding=2``: 32x32)."""
+    from curvkit.data.transforms import image_vectors
+
+    X, y = mnist(train=train, root=root)
+    if n is not None:
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n must be a positive integer or None, got {n!r}")
+        X, y = X[:n], y[:n]
+    return image_vectors(X, padding, dtype=dtype), y

@@ -3,6 +3,8 @@
 * :func:`to_unit` - uint8 pixels 0..255 -> floats in [0, 1] (x / 255).
 * :func:`pad` - zero padding of the last two (spatial) dims, e.g. 28x28 -> 32x32 with ``pad(X, 2)``.
 * :func:`flatten` - (N, H, W) or (N, C, H, W) -> (N, H*W) or (N, C*H*W), row-major.
+* :func:`image_vectors` - the preparation every MNIST-style experiment uses: optional padding, pixels to
+  [0, 1], flattening, optional standardisation ``(x - mean) / std``.
 * :func:`pixel_permutation` / :func:`permute_pixels` - the fixed-seed pixel permutations of
   permuted-MNIST continual-learning tasks: ``permute_pixels(X_flat, perm)[:, j] = X_flat[:, perm[j]]``.
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["flatten", "pad", "permute_pixels", "pixel_permutation", "to_unit"]
+__all__ = ["flatten", "image_vectors", "pad", "permute_pixels", "pixel_permutation", "to_unit"]
 
 
 def _check_tensor(name: str, X: object) -> Tensor:
@@ -61,6 +63,18 @@ def flatten(X: Tensor) -> Tensor:
             f"flatten: expected a batch of images (N, H, W) or (N, C, H, W), got shape {tuple(X.shape)}"
         )
     return X.reshape(X.shape[0], -1)
+
+
+def image_vectors(X: Tensor, padding: int = 0, mean: float | None = None, std: float | None = None,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """uint8 images (N, H, W) or (N, C, H, W) -> (N, D) ``dtype`` vectors: ``pad`` by ``padding``, scale to
+    [0, 1] (:func:`to_unit`), flatten, then ``(x - mean) / std`` when both are given."""
+    if (mean is None) != (std is None):
+        raise ValueError("image_vectors: give both mean and std, or neither")
+    if std is not None and not std > 0:
+        raise ValueError(f"image_vectors: std must be positive, got {std}")
+    X = flatten(to_unit(pad(X, padding) if padding else X, dtype))
+    return X if mean is None or std is None else (X - mean) / std
 
 
 def pixel_permutation(num_pixels: int, seed: int) -> Tensor:

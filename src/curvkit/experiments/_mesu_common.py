@@ -14,15 +14,9 @@ from curvkit.models import mlp
 def mnist_flat(n_train: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bundled MNIST scaled to [0, 1] and flattened: (X_train (N, 784), y_train, X_test, y_test);
     ``n_train`` keeps the first n training images."""
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, to_unit
+    from curvkit.data import mnist_vectors
 
-    Xa, ya = mnist(train=True)
-    Xb, yb = mnist(train=False)
-    Xa, Xb = flatten(to_unit(Xa)), flatten(to_unit(Xb))
-    if n_train is not None:
-        Xa, ya = Xa[:n_train], ya[:n_train]
-    return Xa, ya, Xb, yb
+    return (*mnist_vectors(train=True, n=n_train), *mnist_vectors(train=False))
 
 
 def kaiming_uniform_mlp(sizes: Sequence[int], seed: int) -> nn.Sequential:

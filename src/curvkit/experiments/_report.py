@@ -20,14 +20,19 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+from curvkit import checkpoint
+from curvkit.checkpoint import write_text
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- markdown
@@ -113,6 +118,20 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def cached_stage(path: Path | str, key: Any, compute: Callable[[], T]) -> T:
+    """``compute()`` once per ``key``: the value is kept in ``path`` (an atomic checkpoint, so an
+    interrupted run loses no finished stage) and returned from there while the saved key matches.
+    ``key`` must be comparable with ``==`` after a save/load round trip (strings, numbers, dicts of them)."""
+    path = Path(path)
+    if path.exists():
+        saved = checkpoint.load(path)
+        if isinstance(saved, dict) and saved.get("key") == key:
+            return saved["value"]  # type: ignore[no-any-return]
+    value = compute()
+    checkpoint.save({"key": key, "value": value}, path)
+    return value
+
+
 # --------------------------------------------------------------------------- timings
 class StageTimer:
     """Wall-clock seconds per named stage: ``with timer("train"): ...``; ``timer.seconds`` is a dict."""
@@ -159,7 +178,7 @@ def to_jsonable(x: Any) -> Any:
 
 
 def write_json(path: Path | str, obj: Any) -> None:
-    Path(path).write_text(json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    write_text(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
 
 
 # --------------------------------------------------------------------------- figures / progress

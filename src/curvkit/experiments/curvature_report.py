@@ -4,7 +4,9 @@ Protocol (thesis chapters 3-4, digest 002 sections 2-3):
 
 1. Train a 784-100-10 ReLU MLP (softmax cross-entropy, Adam) on the bundled MNIST, inputs scaled to
    [0, 1] and flattened. Training checkpoints after every epoch into ``OUT/checkpoint.pt`` and resumes
-   from it (same result) when the command is run again with the same configuration.
+   from it (same result) when the command is run again with the same configuration; every finished
+   evaluation stage is kept in ``OUT/stages/`` and reused by a re-run, so an interrupt loses no finished
+   stage.
 2. On a fixed evaluation batch of training points (float64, mean reduction), take the EXACT GGN
    G = (1/N) sum_n J_n^T H_L^n J_n as the reference. For softmax cross-entropy G equals the type-2 Fisher
    (thesis Eqs. 3.36-3.38).
@@ -46,6 +48,7 @@ Outputs in OUT: ``report.md``, ``results.json``, ``block_errors.png``, ``diagona
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -56,8 +59,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit import checkpoint
 from curvkit.experiments._report import (
     StageTimer,
+    cached_stage,
     config_dict,
     config_hash,
     machine_info,
@@ -70,10 +75,11 @@ from curvkit.experiments._report import (
 )
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import CrossEntropy
-from curvkit.linalg.kron import KroneckerOperator
+from curvkit.linalg.krylov import shifted_cg
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.models import mlp
+from curvkit.structure import read_model
 
 DIAGONAL_ESTIMATORS = ("exact diagonal", "Hutchinson diagonal", "MC Fisher diagonal", "empirical Fisher diagonal")
 KRONECKER_ESTIMATORS = ("KFAC", "KFLR", "KFRA")
@@ -131,18 +137,15 @@ CONFIGS: dict[str, CurvatureConfig] = {
 # ============================================================================ data and training
 def load_data(cfg: CurvatureConfig, seed: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Bundled MNIST, scaled to [0, 1] and flattened; a seeded subset of ``n_train`` training points."""
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, to_unit
+    from curvkit.data import mnist_vectors
 
-    X, y = mnist(train=True)
-    X = flatten(to_unit(X)).float()
+    X, y = mnist_vectors(train=True)
     if cfg.n_train is not None and cfg.n_train < X.shape[0]:
         idx = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed))[: cfg.n_train]
         X, y = X[idx], y[idx]
     Xte = yte = None
     if cfg.test_accuracy:
-        Xte, yte = mnist(train=False)
-        Xte = flatten(to_unit(Xte)).float()
+        Xte, yte = mnist_vectors(train=False)
     return X, y, Xte, yte
 
 
@@ -160,7 +163,7 @@ def train(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed: in
     start = 0
     tag = config_hash(_training_part(cfg, seed))
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = checkpoint.load(ckpt)
         if state.get("tag") == tag and state["epoch"] <= cfg.epochs:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
@@ -179,7 +182,7 @@ def train(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed: in
             total += float(loss.detach()) * len(idx)
             count += len(idx)
         log.append({"epoch": epoch + 1, "train_loss": total / count, "seconds": time.perf_counter() - t0})
-        torch.save({"tag": tag, "model": model.state_dict(), "optimizer": opt.state_dict(),
+        checkpoint.save({"tag": tag, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "generator": gen.get_state(), "log": log, "epoch": epoch + 1}, ckpt)
         if on_epoch is not None:
             on_epoch(epoch + 1, total / count)
@@ -201,6 +204,7 @@ def accuracy(model: nn.Module, X: Tensor, y: Tensor) -> float:
 @dataclass(frozen=True)
 class Layer:
     name: str  # module name, e.g. "0"
+    names: tuple[str, ...]  # its parameters in the layout ([weight, bias])
     sl: slice  # rows of the flat parameter vector ([W, b] of this layer)
     shape: tuple[int, int]  # (out, in)
 
@@ -209,15 +213,16 @@ class Layer:
         return self.sl.stop - self.sl.start
 
 
-def linear_layers(model: nn.Module, layout: ParamLayout) -> list[Layer]:
-    """The flat-vector slice of every nn.Linear (weight followed by its bias in the curvkit layout)."""
+def model_layers(model: nn.Module, layout: ParamLayout) -> list[Layer]:
+    """The flat-vector slice of every trainable layer (weight followed by its bias in the curvkit layout),
+    from the model-structure reader."""
     slices = layout.slices()
     out = []
-    for mname, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            names = [f"{mname}.weight"] + ([f"{mname}.bias"] if mod.bias is not None else [])
-            start, stop = slices[names[0]].start, slices[names[-1]].stop
-            out.append(Layer(mname, slice(start, stop), (mod.out_features, mod.in_features)))
+    for lay in read_model(model).layers:
+        names = lay.names
+        weight: Any = lay.module.weight  # type: ignore[union-attr]
+        out.append(Layer(lay.label, names, slice(slices[names[0]].start, slices[names[-1]].stop),
+                         (int(weight.shape[0]), int(weight[0].numel()))))
     return out
 
 
@@ -226,23 +231,6 @@ def pad(V: Tensor, layer: Layer, d: int) -> Tensor:
     M = V.new_zeros(d, V.shape[1])
     M[layer.sl] = V
     return M
-
-
-def matmat(op: CurvatureOperator, M: Tensor, chunk: int = 64) -> Tensor:
-    """op @ M in column chunks (bounded memory for the exact operators)."""
-    return torch.cat([op @ M[:, s:s + chunk] for s in range(0, M.shape[1], chunk)], dim=1)
-
-
-def layer_block(op: CurvatureOperator, layer: Layer, d: int, chunk: int = 64) -> Tensor:
-    """The dense (n_l, n_l) diagonal block of ``op`` for one layer, from n_l unit-vector products
-    (``chunk`` columns at a time: memory O(d * chunk), never O(d * n_l))."""
-    out = torch.empty(layer.size, layer.size, dtype=op.dtype)
-    for s in range(0, layer.size, chunk):
-        k = min(chunk, layer.size - s)
-        E = torch.zeros(d, k, dtype=op.dtype)
-        E[layer.sl.start + s + torch.arange(k), torch.arange(k)] = 1
-        out[:, s:s + k] = (op @ E)[layer.sl]
-    return out
 
 
 # ============================================================================ metrics
@@ -262,19 +250,17 @@ def rel_fro(B: Tensor, G: Tensor) -> float:
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
-    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(torch.finfo(a.dtype).tiny))
+    return float(a @ b / (a.norm() * b.norm()))
 
 
-# ============================================================================ the experiment
 def compute_estimators(model: nn.Module, lik: CrossEntropy, data: tuple[Tensor, Tensor], cfg: CurvatureConfig,
                        seed: int, timer: StageTimer, tick: Callable[[str], None]) -> dict[str, Any]:
-    """Exact GGN operator plus every estimator (as curvkit curvature types), with their compute times."""
+    """Every estimator (as curvkit curvature types) with its compute time; the exact GGN is rebuilt by the
+    caller (it holds the model)."""
     from curvkit.curvature import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
     from curvkit.curvature.kronecker import kfac, kflr, kfra
-    from curvkit.linalg.trace import probes
 
     G = GGNOperator(model, lik, data)
-    d = G.layout.dim
     ests: dict[str, CurvatureOperator] = {}
     secs: dict[str, float] = {}
 
@@ -286,36 +272,39 @@ def compute_estimators(model: nn.Module, lik: CrossEntropy, data: tuple[Tensor, 
         tick(name)
 
     timed("exact diagonal", lambda: G.diagonal())
-
-    def hutchinson_diagonal() -> DiagonalOperator:
-        gen = torch.Generator().manual_seed(seed + 11)
-        acc = torch.zeros(d, dtype=G.dtype)
-        m, chunk = cfg.hutchinson_probes, 64
-        for s in range(0, m, chunk):
-            Z = probes(d, min(chunk, m - s), G.dtype, "cpu", generator=gen, distribution="rademacher")
-            acc += (Z * (G @ Z)).sum(1)
-        return DiagonalOperator.from_flat(G.layout, acc / m)
-
-    timed("Hutchinson diagonal", hutchinson_diagonal)
+    timed("Hutchinson diagonal", lambda: G.diagonal("hutchinson", num_probes=cfg.hutchinson_probes,
+                                                    generator=torch.Generator().manual_seed(seed + 11)))
     timed("MC Fisher diagonal",
           lambda: MCFisherOperator(model, lik, data, mc_samples=cfg.mc_samples, seed=seed + 12).diagonal())
     timed("empirical Fisher diagonal", lambda: EmpiricalFisherOperator(model, lik, data).diagonal())
     timed("KFAC", lambda: kfac(model, lik, data, mc_samples=cfg.mc_samples, seed=seed + 13))
     timed("KFLR", lambda: kflr(model, lik, data))
     timed("KFRA", lambda: kfra(model, lik, data))
-    return {"G": G, "estimators": ests, "seconds": secs}
+    return {"estimators": ests, "seconds": secs}
 
 
 def evaluate(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed: int, timer: StageTimer,
-             tick: Callable[[str], None]) -> dict[str, Any]:
-    """All metrics of the report on the evaluation batch (X, y); ``model`` in float64."""
+             tick: Callable[[str], None], stages: Path | None = None) -> dict[str, Any]:
+    """All metrics of the report on the evaluation batch (X, y); ``model`` in float64.
+
+    With ``stages`` (a directory) every finished stage is kept there and reused by a re-run of the same
+    configuration, so an interrupted evaluation resumes at the stage it was in."""
+    from curvkit.curvature import GGNOperator
+
     lik = CrossEntropy(reduction="mean")
     data = (X, y)
-    comp = compute_estimators(model, lik, data, cfg, seed, timer, tick)
-    G: CurvatureOperator = comp["G"]
+    key = {"config": config_hash(cfg), "seed": seed, "n": int(X.shape[0])}
+
+    def stage(name: str, fn: Callable[[], Any]) -> Any:
+        if stages is None:
+            return fn()
+        return cached_stage(stages / f"{name.replace(' ', '_')}.pt", key, fn)
+
+    comp = stage("estimators", lambda: compute_estimators(model, lik, data, cfg, seed, timer, tick))
+    G = GGNOperator(model, lik, data)
     ests: dict[str, CurvatureOperator] = comp["estimators"]
     d = G.layout.dim
-    layers = linear_layers(model, G.layout)
+    layers = model_layers(model, G.layout)
     gen = torch.Generator().manual_seed(seed + 21)
 
     # ---- traces and diagonals
@@ -331,24 +320,33 @@ def evaluate(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed:
     tick("traces")
 
     # ---- block errors: exact blocks where small, probes everywhere
+    def block_errors(L: Layer) -> dict[str, Any]:
+        V = torch.randn(L.size, cfg.error_probes, generator=gen, dtype=G.dtype)
+        G_block = G.block(L.names)
+        G_V = G_block @ V
+        Gll = G_block.to_dense() if L.size <= cfg.max_exact_block else None
+        norms = {"probe_fro_estimate": float((G_V**2).sum().sqrt() / math.sqrt(cfg.error_probes))}
+        if Gll is not None:
+            Gll = 0.5 * (Gll + Gll.T)
+            norms["fro"] = float(Gll.norm())
+            norms["diag_fraction_of_fro2"] = float((Gll.diagonal() ** 2).sum() / (Gll**2).sum())
+        probe, exact = {}, {}
+        for name, op in ests.items():
+            B = op.block(L.names)
+            probe[name] = probe_error(B @ V, G_V, cfg.bootstrap, gen)
+            exact[name] = rel_fro(B.to_dense(), Gll) if Gll is not None else None
+        return {"norms": norms, "probe": probe, "exact": exact}
+
     exact_err: dict[str, list[float | None]] = {n: [] for n in ests}
     probe_err: dict[str, list[tuple[float, float]]] = {n: [] for n in ests}
     block_norms: list[dict[str, float]] = []
     with timer("block errors"):
         for L in layers:
-            V = torch.randn(L.size, cfg.error_probes, generator=gen, dtype=G.dtype)
-            G_V = matmat(G, pad(V, L, d))[L.sl]
-            Gll = layer_block(G, L, d) if L.size <= cfg.max_exact_block else None
-            norms = {"probe_fro_estimate": float((G_V**2).sum().sqrt() / math.sqrt(cfg.error_probes))}
-            if Gll is not None:
-                Gll = 0.5 * (Gll + Gll.T)
-                norms["fro"] = float(Gll.norm())
-                norms["diag_fraction_of_fro2"] = float((Gll.diagonal() ** 2).sum() / (Gll**2).sum())
-            block_norms.append(norms)
-            for name, op in ests.items():
-                B_V = (op @ pad(V, L, d))[L.sl]
-                probe_err[name].append(probe_error(B_V, G_V, cfg.bootstrap, gen))
-                exact_err[name].append(rel_fro(layer_block(op, L, d), Gll) if Gll is not None else None)
+            res = stage(f"block errors {L.name}", functools.partial(block_errors, L))
+            block_norms.append(res["norms"])
+            for name in ests:
+                probe_err[name].append(res["probe"][name])
+                exact_err[name].append(res["exact"][name])
             tick(f"block errors layer {L.name}")
 
     # ---- preconditioned steps
@@ -357,20 +355,19 @@ def evaluate(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed:
     g = G.layout.flatten(list(torch.autograd.grad(loss, params))).detach()
     steps: dict[str, dict[str, Any]] = {}
     with timer("preconditioned steps"):
-        refs, info = reference_steps(G, layers, g, cfg.dampings, cfg.cg_tol, cfg.cg_max_iter)
+        refs, info = stage("reference steps", lambda: reference_steps(G, layers, g, cfg.dampings, cfg.cg_tol,
+                                                                       cfg.cg_max_iter))
         tick("exact reference steps (CG)")
         for lam in cfg.dampings:
             ref, block_ref = refs[lam]
             cand: dict[str, Tensor] = {"gradient (no curvature)": g, "exact block-diagonal GGN": block_ref}
             for name, op in ests.items():
-                if isinstance(op, DiagonalOperator):
-                    op = DiagonalOperator.from_flat(op.layout, op.flat.clamp_min(0))
-                    cand[name] = op.inverse(lam) @ g
-                elif isinstance(op, KroneckerOperator):
-                    cand[name] = op.inverse(lam, method="eigen") @ g
-                    cand[f"{name} (factored damping)"] = op.inverse(lam, method="factored") @ g
+                if name in DIAGONAL_ESTIMATORS:  # clip the (possibly negative) estimated entries first
+                    op = DiagonalOperator.from_flat(op.layout, op.diagonal().flat.clamp_min(0))
+                    cand[name] = op.solve(g, damping=lam)
                 else:
-                    raise TypeError(f"estimator {name!r} has no closed-form damped inverse ({type(op).__name__})")
+                    cand[name] = op.solve(g, damping=lam, method="eigen")  # type: ignore[call-arg]
+                    cand[f"{name} (factored damping)"] = op.solve(g, damping=lam, method="factored")  # type: ignore[call-arg]
             steps[str(lam)] = {
                 **info[lam],
                 "full": {n: cosine(s, ref) for n, s in cand.items()},
@@ -394,54 +391,20 @@ def evaluate(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed:
     }
 
 
-def shifted_cg(apply: Callable[[Tensor], Tensor], B: Tensor, shifts: Tensor, tol: float,
-               max_iter: int) -> tuple[Tensor, list[int], list[float]]:
-    """Conjugate gradients for k systems (A_j + shifts_j I) x_j = b_j at once, where ``apply`` maps the
-    (d, k) matrix [p_1 .. p_k] to [A_1 p_1 .. A_k p_k] (one call per iteration, all columns together).
-
-    Column j stops updating once ||b_j - (A_j + s_j I) x_j|| <= tol ||b_j||. Returns X, the iterations used
-    per column and the final relative residuals (recomputed from scratch, not the recursive ones).
-    """
-    X = torch.zeros_like(B)
-    R = B.clone()
-    P = R.clone()
-    rr = (R * R).sum(0)
-    bnorm = B.norm(dim=0)
-    active = rr.sqrt() > tol * bnorm
-    iters = [0] * B.shape[1]
-    for _ in range(max_iter):
-        if not bool(active.any()):
-            break
-        AP = apply(P) + shifts * P
-        pAp = (P * AP).sum(0)
-        alpha = torch.where(active, rr / pAp.clamp_min(torch.finfo(B.dtype).tiny), torch.zeros_like(rr))
-        X += alpha * P
-        R -= alpha * AP
-        rr_new = (R * R).sum(0)
-        beta = torch.where(active, rr_new / rr.clamp_min(torch.finfo(B.dtype).tiny), torch.zeros_like(rr))
-        P = torch.where(active, R + beta * P, P)
-        rr = torch.where(active, rr_new, rr)
-        for j in active.nonzero()[:, 0].tolist():
-            iters[j] += 1
-        active = active & (rr.sqrt() > tol * bnorm)
-    resid = ((B - apply(X) - shifts * X).norm(dim=0) / bnorm).tolist()
-    return X, iters, resid
-
-
 def reference_steps(G: CurvatureOperator, layers: list[Layer], g: Tensor, dampings: tuple[float, ...],
                     tol: float, max_iter: int) -> tuple[dict[float, tuple[Tensor, Tensor]], dict[float, Any]]:
     """Exact damped steps (G + lam I)^{-1} g and block-diagonal ones (G_ll + lam I)^{-1} g_l for every lam,
-    all solved in ONE conjugate-gradient loop (one exact-GGN product with (1 + #layers) * #dampings
-    columns per iteration)."""
+    all solved in ONE shifted conjugate-gradient loop (:func:`curvkit.linalg.krylov.shifted_cg`: one
+    exact-GGN product with (1 + #layers) * #dampings columns per iteration)."""
     d = G.layout.dim
-    nl, nd = len(layers), len(dampings)
+    nd = len(dampings)
 
     def apply(P: Tensor) -> Tensor:
         # columns: for each damping, [full, block-diagonal]
         full = P[:, 0::2]
         block = P[:, 1::2]
         padded = [pad(block[L.sl], L, d) for L in layers]  # nl x (d, nd)
-        out = matmat(G, torch.cat([full, *padded], dim=1), chunk=max(64, nd * (nl + 1)))
+        out = G @ torch.cat([full, *padded], dim=1)
         res = torch.empty_like(P)
         res[:, 0::2] = out[:, :nd]
         for i, L in enumerate(layers):
@@ -470,15 +433,15 @@ def kflr_single_datum_check(model: nn.Module, X: Tensor, y: Tensor, max_exact_bl
     data = (X[:1], y[:1])
     G = GGNOperator(model, lik, data)
     K = kflr(model, lik, data)
-    d = G.layout.dim
     out = {}
     gen = torch.Generator().manual_seed(0)
-    for L in linear_layers(model, G.layout):
+    for L in model_layers(model, G.layout):
+        Gb, Kb = G.block(L.names), K.block(L.names)
         if L.size <= max_exact_block:
-            out[L.name] = rel_fro(layer_block(K, L, d), layer_block(G, L, d))
+            out[L.name] = rel_fro(Kb.to_dense(), Gb.to_dense())
         else:
-            V = pad(torch.randn(L.size, 8, generator=gen, dtype=G.dtype), L, d)
-            out[L.name] = rel_fro((K @ V)[L.sl], (G @ V)[L.sl])
+            V = torch.randn(L.size, 8, generator=gen, dtype=G.dtype)
+            out[L.name] = rel_fro(Kb @ V, Gb @ V)
     return out
 
 
@@ -519,9 +482,12 @@ def _run(cfg: CurvatureConfig, out: Path, seed: int, scale: str) -> dict[str, An
     eval_idx = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed + 2))[: cfg.eval_size]
     model64 = copy.deepcopy(model).double()
     Xe, ye = X[eval_idx].double(), y[eval_idx]
-    res = evaluate(model64, Xe, ye, cfg, seed, timer, tick)
+    stage_dir = out / "stages"
+    res = evaluate(model64, Xe, ye, cfg, seed, timer, tick, stage_dir)
     with timer("KFLR single-datum check"):
-        res["kflr_single_datum_rel_error"] = kflr_single_datum_check(model64, Xe, ye, cfg.max_exact_block)
+        res["kflr_single_datum_rel_error"] = cached_stage(
+            stage_dir / "kflr_check.pt", {"config": config_hash(cfg), "seed": seed},
+            lambda: kflr_single_datum_check(model64, Xe, ye, cfg.max_exact_block))
     tick("KFLR single-datum check")
 
     diagonals = res.pop("_diagonals")
@@ -535,7 +501,7 @@ def _run(cfg: CurvatureConfig, out: Path, seed: int, scale: str) -> dict[str, An
         **res, "figures": [p.name for p in figures], "timings_s": timer.seconds,
     }
     write_json(out / "results.json", results)
-    (out / "report.md").write_text(render_report(results, cfg))
+    checkpoint.write_text(out / "report.md", render_report(results, cfg))
     tick("report")
     bar.close()
     return results

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from curvkit.checkpoint import write_text
 from curvkit.experiments._report import (
     machine_info,
     markdown_table,
@@ -182,13 +183,9 @@ def run_drift(name: str, seed: int, steps: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ MNIST task
 def _mnist(n_train: int, n_test: int) -> tuple[torch.Tensor, ...]:
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, to_unit
+    from curvkit.data import mnist_vectors
 
-    Xtr, ytr = mnist(train=True)
-    Xte, yte = mnist(train=False)
-    return (flatten(to_unit(Xtr[:n_train])).float(), ytr[:n_train],
-            flatten(to_unit(Xte[:n_test])).float(), yte[:n_test])
+    return (*mnist_vectors(train=True, n=n_train), *mnist_vectors(train=False, n=n_test))
 
 
 def _accuracy(model: nn.Module, opt: Any, X: torch.Tensor, y: torch.Tensor) -> float:
@@ -243,10 +240,7 @@ def _cached(path: Path, key: dict[str, Any], fn: Callable[[], dict[str, Any]]) -
         if saved.get("key") == key:
             return saved["result"]
     result = fn()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    write_json(tmp, {"key": key, "result": result})
-    tmp.replace(path)
+    write_json(path, {"key": key, "result": result})
     return json.loads(path.read_text())["result"]
 
 
@@ -420,7 +414,7 @@ def _run(scale: str, cfg: dict[str, Any], out: Path, seed: int, threads: int) ->
         f"{threads} torch thread(s); runs reused from `runs/` count as 0. Per-step costs of the optimisers: "
         "`benchmarks/filters.py`, not this experiment.",
     ]
-    (out / "report.md").write_text("\n".join(report) + "\n")
+    write_text(out / "report.md", "\n".join(report) + "\n")
     result = {"scale": scale, "seeds": seeds, "config": cfg, "machine": info,
               "drift_table": {"headers": drift_headers, "rows": drift_rows},
               "mnist_table": {"headers": mnist_headers, "rows": mnist_rows}, "diverged": diverged,

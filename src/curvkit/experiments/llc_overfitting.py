@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from curvkit.checkpoint import write_text
 from curvkit.experiments._report import machine_info, markdown_table, write_json
 from curvkit.experiments.ngd_common import (
     SMOKE_NOTE,
@@ -86,5 +87,5 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     md.append("\nFigures: fig7_llc.png, fig7_trace_h.png, fig7_wbic.png, fig7_val_loss.png.")
     if scale == "smoke":
         md[1:1] = [SMOKE_NOTE, ""]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
     return results

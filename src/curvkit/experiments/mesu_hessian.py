@@ -37,19 +37,20 @@ re-invocation resumes (bit-identical to an uninterrupted run: the optimiser stat
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from scipy import stats
 from torch import nn
 
+from curvkit import checkpoint
+from curvkit.curvature.compare import binned_ratio, correlations
 from curvkit.experiments._mesu_common import kaiming_uniform_mlp, mnist_flat
 from curvkit.experiments._report import (
     machine_info,
@@ -62,6 +63,8 @@ from curvkit.experiments._report import (
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import CrossEntropy
 from curvkit.optim import BGD, MESU, MeanFieldOptimizer, MESUNoReg
+from curvkit.optim.meanfield import MeanReductionWarning
+from curvkit.posterior.curvature import expected_ggn_diagonal
 
 BATCH = 100
 SIGMA0 = 0.1
@@ -91,7 +94,7 @@ PROTOCOLS = {
 def _pretrain(X: torch.Tensor, y: torch.Tensor, epochs: int, seed: int, path: Path, show: bool) -> nn.Module:
     model = kaiming_uniform_mlp([784, 100, 10], seed)
     if path.exists():
-        model.load_state_dict(torch.load(path, weights_only=True))
+        model.load_state_dict(checkpoint.load(path, weights_only=True))
         return model
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(seed + 1)
@@ -105,12 +108,20 @@ def _pretrain(X: torch.Tensor, y: torch.Tensor, epochs: int, seed: int, path: Pa
                 nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
                 opt.step()
                 bar.update()
-    torch.save(model.state_dict(), path)
+    checkpoint.save(model.state_dict(), path)
     return model
 
 
 def _optimizer(method: str, model: nn.Module, mc_samples: int, seed: int, reduction: str) -> MeanFieldOptimizer:
     common: dict[str, Any] = dict(mc_samples=mc_samples, seed=seed, loss_fn=CrossEntropy(reduction))  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        # the batch mean is chosen on purpose here: the summed loss violates the stability condition on the
+        # pretrained net (module docstring), so MESU's warning about mean losses does not apply
+        warnings.simplefilter("ignore", MeanReductionWarning)
+        return _build(method, model, common)
+
+
+def _build(method: str, model: nn.Module, common: dict[str, Any]) -> MeanFieldOptimizer:
     if method == "mesu":
         return MESU(model.parameters(), model=model, sigma_prior=SIGMA0, sigma_res=10.0, sigma_init=SIGMA0, **common)
     if method == "mesu-noreg":
@@ -123,54 +134,11 @@ def _optimizer(method: str, model: nn.Module, mc_samples: int, seed: int, reduct
 # ------------------------------------------------------------------------------------------ exact Hessian
 def exact_diagonals(model: nn.Module, sigma: dict[str, torch.Tensor], X: torch.Tensor, y: torch.Tensor,
                     draws: int, seed: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(H_D(mu), H_D(sigma)) of the expected loss, flat in the model's parameter order, float64.
-
-    H_D(mu) = E_eps[diag H(w)], H_D(sigma) = E_eps[eps^2 diag H(w)] with w = mu + |sigma| eps, averaged
-    over ``draws`` samples; diag H(w) = exact GGN diagonal (= a.e. Hessian diagonal for ReLU nets) of the
-    summed NLL on (X, y), times ``scale``.
-    """
-    from curvkit.curvature import GGNOperator
-
-    lik = CrossEntropy("sum")
-    base = copy.deepcopy(model).double()
-    mu = {n: p.detach().clone() for n, p in base.named_parameters()}
-    g = torch.Generator().manual_seed(seed)
-    h_mu = h_sig = None
-    for _ in range(draws):
-        eps = {n: torch.randn(m.shape, generator=g, dtype=torch.float64) for n, m in mu.items()}
-        with torch.no_grad():
-            for n, p in base.named_parameters():
-                p.copy_(mu[n] + sigma[n].double().abs() * eps[n])
-        d = GGNOperator(base, lik, (X, y)).diagonal().flat * scale
-        e2 = torch.cat([eps[n].reshape(-1) for n in mu]) ** 2
-        h_mu = d if h_mu is None else h_mu + d
-        h_sig = d * e2 if h_sig is None else h_sig + d * e2
-    assert h_mu is not None and h_sig is not None
-    return (h_mu / draws).numpy(), (h_sig / draws).numpy()
-
-
-def correlations(est: np.ndarray, true: np.ndarray) -> dict[str, float]:
-    """Pearson of log10 (entries where both > 0), Spearman, linear Pearson, median ratio est/true."""
-    both = (est > 0) & (true > 0) & np.isfinite(est) & np.isfinite(true)
-    fin = np.isfinite(est) & np.isfinite(true)
-    out: dict[str, float] = {"n": int(est.size), "n_positive": int(both.sum())}
-    out["pearson_log"] = float(stats.pearsonr(np.log10(est[both]), np.log10(true[both]))[0]) if both.sum() > 2 else math.nan
-    out["spearman"] = float(stats.spearmanr(est[fin], true[fin])[0])
-    out["pearson"] = float(stats.pearsonr(est[fin], true[fin])[0])
-    out["median_ratio"] = float(np.median(est[both] / true[both])) if both.any() else math.nan
-    return out
-
-
-def binned_ratio(est: np.ndarray, true: np.ndarray, edges: np.ndarray) -> list[dict[str, float]]:
-    """Median estimate/true and median estimate in log bins of the true value (Fig. 2c analysis)."""
-    rows = []
-    for lo, hi in itertools.pairwise(edges):
-        sel = (true >= lo) & (true < hi) & np.isfinite(est)
-        if sel.sum() >= 5:
-            rows.append({"lo": float(lo), "hi": float(hi), "count": int(sel.sum()),
-                         "median_ratio": float(np.median(est[sel] / true[sel])),
-                         "median_estimate": float(np.median(est[sel]))})
-    return rows
+    """(H_D(mu), H_D(sigma)) of the expected loss, flat in the model's parameter order, float64:
+    :func:`curvkit.posterior.expected_ggn_diagonal` of the summed NLL on (X, y), times ``scale``."""
+    h_mu, h_sig = expected_ggn_diagonal(model, CrossEntropy("sum"), (X, y), sigma, draws,
+                                        torch.Generator().manual_seed(seed))
+    return (h_mu.flat * scale).numpy(), (h_sig.flat * scale).numpy()
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -178,10 +146,8 @@ SAVE_EVERY = 1000  # iterations between run checkpoints (besides every compariso
 
 
 def _save(path: Path, model: nn.Module, opt: MeanFieldOptimizer, gen: torch.Generator) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "n": opt.num_steps}, tmp)
-    tmp.replace(path)
+    checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                     "n": opt.num_steps}, path)
 
 
 def _run_method(method: str, pre: nn.Module, Xa: torch.Tensor, ya: torch.Tensor, Xh: torch.Tensor,
@@ -192,7 +158,7 @@ def _run_method(method: str, pre: nn.Module, Xa: torch.Tensor, ya: torch.Tensor,
     ckpt = out / "runs" / f"{method}.pt"
     n0 = 0
     if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
+        st = checkpoint.load(ckpt)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         gen.set_state(st["generator"])
@@ -244,9 +210,7 @@ def _compare(method: str, model: nn.Module, opt: MeanFieldOptimizer, n: int, Xh:
         "hsigma_vs_hmu": {"all": correlations(h_sig, h_mu), "output_layer": correlations(h_sig[out_layer], h_mu[out_layer])},
     }
     np.savez_compressed(path.with_suffix(".npz"), h_mu=h_mu, h_sigma=h_sig, estimate=est, estimate_debiased=est_db)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rec))
-    tmp.replace(path)
+    checkpoint.write_text(path, json.dumps(rec))
     return rec
 
 
@@ -380,5 +344,5 @@ def run(scale: str, out: Path, seed: int = 0, show_progress: bool = True) -> dic
         f"\nWall time of this invocation: {summary['wall_time_s_this_invocation']:.0f} s (a resumed run counts only "
         "the part it ran).\n",
     ]
-    (out / "report.md").write_text("\n".join(text))
+    checkpoint.write_text(out / "report.md", "\n".join(text))
     return summary

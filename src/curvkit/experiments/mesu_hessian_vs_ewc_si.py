@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import stats
 from torch import nn
 
+from curvkit.checkpoint import write_text
 from curvkit.continual import (
     AbruptSchedule,
     ContinualRunner,
@@ -47,10 +47,12 @@ from curvkit.continual import (
     TorchLearner,
     diagonal_fisher,
 )
+from curvkit.curvature.compare import correlations
 from curvkit.experiments._mesu_common import kaiming_uniform_mlp, mnist_flat
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import CrossEntropy
+from curvkit.posterior.curvature import expected_ggn_diagonal
 
 METHODS = ("mesu", "mesu-noreg", "bgd", "sgd")
 ESTIMATES = {"mesu": ["mesu_eq7"], "mesu-noreg": ["noreg_eq9"], "bgd": ["bgd"],
@@ -97,34 +99,15 @@ def _flat(ts: list[torch.Tensor]) -> np.ndarray:
 
 def exact_diagonal(model: nn.Module, X: torch.Tensor, y: torch.Tensor, sigma: dict[str, torch.Tensor] | None,
                    draws: int, seed: int) -> np.ndarray:
-    """GGN (= a.e. Hessian for ReLU) diagonal of the mean NLL; averaged over w = mu + sigma eps if sigma given."""
+    """GGN (= a.e. Hessian for ReLU) diagonal of the mean NLL; averaged over w = mu + sigma eps if sigma given
+    (:func:`curvkit.posterior.expected_ggn_diagonal`)."""
     from curvkit.curvature import GGNOperator
 
     lik = CrossEntropy("mean")
     if sigma is None:
         return GGNOperator(model, lik, (X, y)).diagonal().flat.double().numpy()
-    g = torch.Generator().manual_seed(seed)
-    total = None
-    for _ in range(draws):
-        sample = copy.deepcopy(model)
-        with torch.no_grad():
-            for n, p in sample.named_parameters():
-                p.add_(sigma[n].abs() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        d = GGNOperator(sample, lik, (X, y)).diagonal().flat.double().numpy()
-        total = d if total is None else total + d
-    assert total is not None
-    return total / draws
-
-
-def correlations(est: np.ndarray, true: np.ndarray) -> dict[str, float]:
-    """Pearson of log10 (entries where both > 0), Spearman and linear Pearson."""
-    both = (est > 0) & (true > 0) & np.isfinite(est) & np.isfinite(true)
-    out: dict[str, float] = {"n_positive": int(both.sum()), "n": int(est.size)}
-    out["pearson_log"] = float(stats.pearsonr(np.log10(est[both]), np.log10(true[both]))[0]) if both.sum() > 2 else float("nan")
-    fin = np.isfinite(est) & np.isfinite(true)
-    out["spearman"] = float(stats.spearmanr(est[fin], true[fin])[0])
-    out["pearson"] = float(stats.pearsonr(est[fin], true[fin])[0])
-    return out
+    h_mu = expected_ggn_diagonal(model, lik, (X, y), sigma, draws, torch.Generator().manual_seed(seed))[0]
+    return h_mu.flat.double().numpy()
 
 
 def _estimates(method: str, learner: Learner, model64: nn.Module, Xh: torch.Tensor,
@@ -133,8 +116,8 @@ def _estimates(method: str, learner: Learner, model64: nn.Module, Xh: torch.Tens
         return {ESTIMATES[method][0]: learner.optimizer.curvature().flat.double().numpy()}
     assert isinstance(learner, TorchLearner) and isinstance(learner.penalty, SynapticIntelligence)
     omega, Omega = learner.penalty.importance(learner.model)
-    return {"ewc_fisher_emp": _flat(diagonal_fisher(model64, Xh, yh, kind="empirical")),
-            "ewc_fisher_true": _flat(diagonal_fisher(model64, Xh, kind="true", chunk_size=32)),
+    return {"ewc_fisher_emp": diagonal_fisher(model64, Xh, yh, kind="empirical").flat.numpy(),
+            "ewc_fisher_true": diagonal_fisher(model64, Xh, kind="true", chunk_size=32).flat.numpy(),
             "si_omega": _flat(omega), "si_Omega": _flat(Omega)}
 
 
@@ -154,9 +137,7 @@ def _compare(method: str, learner: Learner, n: int, Xh: torch.Tensor, yh: torch.
     for name, e in est.items():
         rec["estimates"][name] = {"all": correlations(e, true), "output_layer": correlations(e[out_layer], true[out_layer])}
     np.savez_compressed(path.with_suffix(".npz"), **{"true": true, **est})  # type: ignore[arg-type]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rec))
-    tmp.replace(path)
+    write_text(path, json.dumps(rec))
     return rec
 
 
@@ -252,5 +233,5 @@ def run(scale: str, out: Path, seed: int = 0, progress: bool = True) -> dict[str
             ("\nSmoke scale (a few dozen steps on a tiny subset) only checks the plumbing; its numbers say nothing about "
              "the claim (the paper compares at n = 1e5).\n" if scale == "smoke" else ""),
             "\nFigures: " + ", ".join(figures) + "\n"]
-    (out / "report.md").write_text("\n".join(text))
+    write_text(out / "report.md", "\n".join(text))
     return summary

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from curvkit.checkpoint import write_text
 from curvkit.continual import (
     EWC,
     ContinualRunner,
@@ -83,18 +84,9 @@ PROTOCOLS = {
 
 def load_permuted_mnist(n_train: int | None) -> tuple[torch.Tensor, ...]:
     """Padded (32x32), [0,1]-scaled, flattened MNIST: X_train (N, 1024), y_train, X_test (10000, 1024), y_test."""
-    from curvkit.data import mnist
-    from curvkit.data.transforms import flatten, pad, to_unit
+    from curvkit.data import mnist_vectors
 
-    def prep(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        X, y = mnist(train=train)
-        return flatten(to_unit(pad(X, 2))), y
-
-    Xa, ya = prep(True)
-    Xb, yb = prep(False)
-    if n_train is not None:
-        Xa, ya = Xa[:n_train], ya[:n_train]
-    return Xa, ya, Xb, yb
+    return (*mnist_vectors(train=True, n=n_train, padding=2), *mnist_vectors(train=False, padding=2))
 
 
 def build_model(seed: int) -> nn.Sequential:
@@ -325,5 +317,5 @@ def run(scale: str, out: Path, seed: int = 0, progress: bool = True) -> dict[str
             "\n" + (f"Smoke scale checks the plumbing only ({proto.num_tasks} tasks of {D} iterations on "
                     f"{proto.n_train} images); its numbers say nothing about the claims.\n" if scale == "smoke" else ""),
             "\nFigures: " + ", ".join(figures) + "\n"]
-    (out / "report.md").write_text("\n".join(text))
+    write_text(out / "report.md", "\n".join(text))
     return summary

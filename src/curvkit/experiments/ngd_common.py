@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit import checkpoint
 from curvkit.likelihoods import CrossEntropy
 from curvkit.models import mlp
 from curvkit.optim.kaldi_ngd import KaldiNGD
@@ -94,10 +95,9 @@ def load_data(scale: str, dataset: str = "mnist", seed: int = 0) -> Data:
         Xte, yte = cd.mnist(train=False)
         mean, std = 0.1307, 0.3081
 
-    def prep(X: Tensor) -> Tensor:
-        return ((X.reshape(X.shape[0], -1).float() / 255.0) - mean) / std
+    from curvkit.data.transforms import image_vectors
 
-    return Data(prep(Xtr), ytr, prep(Xte), yte, dataset)
+    return Data(image_vectors(Xtr, mean=mean, std=std), ytr, image_vectors(Xte, mean=mean, std=std), yte, dataset)
 
 
 def build_model(spec: RunSpec, in_dim: int) -> nn.Module:
@@ -159,7 +159,7 @@ def train_run(spec: RunSpec, data: Data, measure: Measure, ckpt_dir: Path) -> li
     records: list[dict[str, Any]] = []
     start = 1
     if path.exists():
-        ck = torch.load(path, weights_only=False)
+        ck = checkpoint.load(path)
         if ck["spec"] != asdict(spec):
             raise ValueError(f"checkpoint {path} was written for a different run spec; delete it or use another --out")
         model.load_state_dict(ck["model"])
@@ -190,7 +190,7 @@ def train_run(spec: RunSpec, data: Data, measure: Measure, ckpt_dir: Path) -> li
         rec = measure_epoch(model, data, spec, measure, epoch)
         rec.update(train_loss=sum(losses) / len(losses), update_norm=sum(norms) / len(norms), phase=phase)
         records.append(rec)
-        torch.save({"spec": asdict(spec), "epoch": epoch, "model": model.state_dict(), "opt": opt.state_dict(),
+        checkpoint.save({"spec": asdict(spec), "epoch": epoch, "model": model.state_dict(), "opt": opt.state_dict(),
                     "phase": phase, "gen": data_gen.get_state(), "records": records}, path)
     return records
 

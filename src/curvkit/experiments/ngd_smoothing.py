@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from curvkit.checkpoint import write_text
 from curvkit.experiments._report import machine_info, markdown_table, write_json
 from curvkit.experiments.ngd_common import SMOKE_NOTE, Measure, RunSpec, load_data, train_run
 from curvkit.experiments.registry import register
@@ -90,5 +91,5 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           "", "Figure: fig3_smoothing.png."]
     if scale == "smoke":
         md[1:1] = [SMOKE_NOTE, ""]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
     return results

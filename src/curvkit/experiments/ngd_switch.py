@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from curvkit.checkpoint import write_text
 from curvkit.experiments._report import machine_info, markdown_table, write_json
 from curvkit.experiments.ngd_common import SMOKE_NOTE, Measure, RunSpec, load_data, plot_series, train_run
 from curvkit.experiments.registry import register
@@ -73,5 +74,5 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           f"{'holds' if holds_above else 'does NOT hold'}.", "", "Figures: fig5_llc.png, fig4_update_norm.png."]
     if scale == "smoke":
         md[1:1] = [SMOKE_NOTE, ""]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
     return results

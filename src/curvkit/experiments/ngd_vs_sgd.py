@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from curvkit.checkpoint import write_text
 from curvkit.experiments._report import machine_info, markdown_table, write_json
 from curvkit.experiments.ngd_common import (
     SMOKE_NOTE,
@@ -126,5 +127,5 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
           "so only the qualitative ordering is comparable with the paper, not the magnitudes."]
     if scale == "smoke":
         md[1:1] = [SMOKE_NOTE, ""]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
     return results

@@ -518,10 +518,17 @@ class RestrictedOperator(CurvatureOperator):
         self.op = op
         self.index = _indices(op.layout, sub.names, op.device)
 
+    #: columns padded to full size at a time (bounds memory to about d * chunk entries)
+    chunk: int = 64
+
     def _matmat(self, M: Tensor) -> Tensor:
-        full = M.new_zeros(self.op.layout.dim, M.shape[1])
-        full[self.index] = M
-        return self.op._matmat(full)[self.index]
+        out = []
+        for s in range(0, M.shape[1], self.chunk):
+            part = M[:, s:s + self.chunk]
+            full = part.new_zeros(self.op.layout.dim, part.shape[1])
+            full[self.index] = part
+            out.append(self.op._matmat(full)[self.index])
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _exact_diagonal(self) -> DiagonalOperator:
         return self.op.diagonal().block(self.layout.names)
