@@ -35,3 +35,7 @@ __all__ = [
     "transforms",
     "write_idx",
 ]
+from curvkit.data.task_sequence import available_tasks, load_task, synthetic_vision_tasks, to_rgb32
+from curvkit.data.vision_sets import cifar10, notmnist, svhn
+
+__all__ += ["available_tasks", "cifar10", "load_task", "notmnist", "svhn", "synthetic_vision_tasks", "to_rgb32"]
