@@ -33,8 +33,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.name not in exps:
             print(f"unknown experiment {args.name!r}; available: {', '.join(exps)}", file=sys.stderr)
             return 2
-        out = Path(args.out) if args.out else Path("results") / f"{args.name}-{args.scale}"
-        registry.run(args.name, args.scale, out, seed=args.seed)
+        out = Path(args.out) if args.out is not None else Path("results") / f"{args.name}-{args.scale}"
+        try:
+            if args.out is not None and not args.out.strip():
+                raise registry.ExperimentError("--out is empty; pass a directory path (e.g. --out results/run1), "
+                                               "or leave --out out for results/NAME-SCALE")
+            # the scale and the output directory are checked before the experiment starts
+            registry.run(args.name, args.scale, out, seed=args.seed)
+        except registry.ExperimentError as err:
+            print(f"curvkit reproduce: error: {err}", file=sys.stderr)
+            return 2
         print(f"report written to {out}")
         return 0
     return 2

@@ -10,13 +10,20 @@ Scales: ``smoke`` (CI-sized, a couple of minutes on 2 cores), ``medium`` (bundle
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 SCALES = ("smoke", "medium", "paper")
+
+
+class ExperimentError(ValueError):
+    """A run the registry refuses before starting (a scale the experiment lacks, an unusable output
+    directory); the message says what was wrong and how to fix it. The CLI prints it as one line."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,33 @@ def get(name: str) -> Experiment:
     return exps[name]
 
 
+def output_dir(out: Path | str) -> Path:
+    """``out`` as a directory that exists and can be written, created if needed; otherwise an
+    :class:`ExperimentError` saying why (empty path, an existing file, no permission, a file in the way)."""
+    if not str(out).strip():
+        raise ExperimentError("the output directory is empty; pass a directory path (e.g. --out results/run1)")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ExperimentError(f"the output path {str(path)!r} exists and is not a directory; pass a new or existing "
+                              "directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise ExperimentError(f"cannot write to the output directory {str(path)!r} ({why}); pass a directory you "
+                              "can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ExperimentError(f"cannot write to the output directory {str(path)!r} (permission denied); pass a "
+                              "directory you can write to")
+    return path
+
+
 def run(name: str, scale: str, out: Path | str, seed: int = 0) -> Any:
+    """Run experiment ``name`` at ``scale`` into ``out``. The scale and the output directory are checked
+    before anything runs (:class:`ExperimentError`); an unknown name raises ``KeyError``."""
     exp = get(name)
     if scale not in exp.scales:
-        raise ValueError(f"experiment {name!r} has scales {exp.scales}, not {scale!r}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return exp.run(scale=scale, out=out, seed=seed)
+        raise ExperimentError(f"experiment {name!r} has no {scale!r} scale; choose one of: {', '.join(exp.scales)}")
+    return exp.run(scale=scale, out=output_dir(out), seed=seed)
