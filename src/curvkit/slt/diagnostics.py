@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,15 @@ def plot_chains(result: LLCResult, path: str | Path, title: str = "") -> Path:
     ax0.set_ylabel("sampled loss")
     ax0.legend(fontsize=7)
     ax1.axhline(result.llc_mean, color="k", ls="--", lw=0.8)
-    ax1.axhspan(result.llc_mean - result.llc_std, result.llc_mean + result.llc_std, color="0.85")
+    if math.isfinite(result.llc_std):  # undefined (NaN) for one chain: no band
+        ax1.axhspan(result.llc_mean - result.llc_std, result.llc_mean + result.llc_std, color="0.85")
     ax1.set_xlabel("draw")
     ax1.set_ylabel("running λ̂")
     cfg = result.config
-    fig.suptitle(title or f"λ̂ = {result.llc_mean:.2f} ± {result.llc_std:.2f} (ε={cfg.epsilon:g}, γ={cfg.gamma:g}, "
-                 f"nβ={result.nbeta:.3g}, R-hat={result.rhat:.3f})", fontsize=9)
+    spread = f" ± {result.llc_std:.2f}" if math.isfinite(result.llc_std) else " (1 chain: no spread)"
+    rhat = f"{result.rhat:.3f}" if math.isfinite(result.rhat) else "undefined"
+    fig.suptitle(title or f"λ̂ = {result.llc_mean:.2f}{spread} (ε={cfg.epsilon:g}, γ={cfg.gamma:g}, "
+                 f"nβ={result.nbeta:.3g}, R-hat={rhat})", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,9 +45,12 @@ def plot_chains(result: LLCResult, path: str | Path, title: str = "") -> Path:
 
 
 def summary(result: LLCResult) -> dict[str, Any]:
-    """Short convergence summary: R-hat of the loss traces and the drift of the running λ̂ over the last half."""
+    """Short convergence summary: R-hat of the loss traces and the drift of the running λ̂ over the last half.
+
+    Undefined values are NaN, never 0: R-hat and ``llc_std`` for one chain, the drift for one draw.
+    """
     ma = result.moving_average
     T = ma.shape[1]
-    drift = float((ma[:, -1] - ma[:, T // 2]).abs().mean()) if T > 1 else 0.0
+    drift = float((ma[:, -1] - ma[:, T // 2]).abs().mean()) if T > 1 else math.nan
     return {"rhat": result.rhat, "llc_mean": result.llc_mean, "llc_std": result.llc_std,
             "late_drift": drift}

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.linalg.operator import CurvatureOperator
+from curvkit.validation import finite_tensor, nonnegative, positive
 
 
 @dataclass
@@ -50,12 +51,18 @@ def operator_trace(op: CurvatureOperator, method: Literal["hutchinson", "exact"]
                    protocol: Literal["curvkit", "pyhessian"] = "curvkit",
                    generator: torch.Generator | None = None) -> TraceEstimate:
     """Trace of any curvature operator (see module docstring for the options)."""
+    if distribution not in ("rademacher", "gaussian"):
+        raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
     if method == "exact":
         return TraceEstimate(float(op.trace("exact")), math.nan, 0)
     if method != "hutchinson":
         raise ValueError(f"method must be 'hutchinson' or 'exact', got {method!r}")
     from curvkit.linalg.trace import hutchinson_values, probes
+    from curvkit.slt.sampler import count
 
+    num_probes = count("num_probes", num_probes)
+    if tol is not None:
+        tol = positive("tol", tol)
     d = op.layout.dim
     if protocol == "curvkit":
         # per-probe values v_i^T H v_i: with ``tol`` the engine may stop early, and their count is the
@@ -91,6 +98,10 @@ def hessian_trace(model: nn.Module, likelihood: Any, data: Any, **kwargs: Any) -
 
 def hessian_spectrum(op: CurvatureOperator, k: int | None = None, max_dense_dim: int = 4000) -> Tensor:
     """Eigenvalues in descending order: all of them (dense eigh) if ``k`` is None, else the top k (Lanczos)."""
+    if k is not None:
+        from curvkit.slt.sampler import count
+
+        k = count("k", k)
     if k is None:
         if op.layout.dim > max_dense_dim:
             raise ValueError(f"the dense spectrum needs a {op.layout.dim}^2 matrix (> max_dense_dim="
@@ -101,18 +112,19 @@ def hessian_spectrum(op: CurvatureOperator, k: int | None = None, max_dense_dim:
 
 
 def effective_dimension(eigenvalues: Tensor, z: float) -> float:
-    """N_eff(H, z) = Σ_i h_i / (h_i + z) over eigenvalues h_i > 0 (Maddox et al. 2020); z > 0."""
-    if not z > 0:
-        raise ValueError(f"z must be positive, got {z}")
-    h = eigenvalues.to(torch.float64)
+    """N_eff(H, z) = Σ_i h_i / (h_i + z) over eigenvalues h_i > 0 (Maddox et al. 2020); z > 0 finite.
+    NaN/inf eigenvalues are refused (they would otherwise be dropped or count as 1 silently)."""
+    z = positive("z", z)
+    h = finite_tensor("eigenvalues", eigenvalues).to(torch.float64)
     h = h[h > 0]
     return float((h / (h + z)).sum())
 
 
 def thresholded_rank(eigenvalues: Tensor, threshold: float, relative: bool = True) -> int:
-    """#{h_i > τ}; τ = threshold · max_i h_i when ``relative`` (default) else τ = threshold."""
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0, got {threshold}")
-    h = eigenvalues.to(torch.float64)
+    """#{h_i > τ}; τ = threshold · max_i h_i when ``relative`` (default) else τ = threshold (finite, >= 0)."""
+    threshold = nonnegative("threshold", threshold)
+    h = finite_tensor("eigenvalues", eigenvalues).to(torch.float64)
+    if h.numel() == 0:
+        raise ValueError("eigenvalues is empty: pass at least one eigenvalue")
     tau = threshold * float(h.max()) if relative else threshold
     return int((h > tau).sum())

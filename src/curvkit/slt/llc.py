@@ -23,7 +23,9 @@ four chains, which is why ``"full"`` or an explicit value is preferable when est
 
 Per chain c: λ̂_c = nβ (mean_t ℓ_{c,t} - L(w*)); the estimate is the mean over chains, reported with
 the standard deviation over chains (ddof = 1; devinterp's ``llc_std`` uses ddof = 0) and its standard
-error std/sqrt(C).
+error std/sqrt(C). Statistics that one chain cannot give are undefined, never 0: with ``num_chains=1``
+``llc_std``, ``llc_stderr`` and ``rhat`` are NaN (and ``None`` in :meth:`LLCResult.to_dict`, JSON's
+null); R-hat is NaN too for fewer than two draws or constant traces.
 
 Where devinterp 2.0.1 (``devinterp.slt.llc.llc``/``sample``) differs, beyond L(w*) above: its update,
 noise and nβ are the same as here, and so is the recorded loss (the minibatch mean before each update);
@@ -46,20 +48,30 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import grad_and_value, vmap
 
 from curvkit.slt.sampler import (
     MinibatchStream,
     SGLDConfig,
+    chunked_grad_fn,
+    chunked_loss,
+    count,
     model_params,
     module_loss_fn,
     run_sgld,
     stacked_mlp_grad_fn,
 )
+from curvkit.structure import read_model
+from curvkit.validation import finite_tensor, nonnegative, positive
 
 
 @dataclass
 class LLCResult:
-    """λ̂ with its per-chain values and per-draw traces (all (C, T) tensors are float64, on CPU)."""
+    """λ̂ with its per-chain values and per-draw traces (all (C, T) tensors are float64, on CPU).
+
+    ``llc_std`` (ddof = 1), ``llc_stderr`` and ``rhat`` need at least two chains: with one chain they are
+    NaN (undefined, not zero), and :meth:`to_dict` writes them as ``None``.
+    """
 
     llc_mean: float
     llc_std: float
@@ -104,15 +116,21 @@ class LLCResult:
         return gelman_rubin(self.loss_trace)
 
     def to_dict(self, traces: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict; undefined statistics (NaN: ``llc_std``, ``llc_stderr``, ``rhat`` of one chain)
+        are ``None``."""
         out: dict[str, Any] = {
-            "llc_mean": self.llc_mean, "llc_std": self.llc_std, "llc_stderr": self.llc_stderr,
+            "llc_mean": self.llc_mean, "llc_std": _defined(self.llc_std), "llc_stderr": _defined(self.llc_stderr),
             "llc_per_chain": self.llc_per_chain.tolist(), "init_loss": self.init_loss,
             "nbeta": self.nbeta, "n": self.n, "batch_size": self.batch_size, "wbic": self.wbic,
-            "rhat": self.rhat, "seconds": self.seconds, "config": self.config.to_dict(), **self.extra,
+            "rhat": _defined(self.rhat), "seconds": self.seconds, "config": self.config.to_dict(), **self.extra,
         }
         if traces:
             out["loss_trace"] = self.loss_trace.tolist()
         return out
+
+
+def _defined(x: float) -> float | None:
+    return None if math.isnan(x) else x
 
 
 def gelman_rubin(traces: Tensor) -> float:
@@ -131,29 +149,113 @@ def gelman_rubin(traces: Tensor) -> float:
 def _summarise(losses: Tensor, init_loss: float, nbeta: float, n: int, m: int, cfg: SGLDConfig,
                seconds: float, extra: dict[str, Any] | None = None) -> LLCResult:
     per_chain = nbeta * (losses.mean(dim=1) - init_loss)
-    std = float(per_chain.std(unbiased=True)) if per_chain.numel() > 1 else 0.0
+    std = float(per_chain.std(unbiased=True)) if per_chain.numel() > 1 else math.nan  # undefined for one chain
     return LLCResult(float(per_chain.mean()), std, per_chain, losses, float(init_loss), nbeta, n, m, cfg,
                      seconds, extra or {})
 
 
 Criterion = Callable[[Tensor, Tensor], Tensor]
+LossKind = str  # "cross_entropy" | "mse_half" | "likelihood" | "callable"
+
+#: the most data rows (summed over the chains) one forward/backward pass of :func:`estimate_llc` takes
+DEFAULT_MAX_ROWS = 8192
+_PROBE_ROWS = 256
 
 
-def _criterion(loss: str | Criterion | Any) -> Criterion:
-    if callable(loss) and not hasattr(loss, "nll_per_sample"):
-        return loss
-    if hasattr(loss, "nll_per_sample"):  # a curvkit Likelihood: use the per-sample mean
-        return lambda f, y: loss.nll_per_sample(f, y).mean()
+def _mse_half(f: Tensor, y: Tensor) -> Tensor:
+    return 0.5 * ((f - y) ** 2).sum(dim=-1).mean() if f.dim() > 1 else 0.5 * ((f - y) ** 2).mean()
+
+
+def _criterion(loss: str | Criterion | Any) -> tuple[Criterion, LossKind]:
+    if hasattr(loss, "nll_per_sample"):  # a curvkit Likelihood: the per-sample mean, whatever its reduction
+        return (lambda f, y: loss.nll_per_sample(f, y).mean()), "likelihood"
+    if callable(loss):
+        return loss, "callable"
     if loss == "cross_entropy":
-        return torch.nn.functional.cross_entropy
+        return torch.nn.functional.cross_entropy, "cross_entropy"
     if loss == "mse_half":
-        return lambda f, y: 0.5 * ((f - y) ** 2).sum(dim=-1).mean() if f.dim() > 1 else 0.5 * ((f - y) ** 2).mean()
+        return _mse_half, "mse_half"
     raise ValueError(f"unknown loss {loss!r}; pass 'cross_entropy', 'mse_half', a Likelihood or a callable")
+
+
+def _dataset(data: Any, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(X, y) on ``device`` from one pair or an iterable of pairs (read once, concatenated in order)."""
+    from curvkit.curvature._functional import iter_batches
+
+    if isinstance(data, list) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+        data = (data[0], data[1])  # [X, y], accepted before iterables were
+    batches = list(iter_batches(data, device))
+    if len(batches) == 1:
+        return batches[0]
+    X0, y0 = batches[0]
+    for i, (Xb, yb) in enumerate(batches[1:], start=1):
+        if Xb.shape[1:] != X0.shape[1:] or yb.shape[1:] != y0.shape[1:] or Xb.dtype != X0.dtype \
+                or yb.dtype != y0.dtype:
+            raise ValueError(f"batch {i} of data does not match batch 0: inputs {tuple(Xb.shape)} {Xb.dtype} and "
+                             f"targets {tuple(yb.shape)} {yb.dtype}, against {tuple(X0.shape)} {X0.dtype} and "
+                             f"{tuple(y0.shape)} {y0.dtype}; every batch must have the same per-sample shapes and "
+                             "dtypes")
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def _check_targets(kind: LossKind, loss: Any, f: Tensor, y: Tensor) -> None:
+    """Targets ``y`` (all n of them) against the model output ``f`` at w* on the first rows."""
+    n = y.shape[0]
+    if kind == "likelihood":
+        loss.check(f, y[:f.shape[0]])
+        loss.check(f[:1].expand(n, *f.shape[1:]), y)  # the other targets' shapes and values
+        return
+    if kind == "cross_entropy":
+        if f.dim() != 2:
+            raise ValueError(f"loss='cross_entropy' needs model outputs of shape (batch, classes), got "
+                             f"{tuple(f.shape)}; flatten the logits inside the model (e.g. end with nn.Flatten())")
+        K = f.shape[1]
+        if not y.dtype.is_floating_point and y.dtype not in (torch.bool, torch.complex64, torch.complex128):
+            if y.dim() != 1:
+                raise ValueError(f"loss='cross_entropy': class-index targets must have shape (n,) = ({n},), got "
+                                 f"{tuple(y.shape)}; pass y.view(-1) (one class index per sample)")
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi >= K:
+                raise ValueError(f"loss='cross_entropy': class-index targets must lie in [0, {K - 1}] for a model "
+                                 f"with {K} outputs, got values in [{lo}, {hi}]; relabel the classes as 0..{K - 1} "
+                                 "or give the model one output per class")
+            return
+        if y.dtype.is_floating_point and tuple(y.shape) == (n, K):
+            if bool((y < 0).any()):
+                raise ValueError("loss='cross_entropy': class-probability targets must be >= 0")
+            return
+        raise ValueError(f"loss='cross_entropy' takes integer class indices of shape ({n},) or class probabilities "
+                         f"of shape ({n}, {K}), got {y.dtype} targets of shape {tuple(y.shape)}; for class labels "
+                         "stored as floats pass y.long()")
+    if kind == "mse_half":
+        if y.shape[1:] != f.shape[1:]:
+            raise ValueError(f"loss='mse_half': each target must have the shape of the model's output for one "
+                             f"sample, {tuple(f.shape[1:])}, got {tuple(y.shape[1:])} (targets {tuple(y.shape)}); "
+                             "broadcasting them would measure a different loss. Reshape the targets (e.g. "
+                             "y.view(n, -1)) or one-hot encode class labels")
+        if not (y.dtype.is_floating_point or y.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                         torch.uint8)):
+            raise ValueError(f"loss='mse_half' needs real-valued targets, got {y.dtype}")
+
+
+def _check_mean(criterion: Criterion, f: Tensor, y: Tensor) -> None:
+    """A callable loss must be a mean over the batch: L(batch) = size-weighted mean of L over its halves."""
+    r = f.shape[0]
+    if r < 2:
+        return
+    a = r // 2
+    whole = float(criterion(f, y))
+    parts = (a * float(criterion(f[:a], y[:a])) + (r - a) * float(criterion(f[a:], y[a:]))) / r
+    tol = 1e3 * torch.finfo(f.dtype).eps * (abs(whole) + abs(parts)) + 1e-30
+    if abs(whole - parts) > tol:
+        raise ValueError(f"the loss must be the MEAN per-sample loss over the batch: on {r} samples it is {whole:.6g} "
+                         f"but the size-weighted mean of its values on the two halves is {parts:.6g}. A summed loss "
+                         "(reduction='sum') would multiply the LLC by the batch size; use reduction='mean'")
 
 
 def estimate_llc(
     model: nn.Module,
-    data: tuple[Tensor, Tensor],
+    data: Any,
     loss: str | Criterion | Any = "cross_entropy",
     batch_size: int | None = 128,
     config: SGLDConfig | None = None,
@@ -161,37 +263,105 @@ def estimate_llc(
     generator: torch.Generator | None = None,
     init_loss: float | None = None,
     vectorise: str = "auto",
+    max_rows: int | None = DEFAULT_MAX_ROWS,
 ) -> LLCResult:
-    """λ̂(w*) of ``model`` at its current parameters w* on ``data`` = (X (n, ...), y (n, ...)).
+    """λ̂(w*) of ``model`` at its current parameters w* on the data set D_n.
 
-    ``loss`` is the *mean* per-sample loss: ``"cross_entropy"`` (default, the paper's), ``"mse_half"``
-    (½||f - y||², Gaussian NLL up to a constant), a curvkit Likelihood, or a callable (f, y) -> scalar.
-    ``batch_size=None`` uses full-batch gradients. The model is not modified.
+    ``data``: an ``(X (n, ...), y (n, ...))`` pair, or any iterable of ``(X, y)`` batches (a list, a
+    ``torch.utils.data.DataLoader``), as the curvature operators take it. An iterable is read ONCE, its
+    batches validated and concatenated in the order it yields them into D_n (n = all its rows; tensors
+    are moved to the model's device), so the result is exactly the one for the concatenated pair. The
+    SGLD minibatches of ``batch_size`` rows are then drawn from D_n by curvkit's own seeded sampler: the
+    loader's batch size, sampler and shuffling are not used, and ``seed`` (or ``generator``) alone fixes
+    the numbers, provided the loader yields the rows in a fixed order (``shuffle=False``, or a seeded
+    loader ``generator``; a shuffled order changes which rows each minibatch gets).
+
+    ``loss`` is the *mean* per-sample loss: ``"cross_entropy"`` (default, the paper's; targets are class
+    indices in [0, K-1] of shape (n,) or class probabilities (n, K)), ``"mse_half"`` (½||f - y||²,
+    Gaussian NLL up to a constant; targets have the output's shape), a curvkit Likelihood (its per-sample
+    NLL averaged over the batch whatever its ``reduction``; targets checked by its ``check``), or a
+    callable (f, y) -> scalar, which must be a mean over the batch (checked on the first rows: a summed
+    loss is refused). Targets, inputs and the model's output at w* are validated before sampling; NaN/inf
+    data are refused. ``batch_size=None`` uses full-batch gradients. The model is not modified; a model
+    with Dropout or BatchNorm in training mode is refused (call ``model.eval()``).
+
+    Memory: one SGLD step evaluates the model on ``num_chains`` x ``batch_size`` rows (x n with
+    ``batch_size=None``). Batches larger than ``max_rows`` rows summed over the chains (default
+    8192; pieces of ``max_rows // num_chains`` rows per chain) are processed in pieces whose gradients and
+    losses are combined with weights (piece size)/(batch size): the same numbers up to rounding, with
+    peak memory bounded by a piece instead of the batch (the data set itself is held once). Lower
+    ``max_rows`` for wide or convolutional models; ``max_rows=None`` processes every batch whole.
 
     ``init_loss``: the reference loss L(w*) as a number (it overrides ``config.init_loss``; the
     sampling itself is unchanged). Use it to give several estimates the same L(w*), e.g. the
     full-data loss computed once, or devinterp's value when comparing with it.
-    ``vectorise``: ``"auto"`` uses :func:`curvkit.slt.sampler.stacked_mlp_grad_fn` for plain MLPs on
-    2-D inputs and ``vmap`` otherwise; ``"vmap"`` always uses ``vmap`` (same numbers up to rounding).
+    ``vectorise``: ``"auto"`` uses :func:`curvkit.slt.sampler.stacked_mlp_grad_fn` for MLP chains
+    (``curvkit.structure.read_model(model).mlp_chain``) and ``vmap`` otherwise; ``"vmap"`` always uses
+    ``vmap`` (same numbers up to rounding).
     """
     cfg = config or SGLDConfig()
-    X, y = data
-    if X.shape[0] != y.shape[0]:
-        raise ValueError(f"data has {X.shape[0]} inputs but {y.shape[0]} targets")
+    if not isinstance(cfg, SGLDConfig):
+        raise TypeError(f"config must be an SGLDConfig, got {type(cfg).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if vectorise not in ("auto", "vmap"):
         raise ValueError(f"vectorise must be 'auto' or 'vmap', got {vectorise!r}")
     if init_loss is not None and not math.isfinite(float(init_loss)):
         raise ValueError(f"init_loss must be a finite number (the reference loss L(w*)), got {init_loss}")
-    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
-    crit = _criterion(loss)
+    if batch_size is not None:
+        batch_size = count("batch_size", batch_size)
+    rows = count("max_rows", max_rows) if max_rows is not None else None
+    structure = read_model(model)
+    structure.require_deterministic("estimate_llc")
+    structure.require_independent_samples("estimate_llc")
     w_star = model_params(model)
+    if not w_star:
+        raise ValueError("estimate_llc: the model has no trainable parameters (requires_grad=True)")
     for k, v in w_star.items():
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"parameter {k!r} of the model at w* contains NaN/inf")
+    device = next(iter(w_star.values())).device
+    X, y = _dataset(data, device)
+    if X.is_floating_point():
+        finite_tensor("data inputs X", X)
+    if y.is_floating_point():
+        finite_tensor("data targets y", y)
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
+    crit, kind = _criterion(loss)
+    loss_fn = module_loss_fn(model, crit)
+    # the model's output at w* on the first rows: its shape, finiteness, the targets, the loss's form
+    probe = _PROBE_ROWS if rows is None else min(_PROBE_ROWS, rows)
+    X0, y0 = X[:probe], y[:probe]
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            f0 = structure.functional_call(w_star, (X0,), buffers)
+    except RuntimeError as err:
+        raise ValueError(f"estimate_llc: the model cannot be evaluated on the inputs (shape {tuple(X.shape)}, "
+                         f"{X.dtype}, on {X.device}): {type(err).__name__}: {err}; make the inputs' per-sample "
+                         "shape, dtype and device match the model") from err
+    if not isinstance(f0, Tensor) or f0.dim() == 0 or f0.shape[0] != X0.shape[0]:
+        shape = tuple(f0.shape) if isinstance(f0, Tensor) else type(f0).__name__
+        raise ValueError(f"estimate_llc: the model must return one tensor with a leading batch dimension "
+                         f"({X0.shape[0]}, ...) for inputs of shape {tuple(X0.shape)}, got {shape}")
+    if not bool(torch.isfinite(f0).all()):
+        raise ValueError("estimate_llc: the model's output at w* contains NaN or inf on the first "
+                         f"{X0.shape[0]} samples; check the model's parameters and the inputs")
+    _check_targets(kind, loss, f0, y)
+    with torch.no_grad():
+        value0 = crit(f0, y0)
+    if not isinstance(value0, Tensor) or value0.dim() != 0:
+        shape = tuple(value0.shape) if isinstance(value0, Tensor) else type(value0).__name__
+        raise ValueError(f"the loss must return a 0-dimensional tensor (the mean per-sample loss over the "
+                         f"batch), got shape {shape}; reduce it with .mean()")
+    if kind == "callable":
+        with torch.no_grad():
+            _check_mean(crit, f0, y0)
     stream = MinibatchStream(X, y, batch_size, cfg.num_chains, gen, shared=cfg.shared_batches)
     n, m = stream.n, stream.m
     nbeta = cfg.resolve_nbeta(m, n)
-    loss_fn = module_loss_fn(model, crit)
+    big = rows if rows is not None else n * cfg.num_chains + 1  # rows of one no-grad evaluation
+    per_chain = max(1, big // cfg.num_chains)  # rows per chain of one SGLD forward/backward pass
     # L(w*): given, the full-data loss, or the mean over the first batch of every chain's stream (the
     # same batches those chains then start from; one batch when the chains share their batches).
     with torch.no_grad():
@@ -199,14 +369,15 @@ def estimate_llc(
             init = float(init_loss)
             first = None
         elif cfg.init_loss == "full" or stream.full:
-            init = float(loss_fn(w_star, (X, y)))
+            init = float(chunked_loss(loss_fn, w_star, (X, y), big))
             first = None
         else:
             xb, yb = next(stream)
             if stream.chain_axis is None:
-                init = float(loss_fn(w_star, (xb, yb)))
+                init = float(chunked_loss(loss_fn, w_star, (xb, yb), big))
             else:
-                init = float(torch.stack([loss_fn(w_star, (xb[c], yb[c])) for c in range(cfg.num_chains)]).mean())
+                init = float(torch.stack([chunked_loss(loss_fn, w_star, (xb[c], yb[c]), big)
+                                          for c in range(cfg.num_chains)]).mean())
             first = (xb, yb)
     if not math.isfinite(init):
         raise ValueError(f"the loss at w* is {init}; check the model and the data")
@@ -218,8 +389,12 @@ def estimate_llc(
             return b
         return next(stream)
 
-    grad_fn = stacked_mlp_grad_fn(model, crit, stream.chain_axis) if vectorise == "auto" and X.dim() == 2 else None
-    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen, grad_fn=grad_fn)
+    grad_fn = (stacked_mlp_grad_fn(model, crit, stream.chain_axis, input_shape=tuple(X.shape[1:]))
+               if vectorise == "auto" else None)
+    if grad_fn is None:
+        grad_fn = vmap(grad_and_value(loss_fn), in_dims=(0, stream.chain_axis))
+    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen,
+                   grad_fn=chunked_grad_fn(grad_fn, stream.chain_axis, per_chain))
     return _summarise(run.losses, init, nbeta, n, m, cfg, run.seconds)
 
 
@@ -236,13 +411,25 @@ def estimate_llc_potential(
     """
     if isinstance(config.nbeta, str):
         raise ValueError("estimate_llc_potential needs a numeric nbeta (there is no data set to size it)")
+    n = count("n", n)
+    if not isinstance(w_star, Tensor) or not w_star.is_floating_point():
+        raise ValueError(f"w_star must be a floating-point tensor, got "
+                         f"{w_star.dtype if isinstance(w_star, Tensor) else type(w_star).__name__}")
+    finite_tensor("w_star", w_star)
     gen = torch.Generator().manual_seed(seed)
     nbeta = float(config.nbeta)
 
     def loss_fn(params: dict[str, Tensor], batch: Any) -> Tensor:
         return potential(params["w"])
 
-    init = float(potential(w_star.detach()))
+    with torch.no_grad():
+        value = potential(w_star.detach())
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"the potential must return a 0-dimensional tensor L(w), got shape {shape}")
+    init = float(value)
+    if not math.isfinite(init):
+        raise ValueError(f"the potential at w_star is {init}; it must be finite there")
     run = run_sgld(loss_fn, {"w": w_star.detach()}, lambda: None, None, config, nbeta, gen)
     return _summarise(run.losses, init, nbeta, n, 0, config, run.seconds)
 
@@ -255,7 +442,10 @@ def quadratic_llc(eigenvalues: Tensor, nbeta: float, gamma: float, epsilon: floa
     (ε = 0 gives the continuous-time value ½ Σ nβh_i/(nβh_i + γ) = ½ N_eff(H, γ/nβ)). Eigenvalues
     h_i <= 0 are dropped (the quadratic picture does not hold in those directions).
     """
-    h = eigenvalues.to(torch.float64)
+    nbeta = positive("nbeta", nbeta)
+    gamma = nonnegative("gamma", gamma)
+    epsilon = nonnegative("epsilon", epsilon)
+    h = finite_tensor("eigenvalues", eigenvalues).to(torch.float64)
     h = h[h > 0]
     a = nbeta * h + gamma
     if epsilon > 0 and bool((epsilon * a >= 4).any()):

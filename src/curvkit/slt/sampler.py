@@ -23,10 +23,14 @@ explicit (all are fields of :class:`SGLDConfig`):
 
 All chains advance together: parameters are stacked along a leading chain axis (C, *shape) and the
 per-chain loss gradient is one ``torch.func.vmap(grad_and_value(loss))`` call through
-``torch.func.functional_call``; the model stays a plain ``nn.Module``. For a plain MLP
-(``nn.Sequential`` of ``nn.Linear`` and elementwise activations) :func:`stacked_mlp_grad_fn` computes
-the same gradients with batched matrix products and one ``autograd.grad`` call, which avoids vmap's
-per-step overhead (about 5% of a step on a CPU); both give the same numbers up to rounding.
+:meth:`curvkit.structure.ModelStructure.functional_call` (which never changes the user's module); the
+model stays a plain ``nn.Module``. For an MLP chain (``curvkit.structure.read_model(model).mlp_chain``:
+``nn.Sequential`` of [``nn.Flatten``] ``nn.Linear`` and elementwise activations)
+:func:`stacked_mlp_grad_fn` computes the same gradients with batched matrix products and one
+``autograd.grad`` call, which avoids vmap's per-step overhead (about 5% of a step on a CPU); both give
+the same numbers up to rounding. A batch larger than a memory budget is processed in pieces whose
+gradients and losses are combined with weights m_k/m (:func:`chunked_grad_fn`): the same numbers up to
+rounding, with memory bounded by a piece.
 
 Minibatch policy (``shared_batches``): by default every chain reads its own shuffled stream of the
 data (independent chains); ``shared_batches=True`` gives all chains the same sequence of minibatches
@@ -56,7 +60,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
+
+from curvkit.structure import UnsupportedModelError, read_model
+from curvkit.validation import integer, nonnegative, positive
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Params, Any], Tensor]
@@ -66,6 +73,13 @@ GradFn = Callable[[Params, Any], tuple[Params, Tensor]]
 
 class SGLDDivergenceError(RuntimeError):
     """A chain's loss or parameters became NaN/inf: the sampler settings are unstable."""
+
+
+def count(name: str, value: Any, minimum: int = 1) -> int:
+    """:func:`curvkit.validation.integer` that also words NaN/inf like every other refusal."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return integer(name, value, minimum=minimum)
 
 
 @dataclass(frozen=True)
@@ -85,22 +99,20 @@ class SGLDConfig:
     shared_batches: bool = False  # True: all chains see the same minibatches (devinterp's default)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            raise ValueError(f"SGLD step size epsilon must be a positive finite number, got {self.epsilon}")
-        if not (math.isfinite(self.gamma) and self.gamma >= 0):
-            raise ValueError(f"localization gamma must be finite and >= 0, got {self.gamma}")
+        # numbers are stored as float and int (2.0 is a valid num_chains; 2.5, True, NaN and inf are not)
+        object.__setattr__(self, "epsilon", positive("SGLD step size epsilon", self.epsilon))
+        object.__setattr__(self, "gamma", nonnegative("localization gamma", self.gamma))
         if isinstance(self.nbeta, str):
             if self.nbeta not in ("m/log m", "n/log n"):
                 raise ValueError(f"nbeta must be a positive number, 'm/log m' or 'n/log n', got {self.nbeta!r}")
-        elif not (math.isfinite(self.nbeta) and self.nbeta > 0):
-            raise ValueError(f"nbeta must be positive and finite, got {self.nbeta}")
-        for name in ("num_chains", "num_draws", "thinning"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if int(self.num_burnin) < 0:
-            raise ValueError(f"num_burnin must be >= 0, got {self.num_burnin}")
+        else:
+            object.__setattr__(self, "nbeta", positive("nbeta", self.nbeta))
+        for name, minimum in (("num_chains", 1), ("num_draws", 1), ("thinning", 1), ("num_burnin", 0)):
+            object.__setattr__(self, name, count(name, getattr(self, name), minimum=minimum))
         if self.init_loss not in ("minibatch", "full"):
             raise ValueError(f"init_loss must be 'minibatch' or 'full', got {self.init_loss!r}")
+        if not isinstance(self.shared_batches, bool):
+            raise ValueError(f"shared_batches must be True or False, got {self.shared_batches!r}")
 
     @property
     def num_steps(self) -> int:
@@ -131,15 +143,16 @@ class MinibatchStream:
 
     def __init__(self, X: Tensor, y: Tensor, batch_size: int | None, num_chains: int,
                  generator: torch.Generator, shared: bool = False):
-        if X.shape[0] != y.shape[0]:
-            raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]}")
-        self.X, self.y, self.C, self.gen = X, y, num_chains, generator
+        if X.dim() == 0 or y.dim() == 0 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+            raise ValueError(f"X and y must share a positive leading (sample) size, got shapes {tuple(X.shape)} "
+                             f"and {tuple(y.shape)}")
+        self.X, self.y, self.C, self.gen = X, y, count("num_chains", num_chains), generator
         self.n = X.shape[0]
+        if batch_size is not None:
+            batch_size = count("batch_size", batch_size)
         self.full = batch_size is None or batch_size >= self.n
         self.m = self.n if self.full else int(batch_size)  # type: ignore[arg-type]
         self.shared = bool(shared)
-        if self.m < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
         self._perm: Tensor | None = None
         self._pos = 0
 
@@ -220,6 +233,10 @@ def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_
             if not bool(finite.all()):
                 col = int((~finite).any(dim=0).nonzero()[0])
                 bad = (~finite[:, col]).nonzero().flatten().tolist()
+                if checked + col == 0:  # the first loss is at w*, before any update: not a divergence
+                    raise ValueError(f"the loss at w* (before any SGLD step) is NaN/inf in chain(s) {bad}: the "
+                                     "model's output or the loss is not finite on the first minibatch; check the "
+                                     "data (NaN/inf inputs, targets the loss cannot take) and the model at w*")
                 raise SGLDDivergenceError(_divergence_message(config, nbeta, checked + col, bad,
                                                               "loss is NaN/inf"))
             checked = upto
@@ -256,12 +273,15 @@ def run_sgld(loss_fn: LossFn, w_star: Params, batches: Callable[[], Any], batch_
 
 
 def module_loss_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor]) -> LossFn:
-    """``loss(params, (x, y)) = criterion(model(x; params), y)`` via ``functional_call`` (buffers fixed)."""
+    """``loss(params, (x, y)) = criterion(model(x; params), y)``, evaluated with
+    :meth:`curvkit.structure.ModelStructure.functional_call` (buffers fixed at their current values;
+    the user's module is never changed, shared parameters and reused modules included)."""
+    structure = read_model(model)
     buffers = {k: v.detach() for k, v in model.named_buffers()}
 
     def loss(params: Params, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        out = functional_call(model, (params, buffers), (x,))
+        out = structure.functional_call(params, (x,), buffers)
         return criterion(out, y)
 
     return loss
@@ -272,15 +292,15 @@ def model_params(model: nn.Module) -> Params:
     return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
 
 
-_ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
-
-
 def stacked_mlp_grad_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor],
-                        batch_axis: int | None) -> GradFn | None:
+                        batch_axis: int | None, input_shape: tuple[int, ...] | None = None) -> GradFn | None:
     """Chain-batched loss gradient of a plain MLP without ``vmap``; None if ``model`` is not one.
 
-    ``model`` must be an ``nn.Sequential`` of ``nn.Linear`` layers and elementwise activations
-    (ReLU, Tanh, Sigmoid, GELU, SiLU, ELU, LeakyReLU, Softplus, Identity) acting on inputs (m, in).
+    ``model`` must be an MLP chain as :meth:`curvkit.structure.ModelStructure.mlp_chain` reads it: an
+    ``nn.Sequential`` of [``nn.Flatten``] ``nn.Linear`` (activations...) ``nn.Linear`` ... ``nn.Linear``,
+    activations from :data:`curvkit.structure.ELEMENTWISE`, every parameter trainable, nothing shared;
+    anything else returns None (the caller then uses ``vmap``). ``input_shape`` (one sample's shape,
+    optional): None is also returned unless such inputs reach the first Linear as vectors.
     With stacked weights W (C, out, in), b (C, out) each layer is hᵀ <- W hᵀ + b as one batched
     matrix product (``baddbmm``; with a batch shared by all chains, ``batch_axis=None``, the first
     layer is one (C·out, in) x (in, m) product); the activations broadcast over the chain axis.
@@ -288,49 +308,99 @@ def stacked_mlp_grad_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], 
     the small output only, and one ``torch.autograd.grad`` of their sum gives every chain's gradient
     (the chains do not interact). Same numbers as ``vmap(grad_and_value(loss))`` up to rounding.
     """
-    if not isinstance(model, nn.Sequential) or len(model) == 0:
+    if any(True for _ in model.buffers()):
         return None
-    plan: list[tuple[str, str | None] | nn.Module] = []
-    prefix = {id(mod): name for name, mod in model.named_children()}
-    for mod in model:
-        if isinstance(mod, nn.Linear):
-            name = prefix[id(mod)]
-            plan.append((f"{name}.weight", f"{name}.bias" if mod.bias is not None else None))
-        elif isinstance(mod, _ELEMENTWISE) and not any(True for _ in mod.parameters()):
-            plan.append(mod)
-        else:
+    try:
+        chain = read_model(model).mlp_chain("batched SGLD gradient")
+    except UnsupportedModelError:
+        return None
+    flatten = chain.flatten
+    if input_shape is not None:
+        probe = torch.empty(1, *input_shape, device="meta")
+        if (flatten(probe) if flatten is not None else probe).dim() != 2:
             return None
-    if not isinstance(plan[0], tuple) or any(True for _ in model.buffers()):
-        return None
-    if not all(p.requires_grad for p in model.parameters()):  # frozen layers: leave them to vmap
-        return None
+    plan: list[tuple[str, str | None, list[nn.Module]]] = list(zip(chain.weights, chain.biases,
+                                                                    chain.activations))
     loss_per_chain = vmap(criterion, in_dims=(0, batch_axis))
 
     def grad_fn(params: Params, batch: Any) -> tuple[Params, Tensor]:
         x, y = batch
+        if flatten is not None:  # (m, ...) shared, or (C, m, ...) per chain
+            x = flatten(x) if batch_axis is None else flatten(x.reshape(-1, *x.shape[2:])).view(*x.shape[:2], -1)
         with torch.enable_grad():
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             # activations are kept transposed, hT (C, features, m), so that every weight gradient
             # g hᵀ comes out of autograd contiguous in W's own (C, out, in) layout (a transposed
             # gradient makes the parameter update ~10x slower)
             h = x if x.dim() == 2 else x.transpose(1, 2)
-            for step in plan:
-                if isinstance(step, tuple):
-                    W = leaves[step[0]]
-                    C, out, _ = W.shape
-                    b = leaves[step[1]] if step[1] is not None else None
-                    if h.dim() == 2:  # input (m, in) shared by all chains: one (C·out, in) x (in, m) product
-                        W2 = W.reshape(C * out, -1)
-                        h = (torch.addmm(b.reshape(C * out, 1), W2, h.T) if b is not None else W2 @ h.T)
-                        h = h.view(C, out, -1)
-                    elif b is not None:
-                        h = torch.baddbmm(b.unsqueeze(2), W, h)
-                    else:
-                        h = torch.bmm(W, h)
+            for wname, bname, acts in plan:
+                W = leaves[wname]
+                C, out, _ = W.shape
+                b = leaves[bname] if bname is not None else None
+                if h.dim() == 2:  # input (m, in) shared by all chains: one (C·out, in) x (in, m) product
+                    W2 = W.reshape(C * out, -1)
+                    h = (torch.addmm(b.reshape(C * out, 1), W2, h.T) if b is not None else W2 @ h.T)
+                    h = h.view(C, out, -1)
+                elif b is not None:
+                    h = torch.baddbmm(b.unsqueeze(2), W, h)
                 else:
-                    h = step(h)
+                    h = torch.bmm(W, h)
+                for act in acts:
+                    h = act(h)
             values = loss_per_chain(h.transpose(1, 2), y)
             grads = torch.autograd.grad(values.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), values.detach()
 
     return grad_fn
+
+
+# ---------------------------------------------------------------------------------------------- row pieces
+def row_pieces(batch: Any, batch_axis: int | None, rows: int) -> list[tuple[Any, float]]:
+    """Split a batch ``(x, y)`` into pieces of at most ``rows`` samples along its sample axis (0 for a
+    batch shared by all chains, ``batch_axis=None``; 1 for chain-stacked (C, m, ...) batches), each with
+    its weight m_k / m. A batch of at most ``rows`` samples is returned whole (weight 1)."""
+    x, y = batch
+    dim = 0 if batch_axis is None else batch_axis + 1
+    m = int(x.shape[dim])
+    if m <= rows:
+        return [(batch, 1.0)]
+    return [((xs, ys), xs.shape[dim] / m) for xs, ys in zip(x.split(rows, dim), y.split(rows, dim))]
+
+
+def chunked_grad_fn(step_fn: GradFn, batch_axis: int | None, rows: int) -> GradFn:
+    """``step_fn`` applied to pieces of at most ``rows`` samples of each batch, the gradients and losses
+    combined with weights m_k / m: for a loss that is a mean over the batch this is the gradient and loss
+    of the whole batch (same numbers up to rounding), with memory bounded by a piece instead of the batch.
+    Batches of at most ``rows`` samples go through ``step_fn`` unchanged (identical numbers)."""
+
+    def fn(params: Params, batch: Any) -> tuple[Params, Tensor]:
+        pieces = row_pieces(batch, batch_axis, rows)
+        if len(pieces) == 1:
+            return step_fn(params, batch)
+        grads: Params | None = None
+        values: Tensor | None = None
+        for piece, w in pieces:
+            g, v = step_fn(params, piece)
+            if grads is None or values is None:
+                grads = {k: t.mul(w) for k, t in g.items()}
+                values = v.mul(w)
+            else:
+                for k, t in g.items():
+                    grads[k].add_(t, alpha=w)
+                values = values.add(v, alpha=w)
+        assert grads is not None and values is not None
+        return grads, values
+
+    return fn
+
+
+def chunked_loss(loss_fn: LossFn, params: Params, batch: Any, rows: int) -> Tensor:
+    """``loss_fn(params, batch)`` (a mean over the batch) evaluated in pieces of at most ``rows`` samples."""
+    pieces = row_pieces(batch, None, rows)
+    total = loss_fn(params, pieces[0][0])
+    if len(pieces) == 1:
+        return total
+    total = total * pieces[0][1]
+    for piece, w in pieces[1:]:
+        total = total + loss_fn(params, piece) * w
+    return total
