@@ -79,6 +79,13 @@ def test_class_targets_of_the_wrong_form_are_clear_errors():
         estimate_llc(net, (X, y[:, None]), batch_size=16, config=CFG)
     with pytest.raises(ValueError, match=r"y.long\(\)"):
         estimate_llc(net, (X, y.to(DT)), batch_size=16, config=CFG)
+    with pytest.raises(ValueError, match=r"class indices.*got torch.bool"):
+        estimate_llc(net, (X, y == 1), batch_size=16, config=CFG)
+    # int32 / uint8 class indices (a raw dtype error from torch before) give the int64 numbers
+    ref = estimate_llc(net, (X, y), batch_size=16, config=CFG, seed=2)
+    for dtype in (torch.int32, torch.uint8):
+        assert torch.equal(estimate_llc(net, (X, y.to(dtype)), batch_size=16, config=CFG, seed=2).loss_trace,
+                           ref.loss_trace)
     # class probabilities (n, K) stay accepted and equal one-hot class indices
     onehot = nn.functional.one_hot(y, 3).to(DT)
     a = estimate_llc(net, (X, y), batch_size=16, config=CFG, seed=2)
@@ -100,6 +107,8 @@ def test_nan_data_and_bad_inputs_are_refused():
         estimate_llc(net, (torch.randn(64, 5, dtype=DT), y), batch_size=16, config=CFG)
     with pytest.raises(ValueError, match="share a positive leading batch size"):
         estimate_llc(net, (X, y[:10]), batch_size=16, config=CFG)
+    with pytest.raises(ValueError, match=r"init_loss must be a finite number.*SGLDConfig\(init_loss="):
+        estimate_llc(net, (X, y), batch_size=16, config=CFG, init_loss="full")
 
 
 def test_a_summed_or_per_sample_loss_is_refused():

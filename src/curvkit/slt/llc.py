@@ -306,8 +306,12 @@ def estimate_llc(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if vectorise not in ("auto", "vmap"):
         raise ValueError(f"vectorise must be 'auto' or 'vmap', got {vectorise!r}")
-    if init_loss is not None and not math.isfinite(float(init_loss)):
-        raise ValueError(f"init_loss must be a finite number (the reference loss L(w*)), got {init_loss}")
+    if init_loss is not None:
+        if isinstance(init_loss, str):
+            raise ValueError(f"init_loss must be a finite number (the reference loss L(w*)), got {init_loss!r}; "
+                             "to choose how L(w*) is computed use SGLDConfig(init_loss='full' or 'minibatch')")
+        if not math.isfinite(float(init_loss)):
+            raise ValueError(f"init_loss must be a finite number (the reference loss L(w*)), got {init_loss}")
     if batch_size is not None:
         batch_size = count("batch_size", batch_size)
     rows = count("max_rows", max_rows) if max_rows is not None else None
@@ -348,6 +352,8 @@ def estimate_llc(
         raise ValueError("estimate_llc: the model's output at w* contains NaN or inf on the first "
                          f"{X0.shape[0]} samples; check the model's parameters and the inputs")
     _check_targets(kind, loss, f0, y)
+    if kind == "cross_entropy" and not y.is_floating_point() and y.dtype != torch.int64:
+        y, y0 = y.long(), y0.long()  # torch's cross_entropy takes int64 class indices only
     with torch.no_grad():
         value0 = crit(f0, y0)
     if not isinstance(value0, Tensor) or value0.dim() != 0:
