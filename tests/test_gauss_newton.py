@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-from tests.reference import NotSequential, dense_ggn, make_data
 from torch import nn
 from torch.func import functional_call, grad
 
@@ -30,6 +29,7 @@ from curvkit.optim.second_order.quadratic import (
     two_direction_minimum,
 )
 from curvkit.structure import UnsupportedModelError
+from reference import NotSequential, dense_ggn, make_data
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

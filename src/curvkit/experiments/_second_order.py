@@ -269,9 +269,12 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
     elapsed = rec["time"][-1] if rec["time"] else 0.0
 
     def save(step: int) -> None:
+        _count(rec, lik, counters0)
         checkpoint.save({"key": key, "model": model.state_dict(), "opt": opt.state_dict(),
                          "batches": batches.state(), "record": rec, "step": step}, ck_path)
 
+    lik = task.likelihood
+    counters0 = [getattr(lik, "projections", 0), getattr(lik, "evaluations", 0)]
     t = start
     for t in range(start, spec.steps):
         idx = batches.next()
@@ -311,14 +314,23 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
     if rec["diverged"] is not None:  # marks the run's end: its objective counts as infinite from here on
         rec["evals"].append({"step": rec["diverged"]["step"], "time": elapsed,
                              **{k: math.inf for k in rec["evals"][0] if k not in ("step", "time")}})
-    extra = getattr(task.likelihood, "projections", None)
-    if extra is not None:
-        rec["likelihood_counters"] = {"projections": task.likelihood.projections,  # type: ignore[attr-defined]
-                                      "evaluations": task.likelihood.evaluations}  # type: ignore[attr-defined]
+    _count(rec, lik, counters0)
     checkpoint.save(rec, done)
     if ck_path.exists():
         ck_path.unlink()
     return rec
+
+
+def _count(rec: dict[str, Any], lik: Likelihood, base: list[int]) -> None:
+    """Add the likelihood's PSD-projection counts since ``base`` (the Bernoulli mixture's counters) to the
+    record and move ``base`` to now (so each count is added once, across checkpoints and resumes)."""
+    if not hasattr(lik, "projections"):
+        return
+    now = [int(lik.projections), int(lik.evaluations)]  # type: ignore[attr-defined]
+    c = rec.setdefault("likelihood_counters", {"projections": 0, "evaluations": 0})
+    c["projections"] += now[0] - base[0]
+    c["evaluations"] += now[1] - base[1]
+    base[:] = now
 
 
 # ---------------------------------------------------------------------------------------------- summaries
