@@ -1,0 +1,15 @@
+"""Smoke runs of the chapter-5 experiments, each asserting something the run must get right."""
+
+import json
+
+from curvkit.experiments import registry
+
+
+def test_laplace_regression_smoke(tmp_path):
+    res = registry.run("laplace-regression", "smoke", tmp_path, seed=0)
+    assert res["train_rmse"] < 3.0  # the MAP fits x^3 within the noise std
+    assert 0.5 < res["hmc"]["accept_rate"] < 0.99
+    # thesis Sec. 5.2.1: unregularised Laplace over-estimates the uncertainty near the data
+    assert res["holds"]["unregularised_overestimate_near_data"]
+    assert json.loads((tmp_path / "results.json").read_text())["methods"]["KF [R]"]["N"] >= 20
+    assert (tmp_path / "fig5_1_toy_regression.png").exists()
