@@ -47,7 +47,8 @@ results equal the earlier five-pass form up to floating-point rounding). The noi
 is bound by the Mersenne-Twister generator; ``normal_`` and one flat draw cost the same).
 
 A chain whose loss or parameters become NaN/inf raises :class:`SGLDDivergenceError` naming the
-setting (ε, γ, nβ) rather than returning a number.
+setting (ε, γ, nβ) rather than returning a number; a loss that is already NaN/inf at w*, before any
+update, is not a divergence and raises a ``ValueError`` pointing at the data and the model.
 """
 
 from __future__ import annotations
