@@ -91,6 +91,10 @@ def test_class_targets_of_the_wrong_form_are_clear_errors():
     a = estimate_llc(net, (X, y), batch_size=16, config=CFG, seed=2)
     b = estimate_llc(net, (X, onehot), batch_size=16, config=CFG, seed=2)
     assert torch.allclose(a.loss_trace, b.loss_trace, rtol=1e-12, atol=0)
+    # ... but not unnormalised or negative "probabilities" (torch computes some other objective from them)
+    for bad in (2 * onehot, onehot - 0.5 * nn.functional.one_hot((y + 1) % 3, 3).to(DT)):
+        with pytest.raises(ValueError, match="must be >= 0 and sum to 1"):
+            estimate_llc(net, (X, bad), batch_size=16, config=CFG)
 
 
 def test_nan_data_and_bad_inputs_are_refused():

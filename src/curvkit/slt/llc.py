@@ -221,8 +221,11 @@ def _check_targets(kind: LossKind, loss: Any, f: Tensor, y: Tensor) -> None:
                                  "or give the model one output per class")
             return
         if y.dtype.is_floating_point and tuple(y.shape) == (n, K):
-            if bool((y < 0).any()):
-                raise ValueError("loss='cross_entropy': class-probability targets must be >= 0")
+            tol = 1e3 * torch.finfo(y.dtype).eps
+            if bool((y < 0).any()) or not bool(((y.sum(dim=1) - 1).abs() <= tol).all()):
+                raise ValueError(f"loss='cross_entropy': class-probability targets of shape ({n}, {K}) must be >= 0 "
+                                 "and sum to 1 for every sample (otherwise the loss is not a cross-entropy); pass "
+                                 "normalised probabilities or integer class indices")
             return
         raise ValueError(f"loss='cross_entropy' takes integer class indices of shape ({n},) or class probabilities "
                          f"of shape ({n}, {K}), got {y.dtype} targets of shape {tuple(y.shape)}; for class labels "
