@@ -13,3 +13,12 @@ def test_laplace_regression_smoke(tmp_path):
     assert res["holds"]["unregularised_overestimate_near_data"]
     assert json.loads((tmp_path / "results.json").read_text())["methods"]["KF [R]"]["N"] >= 20
     assert (tmp_path / "fig5_1_toy_regression.png").exists()
+
+
+def test_online_laplace_permuted_smoke(tmp_path):
+    res = registry.run("online-laplace-permuted", "smoke", tmp_path, seed=0)
+    runs = res["runs"]
+    # KF Online Laplace remembers the first task better than plain fine-tuning, and every task is learnt
+    assert runs["online KF lam=3"]["first"][-1] > runs["none"]["first"][-1]
+    assert min(runs["online KF lam=3"]["latest"]) > 0.5  # 10 classes: chance is 0.1
+    assert len(runs["joint"]["acc"]) == 3

@@ -54,6 +54,7 @@ class SequenceConfig:
     curvature_batch: int = 1000
     multi_head: bool = False
     joint: bool = False
+    task_lr_factor: tuple[float, ...] = ()  # extra factor on task t's initial lr (disjoint MNIST: 1/max(1, lam/10))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -174,7 +175,7 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
         n_train = int(splits[t][0].numel())
         if penalty is not None and hasattr(penalty, "set_task_size"):
             penalty.set_task_size(n_train)
-        lr = decayed_lr(cfg.lr, cfg.lr_decay_k, t)
+        lr = decayed_lr(cfg.lr, cfg.lr_decay_k, t) * (cfg.task_lr_factor[t] if t < len(cfg.task_lr_factor) else 1.0)
         opt = _optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)
         best_err, best_state, since, epochs = float("inf"), copy.deepcopy(model.state_dict()), 0, 0
         for epoch in range(cfg.max_epochs):
