@@ -493,3 +493,23 @@ def test_step_errors_change_nothing():
     sd = opt.state_dict()["gauss_newton"]
     assert (sd["num_steps"], sd["tau"], sd["zeta"]) == (state["num_steps"], state["tau"], state["zeta"])
     assert len(opt.history) == 1
+
+
+def test_factored_inverse_by_cholesky_solves_equals_the_operator_inverse():
+    """The optimiser's hot path (two Cholesky solves per layer, W_hat layout) is the matrix of
+    KroneckerOperator.inverse(method='factored'), for biased, bias-free and convolution layers."""
+    from curvkit.curvature.estimators import KroneckerEstimator
+    from curvkit.optim.second_order.direction import FactoredInverse
+
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, bias=False), nn.Tanh(), nn.Flatten(), nn.Linear(18, 4), nn.Tanh(),
+                        nn.Linear(4, 3, bias=False)).to(torch.float64)
+    X, y = torch.randn(7, 1, 5, 5), torch.randint(0, 3, (7,))
+    op = KroneckerEstimator(net, CrossEntropy(), "kflr").update((X, y)).operator()
+    g = [torch.randn_like(p) for p in net.parameters()]
+    names = [n for n, _ in net.named_parameters()]
+    for norm in ("trace", "frobenius"):
+        fast = FactoredInverse(op, 0.37, op.damping_split(norm)).apply(dict(zip(names, g)))
+        ref = op.inverse(0.37, method="factored", norm=norm) @ g
+        for n, r in zip(names, ref):
+            assert torch.allclose(fast[n], r, atol=1e-12)

@@ -64,6 +64,7 @@ from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras
+from curvkit.optim.second_order.direction import FactoredInverse
 from curvkit.optim.second_order.linearisation import Linearisation, output_gram
 from curvkit.optim.second_order.quadratic import (
     levenberg_marquardt,
@@ -182,23 +183,27 @@ class GaussNewton(CurvatureOptimizer):
         self.elapsed_s = 0.0
         # caches rebuilt from the estimator's statistics (never saved: they are recomputed exactly)
         self._op: KroneckerOperator | None = None
-        self._inverses: dict[float, CurvatureOperator] = {}
+        self._inverses: dict[float, CurvatureOperator | FactoredInverse] = {}
         self._omega: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ curvature
-    def _damped_inverse(self, zeta: float) -> CurvatureOperator:
-        """(G~ + (lambda + zeta) I)^{-1} of the held factors (cached per zeta until the next refresh)."""
+    def _direction(self, zeta: float, g: list[Tensor]) -> list[Tensor]:
+        """d = (G~ + (lambda + zeta) I)^{-1} g with the held factors; the inverse (Cholesky factors for the
+        factored damping, eigendecompositions for the exact one) is cached per zeta until the next refresh."""
         assert self._op is not None
         inv = self._inverses.get(zeta)
+        damping = self.hp["weight_decay"] + zeta
         if inv is None:
-            damping = self.hp["weight_decay"] + zeta
             if self.hp["inversion"] == "eigen":
                 inv = self._op.inverse(damping, method="eigen")
             else:
-                inv = self._op.inverse(damping, method="factored", norm=self.hp["omega_norm"])
+                inv = FactoredInverse(self._op, damping, [self._omega[b.weight_name] for b in self._op.blocks])
             self._inverses[zeta] = inv
-        return inv
+        if isinstance(inv, FactoredInverse):
+            d = inv.apply(dict(zip(self._names, g)))
+            return [d[n] for n in self._names]
+        return list(inv @ g)
 
     def curvature(self) -> CurvatureOperator:
         """The current damped approximate curvature ``G~ + (lambda + zeta) I`` as a KroneckerOperator:
@@ -381,7 +386,7 @@ class GaussNewton(CurvatureOptimizer):
         dirs = []
         for z in zetas:
             try:
-                d = self._damped_inverse(z) @ g
+                d = self._direction(z, g)
             except ValueError as err:
                 raise ValueError(f"{name}: step {k}: the damped curvature cannot be inverted with zeta = {z:g} "
                                  f"({err}); nothing was changed") from err

@@ -30,7 +30,7 @@ from curvkit.curvature._tangent import SequentialTangent
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.structure import ModelStructure
 
-__all__ = ["Linearisation", "output_gram"]
+__all__ = ["Linearisation", "apply_output_hessian", "output_gram"]
 
 
 class Linearisation:
@@ -85,21 +85,23 @@ class Linearisation:
         return torch.stack(out)
 
 
-def output_gram(likelihood: Likelihood, f: Tensor, y: Tensor | None, JV: Tensor) -> Tensor:
-    """(k, k) M_ij = w sum_n (J_n d_i)^T H_L^n (J_n d_j) from JV (k, B, C) (module docstring)."""
+def apply_output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor | None, V: Tensor) -> Tensor:
+    """(k, B, C) w H_L^n v_n for V (k, B, C): the output-space part of a GGN product (module docstring;
+    w = 1/B for ``reduction='mean'``, 1 for ``'sum'``)."""
     f = f.detach()
-    B = f.shape[0]
-    w = likelihood.scale(B)
+    w = likelihood.scale(f.shape[0])
     if isinstance(likelihood, BernoulliBCE | Gaussian):
-        h = likelihood.output_hessian_diagonal(f)  # (B, C)
-        return w * torch.einsum("kbc,bc,lbc->kl", JV, h, JV)
+        return w * likelihood.output_hessian_diagonal(f) * V
     if isinstance(likelihood, CrossEntropy):
         p = f.softmax(-1)
-        pv = torch.einsum("bc,kbc->kb", p, JV)
-        return w * (torch.einsum("kbc,bc,lbc->kl", JV, p, JV) - pv @ pv.T)
+        return w * (p * V - p * torch.einsum("bc,kbc->kb", p, V)[:, :, None])
     if getattr(likelihood, "hessian_needs_target", False):
         H = likelihood.output_hessian(f, y)  # type: ignore[call-arg]
-        return w * torch.einsum("kbc,bcd,lbd->kl", JV, H, JV)
+        return w * torch.einsum("bcd,kbd->kbc", H, V)
     S = likelihood.output_hessian_sqrt(f)  # (B, C, R)
-    SV = torch.einsum("bcr,kbc->kbr", S, JV)
-    return w * torch.einsum("kbr,lbr->kl", SV, SV)
+    return w * torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, V))
+
+
+def output_gram(likelihood: Likelihood, f: Tensor, y: Tensor | None, JV: Tensor) -> Tensor:
+    """(k, k) M_ij = w sum_n (J_n d_i)^T H_L^n (J_n d_j) from JV (k, B, C) (module docstring)."""
+    return torch.einsum("kbc,lbc->kl", JV, apply_output_hessian(likelihood, f, y, JV))
