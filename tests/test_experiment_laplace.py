@@ -22,3 +22,11 @@ def test_online_laplace_permuted_smoke(tmp_path):
     assert runs["online KF lam=3"]["first"][-1] > runs["none"]["first"][-1]
     assert min(runs["online KF lam=3"]["latest"]) > 0.5  # 10 classes: chance is 0.1
     assert len(runs["joint"]["acc"]) == 3
+
+
+def test_online_laplace_disjoint_smoke(tmp_path):
+    res = registry.run("online-laplace-disjoint", "smoke", tmp_path, seed=0)
+    # a stronger Laplace penalty keeps more of task 1 (digits 0-4) after learning task 2
+    for tag in ("KF", "D"):
+        assert res["first_task"][tag][-1] > res["first_task"][tag][0]
+    assert set(res["curves"]) == {"KF", "D", "SI"}

@@ -135,7 +135,8 @@ def _train_epoch(model: nn.Module, tasks: TaskSet, seen: list[tuple[int, Tensor]
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(X), y)
         if not bool(torch.isfinite(loss)):
-            raise FloatingPointError(f"training loss is {float(loss)}; lower the learning rate or raise lr_decay_k")
+            raise FloatingPointError(f"training loss is {float(loss.detach())}; lower the learning rate or raise "
+                                     "lr_decay_k")
         loss.backward()
         if penalty is None:
             opt.step()

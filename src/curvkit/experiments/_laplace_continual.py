@@ -66,14 +66,26 @@ def run_method(m: Method, model_fn: Callable[[int], nn.Module], tasks: TaskSet, 
     done = run_dir / "summary.json"
     if done.exists():
         return json.loads(done.read_text())  # type: ignore[no-any-return]
-    model = model_fn(seed)
     cfg = replace(cfg, seed=seed, joint=m.family == "joint")
     if m.family == "si":  # thesis Sec. 5.4.1: SI did best with Adam (lr 1e-3)
         cfg = replace(cfg, optimizer="adam", lr=1e-3, lr_decay_k=0.0, step_decay_every=None)
-    params = params_fn(model) if params_fn is not None else None
-    pen = make_penalty(m, tasks, cfg, params, seed, prior_precision)
-    res = describe(train_task_sequence(model, tasks, pen, cfg, run_dir, progress=progress))
+    # The thesis tunes the lr decay "to prevent the objective from diverging" (Sec. 5.4.1); here a run whose
+    # loss becomes non-finite is restarted from scratch with a 10x smaller initial lr (at most 3 times).
+    retries = 0
+    while True:
+        model = model_fn(seed)
+        params = params_fn(model) if params_fn is not None else None
+        pen = make_penalty(m, tasks, cfg, params, seed, prior_precision)
+        try:
+            res = describe(train_task_sequence(model, tasks, pen, cfg, run_dir / f"lr{cfg.lr:g}", progress=progress))
+            break
+        except FloatingPointError:
+            if retries == 3:
+                raise
+            retries += 1
+            cfg = replace(cfg, lr=cfg.lr / 10)
     res["method"] = m.label
+    res["lr0"], res["lr_retries"] = cfg.lr, retries
     if isinstance(pen, LaplacePenalty):
         res["stored_scalars"] = pen.memory_numel()
     checkpoint.write_text(done, json.dumps(res) + "\n")
