@@ -204,12 +204,15 @@ def test_fisher_equals_ggn_and_exact_ngd_step():
     torch.testing.assert_close(opt.curvature().to_dense(), G, atol=1e-12, rtol=0)
 
 
-def test_kfac_ngd_step_is_the_damped_kronecker_step_and_decreases_loss():
+@pytest.mark.parametrize("inverse, ema", [("eigen", None), ("factored", 0.9)])
+def test_kfac_ngd_step_is_the_damped_kronecker_step_and_decreases_loss(inverse, ema):
     """The KFAC route takes -lr (K + kappa I)^{-1} g with K = kfac(...) on the same batch and seed (exact
-    damped Kronecker inverse), kappa from K's exact trace; five steps lower the loss."""
+    damped Kronecker inverse, or the factored Tikhonov damping of thesis Eq. 4.25), kappa from K's exact
+    trace; five steps lower the loss."""
     net, X, y = _mlp()
     lik = CrossEntropy()
-    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.5, alpha=0.1, fisher="kfac")
+    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.5, alpha=0.1, fisher="kfac",
+                          kronecker_inverse=inverse, fisher_ema=ema)
     first = float(nn.functional.cross_entropy(net(X), y).detach())
     K = kfac(net, lik, (X, y), seed=0)
     opt.zero_grad()
@@ -218,7 +221,10 @@ def test_kfac_ngd_step_is_the_damped_kronecker_step_and_decreases_loss():
     before = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     opt.step(batch=(X, y))
     kappa = 0.1 / K.layout.dim * float(K.trace())
-    expected = before - 0.5 * torch.linalg.solve(K.to_dense() + kappa * torch.eye(K.layout.dim, dtype=DT), g)
+    if inverse == "eigen":
+        expected = before - 0.5 * torch.linalg.solve(K.to_dense() + kappa * torch.eye(K.layout.dim, dtype=DT), g)
+    else:
+        expected = before - 0.5 * torch.linalg.solve(K.factored_damping(kappa).to_dense(), g)
     after = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     assert opt.last_kappa == pytest.approx(kappa)
     torch.testing.assert_close(after, expected, atol=1e-10, rtol=1e-8)

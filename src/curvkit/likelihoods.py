@@ -95,6 +95,11 @@ class Likelihood:
         return f"{type(self).__name__}(reduction={self.reduction!r})"
 
 
+def _check_finite_targets(name: str, y: Tensor) -> None:
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise ValueError(f"{name}: the targets contain NaN or inf ({int((~torch.isfinite(y)).sum())} entries)")
+
+
 class CrossEntropy(Likelihood):
     """Softmax cross-entropy; f are logits (B, K), y class indices (B,). H_L = diag(p) - p p^T (rank K-1)."""
 
@@ -143,6 +148,11 @@ class BernoulliBCE(Likelihood):
         if y is not None and y.shape != f.shape:
             raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
                              f"got {tuple(y.shape)}")
+        if y is not None and y.numel():
+            _check_finite_targets(self.name, y)
+            if bool((y < 0).any()) or bool((y > 1).any()):
+                raise ValueError(f"{self.name}: targets must be probabilities in [0, 1], got values in "
+                                 f"[{float(y.min()):.3g}, {float(y.max()):.3g}]")
 
     def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
         return F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").sum(-1)
@@ -186,6 +196,8 @@ class Gaussian(Likelihood):
         if y is not None and y.shape != f.shape:
             raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
                              f"got {tuple(y.shape)}")
+        if y is not None:
+            _check_finite_targets(self.name, y)
 
     def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
         out = 0.5 * ((f - y.to(f.dtype)) ** 2).sum(-1) / self.sigma**2

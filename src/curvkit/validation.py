@@ -70,7 +70,8 @@ def unit_interval(name: str, value: Any, *, closed_left: bool = False, closed_ri
 
 def integer(name: str, value: Any, *, minimum: int = 1) -> int:
     """An integer >= ``minimum`` (bools and non-integral floats are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if int(value) < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

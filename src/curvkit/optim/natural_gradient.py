@@ -13,7 +13,16 @@ Fisher representations (``fisher=``):
   model's predictive; for softmax cross-entropy this is the GGN), made dense: O(d²) memory, for small
   models (d <= ``max_exact_dim``).
 * ``"kfac"`` - a :class:`curvkit.curvature.estimators.KroneckerEstimator` (Monte Carlo Fisher, one label
-  per datum); κ uses its exact trace and the step the exact damped Kronecker inverse.
+  per datum); κ uses its exact trace. The Kronecker approximation has near-null directions that the
+  gradient does not avoid (a 100-unit layer's output factor from a batch of 64 sampled-label gradients has
+  rank <= 64), so the exact inverse of G (x) A + κI amplifies them by 1/κ: measured on a 784-100-10 MNIST
+  MLP it diverges within five steps at batch 32 and 64 for α = 0.1 and α = 1. The default inverse is
+  therefore the factored Tikhonov damping every KFAC implementation uses (thesis Eq. 4.25,
+  (G + sqrt(κ)/π I)^{-1} (x) (A + π sqrt(κ) I)^{-1}, trace-norm π), which damps those directions by
+  sqrt(κ) times the other factor's scale; ``kronecker_inverse='eigen'`` gives the exact (F + κI)^{-1}.
+  The factors are averaged over steps (``fisher_ema=0.9``), which fills the rank a small batch lacks.
+  Measured (MNIST 784-100-10, lr 1e-2, α = 0.1, 4,096 examples): full-data loss 0.28 / 0.22 / 0.28 / 0.38
+  at batch 32 / 64 / 128 / 256 with both; without averaging 12.2 at batch 32 (0.29-0.79 otherwise).
 * ``"auto"`` - exact when d <= ``max_exact_dim``, otherwise KFAC.
 
 Momentum (heavy-ball / Nesterov, torch SGD formula) is applied after preconditioning.
@@ -30,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.likelihoods import Likelihood
+from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DenseOperator
 from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras, legacy_model_first
@@ -42,10 +52,11 @@ def paper_kappa(trace_f: float, d: int, alpha: float, epsilon: float) -> float:
 
 
 def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: float, epsilon: float,
-                     damping: float = 0.0) -> tuple[Tensor, float]:
+                     damping: float = 0.0, kronecker_inverse: str = "factored") -> tuple[Tensor, float]:
     """(F + κI)⁻¹ g with the paper's κ (plus ``damping``), for a dense (d, d) matrix or any operator.
 
-    Returns the flat (d,) direction and κ.
+    A Kronecker F is inverted with factored Tikhonov damping by default (``kronecker_inverse``, thesis
+    Eq. 4.25 with the trace-norm split): see :class:`NaturalGradient`. Returns the flat (d,) direction and κ.
     """
     if isinstance(fisher, Tensor):
         fisher = DenseOperator(ParamLayout.from_tensors([grad]), fisher)
@@ -54,6 +65,8 @@ def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: fl
     if not kappa > 0:
         raise ValueError("the damping kappa is 0 (alpha = 0 or a zero Fisher with epsilon = 0, and no damping); "
                          "the Fisher may be singular: use alpha > 0 and epsilon > 0")
+    if isinstance(fisher, KroneckerOperator):
+        return fisher.solve(grad.to(fisher.dtype), damping=kappa, method=kronecker_inverse), kappa  # type: ignore[arg-type]
     return fisher.solve(grad.to(fisher.dtype), damping=kappa), kappa
 
 
@@ -64,10 +77,15 @@ class NaturalGradient(CurvatureOptimizer):
     Args:
         params: the model's trainable parameters (one parameter group; the Fisher is over all of them).
         model, likelihood: the network and its curvkit :class:`~curvkit.likelihoods.Likelihood`.
-        lr: η > 0.  alpha, epsilon: α >= 0, ε >= 0 of eq. 7 (not both 0).
+        lr: η > 0 (default 1e-2, the paper's).  alpha, epsilon: α >= 0, ε >= 0 of eq. 7 (not both 0). The
+            default α = 0.1 is the paper's value for Figs. 2 and 4-8 (Fig. 1 uses 0.01): with the KFAC Fisher
+            of a 784-100-10 MNIST MLP, α = 0.01 puts κ ~ 2e-6 below the Kronecker approximation's error and
+            the run diverges within three steps at lr 1e-2 (measured), while α = 0.1 trains.
         damping: an absolute floor added to κ (>= 0; default 0, the paper's κ).
-        fisher: ``"exact"`` | ``"kfac"`` | ``"auto"``.  fisher_ema: moving average of the KFAC factors
-            across steps (None: the current minibatch only, as the paper).
+        fisher: ``"exact"`` | ``"kfac"`` | ``"auto"``.  fisher_ema: decay of the moving average of the KFAC
+            factors across steps (default 0.9, the thesis's factor averaging; None: the current minibatch
+            only). The exact route always uses the current minibatch, as the paper.
+        kronecker_inverse: ``"factored"`` (default) or ``"eigen"`` for the KFAC route (module docstring).
         momentum, nesterov: torch-SGD momentum on the preconditioned direction.
         seed: seed of the KFAC label sampler.
 
@@ -76,9 +94,9 @@ class NaturalGradient(CurvatureOptimizer):
     """
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, likelihood: Likelihood | None = None,
-                 lr: float = 1e-2, alpha: float = 0.01, epsilon: float = 1e-10, damping: float = 0.0,
-                 fisher: str = "auto", fisher_ema: float | None = None, momentum: float = 0.0,
-                 nesterov: bool = False, max_exact_dim: int = 3000, seed: int = 0):
+                 lr: float = 1e-2, alpha: float = 0.1, epsilon: float = 1e-10, damping: float = 0.0,
+                 fisher: str = "auto", fisher_ema: float | None = 0.9, kronecker_inverse: str = "factored",
+                 momentum: float = 0.0, nesterov: bool = False, max_exact_dim: int = 3000, seed: int = 0):
         if isinstance(params, nn.Module) and isinstance(model, Likelihood) and likelihood is None:
             likelihood, model = model, None  # the former NaturalGradient(model, likelihood, ...) form
         params, model = legacy_model_first(type(self).__name__, params, model)
@@ -87,6 +105,9 @@ class NaturalGradient(CurvatureOptimizer):
                             "NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy())")
         if fisher not in ("exact", "kfac", "auto"):
             raise ValueError(f"fisher must be 'exact', 'kfac' or 'auto', got {fisher!r}")
+        if kronecker_inverse not in ("factored", "eigen"):
+            raise ValueError(f"kronecker_inverse must be 'factored' or 'eigen', got {kronecker_inverse!r}")
+        self.kronecker_inverse = kronecker_inverse
         positive("lr", lr)
         nonnegative("alpha", alpha)
         nonnegative("epsilon", epsilon)
@@ -170,7 +191,8 @@ class NaturalGradient(CurvatureOptimizer):
         check_finite(self._steps + 1, [("the gradient", g)], "NaturalGradient")
         with torch.enable_grad():
             F = self._fisher_of(batch)
-        direction, kappa = damped_direction(F, g, group["alpha"], group["epsilon"], group["damping"])
+        direction, kappa = damped_direction(F, g, group["alpha"], group["epsilon"], group["damping"],
+                                            self.kronecker_inverse)
         steps = self.layout_.unflatten(direction.to(g.dtype))
         mu = group["momentum"]
         updates = []

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curvkit.linalg.kron import stable_eigh
+
 
 def kron_vec(x: Tensor, d: Tensor) -> Tensor:
     """Column-stacking vec of d x^T: x (x) delta."""
@@ -333,30 +335,14 @@ def whitened_gradient(G: Tensor, Vd: Tensor, sd: Tensor, Vx: Tensor, sx: Tensor,
 
 
 def robust_eigh(C: Tensor, previous: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD factor C (n, n), in C's dtype.
-
-    LAPACK's divide-and-conquer ``eigh`` can fail to converge on the many repeated (zero) eigenvalues of a
-    rank-deficient covariance, in float32 in particular (seen on a 785 x 785 input covariance of a repeated
-    MNIST batch). Fallbacks, in order: float64; float64 with a jitter of 1e-8 tr(C)/n on the diagonal
-    (removed from the eigenvalues again); the ``previous`` eigenbasis, with d = diag(V^T C V) (what the
-    kept-basis update of KFWhiten uses between refreshes anyway). Without a previous basis the last
-    error is raised with an explanation.
-    """
-    attempts: list[tuple[torch.dtype, float]] = [(C.dtype, 0.0), (torch.float64, 0.0), (torch.float64, 1e-8)]
-    err: Exception | None = None
-    scale = float(torch.diagonal(C).mean().clamp(min=1e-30))
-    for dtype, jitter in attempts:
-        A = C.to(dtype)
-        if jitter:
-            A = A + (jitter * scale) * torch.eye(A.shape[0], dtype=dtype, device=A.device)
-        try:
-            w, V = torch.linalg.eigh(A)
-        except RuntimeError as exc:   # torch.linalg.LinAlgError is a RuntimeError
-            err = exc
-            continue
-        if bool(torch.isfinite(w).all()) and bool(torch.isfinite(V).all()):
-            return (w - jitter * scale).clamp(min=0).to(C.dtype), V.to(C.dtype)
-    if previous is not None:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD factor C (n, n), in C's dtype:
+    :func:`curvkit.linalg.kron.stable_eigh` (float64 and jitter fallbacks for the repeated zero eigenvalues
+    of a rank-deficient covariance), then, if that fails too, the ``previous`` eigenbasis with
+    d = diag(V^T C V) (what the kept-basis update of KFWhiten uses between refreshes anyway)."""
+    try:
+        w, V = stable_eigh(C, "Kronecker factor")
+    except ValueError:
+        if previous is None:
+            raise
         return ((C @ previous) * previous).sum(0).clamp(min=0), previous
-    raise ValueError(f"eigendecomposition of a {tuple(C.shape)} Kronecker factor failed ({err}); the factor may "
-                     "contain inf/NaN or be far from symmetric") from err
+    return w.clamp(min=0), V
