@@ -146,6 +146,14 @@ class TorchLearner(Learner):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, penalty: Penalty | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, got "
+                            f"{type(optimizer).__name__}")
+        if penalty is not None and not isinstance(penalty, Penalty):
+            raise TypeError(f"penalty must be a curvkit.continual.Penalty (EWC, SynapticIntelligence, ...) or None, "
+                            f"got {type(penalty).__name__}")
         owned = {id(p) for p in model.parameters()}
         for g in optimizer.param_groups:
             if any(id(p) not in owned for p in g["params"]):
