@@ -30,3 +30,11 @@ def test_online_laplace_disjoint_smoke(tmp_path):
     for tag in ("KF", "D"):
         assert res["first_task"][tag][-1] > res["first_task"][tag][0]
     assert set(res["curves"]) == {"KF", "D", "SI"}
+
+
+def test_dataset_sequence_smoke(tmp_path):
+    res = registry.run("dataset-sequence", "smoke", tmp_path, seed=0)
+    assert res["tasks"] == [f"synthetic-{i}" for i in range(1, 6)]
+    kf = res["runs"]["online KF lam=3"]["acc"][-1]
+    assert len(kf) == 5 and min(kf) > 0.5  # every head still classifies its task after all five (chance 0.1)
+    assert "synthetic-1" in (tmp_path / "report.md").read_text()
