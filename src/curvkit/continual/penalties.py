@@ -176,11 +176,12 @@ class SynapticIntelligence(Penalty):
         Omega_i += omega_i / (Delta_i^2 + xi),     omega <- 0,     theta~ <- theta(end of k)
 
     and the penalty is R(theta) = c * sum_i Omega_i (theta_i - theta~_i)^2. ``xi`` is the damping
-    (digest 000 section 4.3 recommends 1e-3, the MESU authors' later value; Zenke et al. use 0.1 or 1e-3).
+    (the MESU paper does not give it; 1e-3 is the value in the MESU authors' later code; Zenke et al. use
+    0.1 or 1e-3).
     With plain SGD and no penalty each step adds lr * g_i^2 >= 0, but with momentum, Adam or a penalty
     gradient a coordinate's omega can be negative; ``clip_negative=True`` (default) clips each task's
     contribution omega_i / (Delta_i^2 + xi) at 0 so that Omega stays a non-negative importance.
-    :meth:`importance` exposes the running omega and Omega for Hessian comparisons (digest E2).
+    :meth:`importance` exposes the running omega and Omega for Hessian comparisons (MESU paper Fig. 2d).
     """
 
     def __init__(self, c: float, xi: float = 1e-3, clip_negative: bool = True):

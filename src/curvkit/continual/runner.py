@@ -6,7 +6,8 @@ Per run it records (all in :class:`RunResult`, written to ``results.json``):
 * ``acc_mc`` / ``acc_map``: accuracy matrices of shape [evaluations x tasks] (MC-averaged softmax over
   ``eval_mc_samples`` weight samples, and the mean network; identical for deterministic learners);
   ``eval_iters[e]`` is the number of training iterations done before evaluation e. Every task is
-  evaluated every time (not-yet-seen tasks included), as the MESU digest recommends (section 7 item 9);
+  evaluated every time (not-yet-seen tasks included), as in the MESU paper (Sec. 3: "the test accuracy in
+  each of 100 tasks is evaluated after each epoch");
 * ``sigma``: per-parameter sigma statistics at each evaluation (Bayesian learners);
 * ``mix``: the per-batch task mix, as sparse triples (iteration, task, count) for every ``mix_stride``-th
   batch (MESU Fig. 3a);
@@ -48,7 +49,8 @@ class RunnerConfig:
 
     Attributes:
         eval_every: iterations between evaluations (one virtual epoch in the MESU protocol).
-        eval_mc_samples: K_test for the MC-averaged prediction (digest section 7 item 2: 10).
+        eval_mc_samples: K_test for the MC-averaged prediction (the MESU paper does not give it; 10, Zeno
+            et al.'s setting for this benchmark).
         eval_max_test: test examples per task (None: the whole test set).
         eval_map: also evaluate the mean network (always identical for deterministic learners).
         checkpoint_every: iterations between checkpoints (None: ``eval_every``; 0: only when stopping).

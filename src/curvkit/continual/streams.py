@@ -8,18 +8,19 @@ Three pieces, each with one job:
   permuted copy of the data; batches are transformed when drawn.
 * a :class:`Schedule` says, for every iteration t in [0, T), which tasks the batch is drawn from:
   ``probs(t)`` is a probability vector over the M tasks. :class:`AbruptSchedule` (one task at a time,
-  hard boundaries) and :class:`ContinuousSchedule` (the task-agnostic blend of Zeno et al. 2018, MESU
-  digest Appendix A, beta = 4).
+  hard boundaries) and :class:`ContinuousSchedule` (the task-agnostic blend of Zeno et al. 2018, taken
+  from their code ``igolan/bgd``, beta = 4; the MESU paper's Fig. 3a shows such a blend without giving
+  its formula).
 * a :class:`TaskStream` draws the batch of iteration t: each of the B slots draws a task from
   Categorical(p(t)), then an example of that task. The batch of iteration t is a **pure function of
   (seed, t)** (its random numbers come from a generator seeded with ``SeedSequence([seed, t])``), so the
   stream position is a single integer and a resumed run sees exactly the batches an uninterrupted run
   would.
 
-Index sampling within a task (digest section 7 item 22): under the continuous schedule every slot draws
-a uniformly random training index (with replacement, as Zeno's sampler does). Under the abrupt schedule
-each virtual epoch of a task walks through a fresh seeded permutation of its training set (sampling
-without replacement; the last batch of an epoch wraps around when N is not a multiple of B).
+Index sampling within a task (not stated in the MESU paper): under the continuous schedule every slot draws a
+uniformly random training index (with replacement, as Zeno's sampler does). Under the abrupt schedule each
+virtual epoch of a task walks through a fresh seeded permutation of its training set (sampling without
+replacement; the last batch of an epoch wraps around when N is not a multiple of B).
 
 The learner is never told which task a batch comes from. :class:`Batch` carries the per-slot task ids
 and the per-task counts only so that the runner can record the task mix (MESU Fig. 3a).
@@ -38,7 +39,10 @@ from torch import Tensor
 
 
 def iters_per_epoch(num_examples: int, batch_size: int) -> int:
-    """Iterations of one virtual epoch, ceil(N / B) (digest section 7 item 8: 469 for MNIST, B = 128)."""
+    """Iterations of one virtual epoch, ceil(N / B) (469 for MNIST with B = 128).
+
+    Without task boundaries the MESU paper's "epoch" has no natural end; a virtual epoch of ceil(N / B)
+    iterations is the choice made here (as in Zeno et al.'s code)."""
     if num_examples < 1 or batch_size < 1:
         raise ValueError(f"need num_examples >= 1 and batch_size >= 1, got {num_examples}, {batch_size}")
     return math.ceil(num_examples / batch_size)
@@ -85,9 +89,9 @@ class PermutedTasks(TaskSet):
 
     The permutations come from :func:`curvkit.data.transforms.pixel_permutation` with seed
     ``permutation_seed * 100_003 + m``; with ``identity_first=True`` task 0 keeps the original pixel
-    order (Zeno's code). The MESU digest (section 7 item 11) notes this is irrelevant for an MLP; the
-    default uses M random permutations. The permutations are independent of the run seed, so every seed
-    and every method sees the same tasks.
+    order (Zeno's code). The MESU paper does not say which it uses, and for an MLP it does not matter
+    (an MLP is equivariant to a fixed permutation of its inputs); the default uses M random permutations.
+    The permutations are independent of the run seed, so every seed and every method sees the same tasks.
     """
 
     def __init__(
@@ -285,7 +289,7 @@ class AbruptSchedule(Schedule):
 
 
 class ContinuousSchedule(Schedule):
-    """Zeno et al.'s continuous task-agnostic schedule (MESU digest Appendix A; Fig. 3a).
+    """Zeno et al.'s continuous task-agnostic schedule (from their code ``igolan/bgd``; MESU paper Fig. 3a).
 
     With T = M D total iterations and the overlap parameter beta (= 4), task m has
 

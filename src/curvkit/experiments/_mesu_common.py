@@ -20,8 +20,11 @@ def mnist_flat(n_train: int | None = None) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def kaiming_uniform_mlp(sizes: Sequence[int], seed: int) -> nn.Sequential:
-    """ReLU MLP with weights U(+-sqrt(6/fan_in)) and biases U(+-1/sqrt(fan_in)) (digest 000 section 7,
-    item 12), drawn from a generator seeded with ``seed``."""
+    """ReLU MLP with weights U(+-sqrt(6/fan_in)) and biases U(+-1/sqrt(fan_in)), drawn from a generator
+    seeded with ``seed``.
+
+    The MESU paper says "Kaiming uniform" without the variant; this is ``torch.nn.init.kaiming_uniform_``
+    with its defaults for the weights (bound sqrt(6/fan_in)) and PyTorch's usual bias bound."""
     model = mlp(sizes, "relu", seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,33 +1,38 @@
 """``mesu-hessian``: the Hessian diagonal read off the sigmas of MESU, MESU w/o reg and BGD against the
-exact Hessian diagonal (MESU paper Fig. 2a-c; digest 000 experiment E1, claims H1-H3).
+exact Hessian diagonal (MESU paper Fig. 2a-c, Appendix D "Verification of theoretical result"; the report
+checks the three figures' claims as H1-H3).
 
-Protocol (paper Appendix D, digest section 5 E1 and section 7):
+Protocol (paper Appendix D; the choices it leaves open are marked as ours):
 
 * MNIST 28x28 flattened, pixels in [0, 1]; a 784-100-10 ReLU MLP (79,510 parameters, each with mu, sigma).
-* mu starts from a trained deterministic net of the same architecture (digest 7 item 13: SGD lr 0.01,
-  batch 100, mean cross-entropy, Kaiming-uniform init, ``pretrain_epochs`` epochs), so the locally
-  constant curvature hypothesis holds from n = 0.
-* Bayesian runs (float32, batch 100, K MC samples per step; minibatch indices drawn uniformly at random
-  every iteration from a seeded generator). Loss = minibatch **mean** of the NLL, unlike the digest's
-  general recommendation (sum, section 7 item 1): with the sum, the per-step curvature of this net's
-  output-layer weights exceeds 1/sigma_0^2 = 100 (the stability limit, digest 3.10 item 6), sigma * g_sigma
-  >= 1 from the first step, sigmas turn negative and the run diverges within ~10 steps (measured, both
-  with a 3-epoch and a 2-epoch pretrained net). With the mean the rule is stable, the mu step at
-  sigma = 0.1 is SGD with lr 0.01 (the lr the paper uses for the deterministic nets), and the Fig. 2c
-  threshold 5e-4 is in units of the mean-loss Hessian. ``Protocol.reduction`` switches it.
-  MESU sigma_0 = sigma_prior = 0.1, sigma_res = 10 (Fig. 2a/2b); MESU w/o reg sigma_0 = 0.1 (Fig. 2c,
-  primary, digest 7 item 16); exact BGD eta = 1, sigma_0 = 0.1 (secondary).
+* mu starts from a trained deterministic net of the same architecture, so the locally constant curvature
+  hypothesis holds from n = 0 (the paper does not say how that net was trained; ours: SGD lr 0.01 as for
+  the paper's Fig. 2d deterministic net, batch 100, mean cross-entropy, Kaiming-uniform init,
+  ``pretrain_epochs`` epochs).
+* Bayesian runs (float32, batch 100, K MC samples per step; minibatch indices drawn uniformly at random every
+  iteration from a seeded generator). Loss = minibatch **mean** of the NLL, unlike the sum that
+  :class:`~curvkit.optim.MESU` uses by default (the paper does not state it): with the sum, the per-step
+  curvature of this net's output-layer weights exceeds 1/sigma_0^2 = 100 (the stability limit sigma^2 h < 1
+  that follows from Eq. 6), sigma * g_sigma >= 1 from the first step, sigmas turn negative and the run
+  diverges within ~10 steps (measured, both with a 3-epoch and a 2-epoch pretrained net). With the mean the
+  rule is stable, the mu step at sigma = 0.1 is SGD with lr 0.01 (the lr the paper uses for the deterministic
+  nets), and the Fig. 2c threshold 5e-4 is in units of the mean-loss Hessian. ``Protocol.reduction`` switches
+  it. MESU sigma_0 = sigma_prior = 0.1, sigma_res = 10 (Fig. 2a/2b); MESU w/o reg sigma_0 = 0.1 (Fig. 2c,
+  primary: the paper's caption says "MESU without regularization term", its text says BGD, and the w/o-reg
+  rule predicts the 5e-4 threshold exactly); exact BGD eta = 1, sigma_0 = 0.1 (secondary).
 * At log-spaced iterations n the "true" diagonals of the expected per-step loss C = E_eps[L(mu + sigma eps)]
-  (digest 7 item 14) are computed in float64 on ``n_hess`` training images, rescaled to the per-step loss
+  (the paper says only "true Hessian diagonal", computed with autograd; ours is the Hessian of the per-step
+  training loss) are computed in float64 on ``n_hess`` training images, rescaled to the per-step loss
   (factor 1 / n_hess for the mean, 100 / n_hess for the sum):
   H_D(mu) = E_eps[diag d2L/dw2] and H_D(sigma) = E_eps[eps^2 diag d2L/dw2], averaged over ``eps_draws``
   weight samples. For a ReLU net f is piecewise linear in every single weight, so the a.e. Hessian
-  diagonal equals the GGN diagonal (digest T10), which :class:`curvkit.curvature.GGNOperator` gives
+  diagonal equals the GGN diagonal, which :class:`curvkit.curvature.GGNOperator` gives
   exactly for all layers.
 * Estimates (``optimizer.curvature()``): MESU Eq. 7, MESU w/o reg Eq. 9 = 1/(2 n sigma^2), BGD
   1/(n sigma^2); plus their transient-corrected versions (``debias=True``, not in the paper).
-* Metrics (digest 7 item 15): Pearson of log10 over entries where both are positive, Spearman, linear
-  Pearson, the median ratio estimate/true, and for Fig. 2c the median ratio binned by the true value.
+* Metrics (the paper does not name its correlation measure): Pearson of log10 over entries where both are
+  positive, Spearman, linear Pearson, the median ratio estimate/true, and for Fig. 2c the median ratio binned
+  by the true value.
 
 Checkpointing: the pretrained net, every run's (model, optimiser, data generator) state at each
 comparison point and every 1000 iterations, and every comparison are written under ``out``; a
@@ -274,7 +279,7 @@ def run(scale: str, out: Path, seed: int = 0, show_progress: bool = True) -> dic
         ax[0, j].legend(fontsize=7)
     figures.append(save_figure(fig, out / "correlation_vs_n.png").name)
 
-    # claims H1-H3 (digest section 9)
+    # the paper's claims H1-H3 (Fig. 2a, 2b, 2c)
     h1 = final["mesu"]["hsigma_vs_hmu"]["all"]
     h2 = final["mesu"]["estimate"]["all"]
     nr = bins["mesu-noreg"]

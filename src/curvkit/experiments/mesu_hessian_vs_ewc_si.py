@@ -1,22 +1,23 @@
 """``mesu-hessian-vs-ewc-si``: how well MESU, MESU w/o reg, BGD, the EWC Fisher and SI importance track
-the exact Hessian diagonal during training (MESU paper Fig. 2d; digest 000 experiment E2, claim H4).
+the exact Hessian diagonal during training (MESU paper Fig. 2d, Appendix D "Comparison with the Fisher
+matrix and SI approximation of the Hessian"; the report checks the figure's claim as H4).
 
 Setup (paper Appendix D): MNIST 28x28 in [0, 1], a 784-100-10 ReLU MLP, batch 100, Kaiming-uniform
-initialisation shared by every run. Bayesian runs: MESU sigma_0 = sigma_prior = 0.06, sigma_res = 10;
-MESU w/o reg and BGD (eta = 1) with sigma_0 = 0.06 (digest section 5 E2: not stated separately). The
+initialisation shared by every run. Bayesian runs: MESU sigma_0 = sigma_prior = 0.06, sigma_res = 10; MESU
+w/o reg and BGD (eta = 1) with sigma_0 = 0.06 (the paper plots BGD but does not give its settings). The
 deterministic net (for EWC and SI) is trained by SGD, lr 0.01, on the mean cross-entropy.
 
-At log-spaced iteration counts n (digest section 7 item 15) we compare, per method, the estimate with
-the exact Hessian diagonal of the mean NLL over ``n_hess`` training images **at that method's own
-parameters**: for a ReLU net the almost-everywhere Hessian diagonal equals the GGN diagonal
-(digest T10), computed exactly by :class:`curvkit.curvature.GGNOperator` ``.diagonal()``; for the
-Bayesian runs it is averaged over ``eps_draws`` weight samples w = mu + sigma * eps (the Hessian of the
-expected loss, digest section 7 item 14). Estimates: MESU Eq. 7, MESU w/o reg Eq. 9 (1/(2 n sigma^2)),
-BGD 1/(n sigma^2) (``optimizer.curvature()``); EWC the empirical and true diagonal Fisher on the
-same images; SI the path integral omega and the normalised Omega = omega / (Delta^2 + xi), xi = 1e-3.
+At log-spaced iteration counts n (the paper does not give its points) we compare, per method, the estimate
+with the exact Hessian diagonal of the mean NLL over ``n_hess`` training images **at that method's own
+parameters**: for a ReLU net the almost-everywhere Hessian diagonal equals the GGN diagonal (f is piecewise
+linear in each single weight), computed exactly by :class:`curvkit.curvature.GGNOperator` ``.diagonal()``; for
+the Bayesian runs it is averaged over ``eps_draws`` weight samples w = mu + sigma * eps (the Hessian of the
+expected loss; the paper says only "actual Hessian"). Estimates: MESU Eq. 7, MESU w/o reg Eq. 9
+(1/(2 n sigma^2)), BGD 1/(n sigma^2) (``optimizer.curvature()``); EWC the empirical and true diagonal Fisher
+on the same images; SI the path integral omega and the normalised Omega = omega / (Delta^2 + xi), xi = 1e-3.
 Correlations (all parameters, and the output layer alone): Pearson of log10 over entries where both are
-positive (the log-log scatter of the paper), Spearman, and linear Pearson. Scale factors (sum vs mean
-loss) do not affect correlations.
+positive (the log-log scatter of the paper), Spearman, and linear Pearson. Scale factors (sum vs mean loss) do
+not affect correlations.
 
 Every run goes through :class:`curvkit.continual.ContinualRunner` (one task, one stream), which
 checkpoints; every Hessian comparison is written to its own JSON file; a re-invocation resumes both.
@@ -125,7 +126,7 @@ def _compare(method: str, learner: Learner, n: int, Xh: torch.Tensor, yh: torch.
              seed: int, path: Path) -> dict[str, Any]:
     if path.exists():
         return json.loads(path.read_text())
-    # Hessians and Fishers in float64 on a float64 copy (digest section 7 item 21)
+    # Hessians and Fishers in float64 on a float64 copy (estimates such as Eq. 7 are differences of 1/sigma^2)
     model64 = copy.deepcopy(learner.model).double()
     sigma = ({k: v.double() for k, v in learner.optimizer.sigma_dict().items()}
              if isinstance(learner, MeanFieldLearner) else None)

@@ -1,20 +1,22 @@
 """``mesu-permuted``: MESU vs BGD (and boundary-based / fine-tuning baselines) on continuously blended
-permuted MNIST without task boundaries (MESU paper Fig. 3a-d; digest 000 experiment E3).
+permuted MNIST without task boundaries (MESU paper Fig. 3a-d, Appendix D "Benchmark between MESU and
+BGD").
 
-Protocol (paper Appendix D, digest section 5 E3 and section 7): MNIST zero-padded to 32x32, scaled to
-[0, 1], flattened to 1024 inputs; one fixed pixel permutation per task; a 1024-200-200-10 ReLU MLP with
-Kaiming-uniform weights (``torch.nn.init.kaiming_uniform_`` defaults, biases U(+-1/sqrt(fan_in)); digest
-section 7 item 12); batch 128; Zeno et al.'s continuous schedule (beta = 4, virtual epochs of 469
-iterations, digest Appendix A); MESU sigma_0 = sigma_prior = 0.04, sigma_res = 10; BGD sigma_0 = 0.04,
-eta = 1; sum-reduced loss; K = 10 training samples at every scale (with K = 2-3 we saw
-MESU diverge within a few dozen steps on MNIST: the sigma-gradient estimate is too noisy and sigma * g_sigma
-overshoots, digest section 3.7); evaluation on every task's test set after every evaluation period.
+Protocol (paper Appendix D; the choices it leaves open are marked as ours): MNIST zero-padded to 32x32, scaled
+to [0, 1], flattened to 1024 inputs; one fixed pixel permutation per task; a 1024-200-200-10 ReLU MLP with
+Kaiming-uniform weights (the paper does not say which variant; ours: ``torch.nn.init.kaiming_uniform_``
+defaults, biases U(+-1/sqrt(fan_in))); batch 128; Zeno et al.'s continuous schedule (ours: the paper's Fig. 3a
+shows a continuous blend without its formula; beta = 4, virtual epochs of 469 iterations, as in Zeno et al.'s
+code); MESU sigma_0 = sigma_prior = 0.04, sigma_res = 10; BGD sigma_0 = 0.04, eta = 1 (eta is ours);
+sum-reduced loss (ours); K = 10 training samples at every scale (ours; with K = 2-3 we saw MESU diverge within
+a few dozen steps on MNIST: the sigma-gradient estimate is too noisy and sigma * g_sigma overshoots, which the
+paper's rule does not guard against); evaluation on every task's test set after every evaluation period.
 
-Baselines (not in the paper; our settings, digest section 4): SGD (lr 0.05) and Adam (lr 1e-4)
-fine-tuning; EWC (empirical Fisher, lambda 5000), EWC with the true Fisher, online EWC (lambda 5000,
-gamma 1) and SI (c 0.1, xi 1e-3), all on Adam lr 1e-4 with a mean-reduced loss. EWC/SI receive the task
-boundaries (the 50/50 points of the cross-fade) through the harness's explicit hook; MESU, BGD and the
-fine-tuning baselines never see them.
+Baselines (not in the paper, which compares MESU with BGD only; our settings): SGD (lr 0.05) and Adam
+(lr 1e-4) fine-tuning; EWC (empirical Fisher, lambda 5000), EWC with the true Fisher, online EWC
+(lambda 5000, gamma 1) and SI (c 0.1, xi 1e-3), all on Adam lr 1e-4 with a mean-reduced loss. EWC/SI receive
+the task boundaries (the 50/50 points of the cross-fade) through the harness's explicit hook; MESU, BGD and
+the fine-tuning baselines never see them.
 
 Scales: ``smoke`` (256 training images, 3 tasks x 2 epochs, K = 10 training / 3 test samples, one seed;
 plumbing only), ``medium`` (full MNIST, 100 tasks x 1 epoch, K = 10 training / 5 test samples, 500 test

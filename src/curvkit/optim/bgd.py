@@ -1,13 +1,16 @@
-"""BGD - Bayesian Gradient Descent (Zeno, Golan, Hoffer & Soudry 2018), the exact rule of the reference
-code (digest 000 section 4.1), with the same MC gradient estimates as MESU (Eq. 1, sum-reduced loss):
+"""BGD - Bayesian Gradient Descent (Zeno, Golan, Hoffer & Soudry 2018), the exact rule of Zeno et al.'s
+reference code (the MESU paper only states it approximately, see below), with the same MC gradient estimates
+as MESU (MESU paper Eq. 1; sum-reduced loss, as Zeno's code multiplies mean gradients by the batch size):
 
     mu    <- mu - eta * sigma^2 * g_mu
     sigma <- sigma * sqrt(1 + (sigma * g_sigma / 2)^2) - sigma^2 * g_sigma / 2
 
 To first order in sigma*g_sigma the sigma step is sigma - sigma^2 g_sigma / 2, i.e. MESU without the
-regularisation term with a factor 0.5 on the sigma update (paper section 3; digest test T7); sigma stays
-positive because sigma sqrt(1 + x^2) > sigma x. With constant curvature H, sigma_n^2 ~ 1/(n H) (digest
-3.5, [derived]), so the Hessian-diagonal estimate read off sigma is
+regularisation term with a factor 0.5 on the sigma update (MESU paper Sec. 2, "Importance of the
+regularization term", valid when sigma g_sigma << 1); sigma stays positive because
+sigma sqrt(1 + x^2) > sigma x. With constant curvature H, sigma_n^2 ~ 1/(n H) (derived here as in the paper's
+Theorem 2, whose rule without the factor 0.5 gives 1/(2 n H), Eq. 10), so the Hessian-diagonal estimate read
+off sigma is
 
     H_BGD = 1 / (n sigma_n^2)          (floor 1/(n sigma_0^2); ``debias=True`` removes it)
 

@@ -1,8 +1,8 @@
 """Common machinery of the mean-field Gaussian optimisers (MESU, MESU w/o reg, BGD, BBB-SGD).
 
 The model stays a plain ``nn.Module``; its parameters are the posterior means mu. The optimiser owns one
-standard deviation sigma per scalar parameter (biases included; raw sigma, no softplus; digest section 7
-items 4-5) in ``self.state[p]['sigma']``. One step:
+standard deviation sigma per scalar parameter (biases included; raw sigma, no softplus: the MESU paper
+writes its rule for sigma itself and does not single out biases) in ``self.state[p]['sigma']``. One step:
 
 1. draw eps_k ~ N(0, I), k = 1..K (one per scalar weight per sample, shared by the minibatch) from the
    optimiser's own ``torch.Generator`` (seeded, saved in ``state_dict``);
@@ -22,22 +22,25 @@ Three ways to feed a step (exactly one per call):
 (``step(inputs=X, targets=y)`` is the deprecated spelling of ``batch=``.) A step checks the new mu and
 sigma before writing them: a NaN or inf gradient raises FloatingPointError and changes nothing.
 
-Loss reduction (digest section 7 item 1): there is no global learning rate, so the scale of the loss sets
-the step size. The default ``loss_fn`` is ``CrossEntropy(reduction='sum')``: L = sum over the minibatch
-of the per-example NLL (paper and Zeno et al.'s BGD). A ``mean`` loss makes every step B times smaller,
-and such a run barely learns (9.9% after 60 MNIST steps where the summed loss reaches 76%): a ``loss_fn``
-that says it averages (a curvkit likelihood or a torch loss with ``reduction='mean'``) gets a
-:class:`MeanReductionWarning`; a closure cannot be inspected, so sum its loss over the batch.
+Loss reduction (the MESU paper does not state it): there is no global learning rate, so the scale of the loss
+sets the step size. The default ``loss_fn`` is ``CrossEntropy(reduction='sum')``: L = sum over the minibatch
+of the per-example NLL (as in Zeno et al.'s BGD code and the MESU authors' later code). A ``mean`` loss makes
+every step B times smaller, and such a run barely learns (9.9% after 60 MNIST steps where the summed loss
+reaches 76%): a ``loss_fn`` that says it averages (a curvkit likelihood or a torch loss with
+``reduction='mean'``) gets a :class:`MeanReductionWarning`; a closure cannot be inspected, so sum its loss
+over the batch.
 
-Diagnostics (digest section 3.7, always on; ``opt.diagnostics``):
+Diagnostics (not in the paper, which uses no clamp, clipping or sigma floor; always on; ``opt.diagnostics``):
 ``steps``; ``steps_large_sigma_grad`` / ``weights_large_sigma_grad`` (steps with any weight, and the total
 number of weight-updates, where sigma * g_sigma >= 1, i.e. the step may overshoot);
-``steps_nonpositive_sigma`` / ``weights_nonpositive_sigma`` (where the rule gives sigma <= 0, counted
-every step, so a weight whose sigma stays negative is counted again each step); ``sigma_sign_flips``
-(weight-updates from sigma > 0 to sigma <= 0); all counted before the safeguards. A negative sigma is not
-fatal in itself (only |sigma| matters for sampling and the dynamics are odd-symmetric, digest 3.7). Safeguards (off by default, per param group): ``sigma_min`` (floor
-sigma <- max(sigma, sigma_min)) and ``max_ratio`` r (clamp |dmu| <= r |sigma| and |dsigma| <= r |sigma|;
-the authors' later code uses r = 0.1, which is not in this paper).
+``steps_nonpositive_sigma`` / ``weights_nonpositive_sigma`` (where the rule gives sigma <= 0, counted every
+step, so a weight whose sigma stays negative is counted again each step); ``sigma_sign_flips`` (weight-updates
+from sigma > 0 to sigma <= 0); all counted before the safeguards. A negative sigma is not fatal in itself:
+only |sigma| matters for sampling, and the dynamics are odd-symmetric (Lemma 1 gives E[g_sigma] = sigma H also
+for sigma < 0, and the prior term of Eq. 3 then pulls towards -sigma_prior; derived, not in the paper).
+Safeguards (off by default, per param group): ``sigma_min`` (floor sigma <- max(sigma, sigma_min)) and
+``max_ratio`` r (clamp |dmu| <= r |sigma| and |dsigma| <= r |sigma|; the authors' later code uses r = 0.1,
+which is not in this paper).
 
 Hessian-diagonal estimates: :meth:`MeanFieldOptimizer.curvature` returns a
 :class:`curvkit.linalg.DiagonalOperator` (float64) over the Bayesian parameters in the module's
@@ -388,8 +391,10 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         """Current estimate of the Hessian diagonal of the per-step loss, as a float64 DiagonalOperator.
 
         ``method='state'``: read off sigma (Eq. 7 / Eq. 9 / 1/(n sigma^2), see the subclass);
-        ``debias=True`` removes the known transient of the sigma recursion (digest section 3.10 item 3;
-        assumes sigma started at ``sigma_init``). ``method='stein'``: Lemma 1 (Eq. 11),
+        ``debias=True`` removes the known transient of the sigma recursion (derived from Eq. 6 with constant
+        curvature, not in the paper: 1/sigma^2 integrates the curvature, with a leak
+        1 - 2 sigma_prior^2/sigma_res^2 per step for MESU and none without regularisation; assumes sigma
+        started at ``sigma_init``). ``method='stein'``: Lemma 1 (Eq. 11),
         H ~ g_sigma / sigma, with the g_sigma of the last step and the sigma it was computed at.
         """
         if method not in ("state", "stein"):

@@ -1,31 +1,36 @@
-"""MESU - Metaplasticity from Synaptic Uncertainty (Bonnet et al. 2023; digest 000), and its variant
-without the regularisation term (Theorem 2 rule).
+"""MESU - Metaplasticity from Synaptic Uncertainty (Bonnet et al. 2023, "Bayesian Metaplasticity from
+Synaptic Uncertainty"), and its variant without the regularisation term (Theorem 2 rule).
 
 MESU (paper Eq. 3; both lines use the pre-step sigma_n and the same MC gradients, Eq. 1):
 
     mu_{n+1}    = mu_n    - sigma_n^2 * dC/dmu_n
     sigma_{n+1} = sigma_n - sigma_n^2 * dC/dsigma_n + sigma_n (sigma_prior^2 - sigma_n^2) / sigma_res^2
 
-No global learning rate: sigma_n^2 is each weight's learning rate. At stationarity (Theorem 1, exact fixed
-point of the deterministic recursion, digest 3.10 item 1) sigma^2 = (sigma_prior^2/sigma_res^2) /
-(H + 1/sigma_res^2), so the mu step is a diagonal Newton step with learning rate sigma_prior^2/sigma_res^2
-and damping 1/sigma_res^2. The Hessian-diagonal estimate read off sigma is Eq. 7:
+No global learning rate: sigma_n^2 is each weight's learning rate. At stationarity (Theorem 1, Eq. 8; with
+constant curvature H this is the exact fixed point of the deterministic recursion Eq. 6, not only the
+first-order result of the paper's proof) sigma^2 = (sigma_prior^2/sigma_res^2) / (H + 1/sigma_res^2), so the
+mu step is a diagonal Newton step with learning rate sigma_prior^2/sigma_res^2 and damping 1/sigma_res^2. The
+Hessian-diagonal estimate read off sigma is Eq. 7:
 
     H_MESU = sigma_prior^2 / (sigma_res^2 sigma_n^2) - 1 / sigma_res^2.
 
 MESU w/o reg (:class:`MESUNoReg`, Theorem 2): the same rule without the last term; sigma_n^2 -> 1/(2 n H)
 ("vanishing plasticity", Eq. 10) and the estimate is Eq. 9, H_noreg = 1/(2 n sigma_n^2), which carries the
-floor 1/(2 n sigma_0^2) (digest 3.10 item 4; 5e-4 at n = 1e5, sigma_0 = 0.1).
+floor 1/(2 n sigma_0^2) (derived, not in the paper: 1/(2 n sigma_n^2) ~ H + 1/(2 n sigma_0^2); 5e-4 at
+n = 1e5, sigma_0 = 0.1, which is the threshold the paper reports for Fig. 2c).
 
 Defaults are the paper's permuted-MNIST benchmark setting (Appendix D): sigma_prior = sigma_init = 0.04,
-sigma_res = 10; K = 10 MC samples (not stated in the paper; digest section 7 item 2); loss = minibatch
-*sum* of the NLL (digest section 7 item 1). The Fig. 2a-c theory check uses sigma_prior = sigma_init = 0.1.
+sigma_res = 10; K = 10 MC samples (the paper does not give K; 10 is Zeno et al.'s BGD setting for this
+benchmark); loss = minibatch *sum* of the NLL (the paper does not state the reduction; the sum follows Zeno
+et al.'s BGD code and the MESU authors' later code). The Fig. 2a-c theory check uses
+sigma_prior = sigma_init = 0.1.
 
 Stability: a step is only safe while the per-step curvature h of a weight stays below 1/sigma^2
-(sigma * g_sigma ~ sigma^2 h < 1; digest 3.10 item 6). With a sum-reduced loss h grows with the batch size:
-on an SGD-pretrained 784-100-10 MNIST net with sigma = 0.1 and batch 100 the sum loss violates it from the
-first step and MESU / MESU w/o reg / BGD all diverge (measured; the ``mesu-hessian`` experiment therefore
-uses the batch mean). Watch ``opt.diagnostics`` (``steps_large_sigma_grad``, ``sigma_sign_flips``).
+(sigma * g_sigma ~ sigma^2 h < 1; derived from Eq. 6, not stated in the paper). With a sum-reduced loss h
+grows with the batch size: on an SGD-pretrained 784-100-10 MNIST net with sigma = 0.1 and batch 100 the sum
+loss violates it from the first step and MESU / MESU w/o reg / BGD all diverge (measured; the ``mesu-hessian``
+experiment therefore uses the batch mean). Watch ``opt.diagnostics`` (``steps_large_sigma_grad``,
+``sigma_sign_flips``).
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ class MESU(MeanFieldOptimizer):
     Use: ``loss = opt.step(batch=(X, y))`` (vectorised over the K samples) or ``opt.step(closure)``.
     ``opt.curvature()`` returns Eq. 7 (or Eq. 9 with ``regularize=False``) as a DiagonalOperator.
 
-    Derived constants (digest 3.6): Newton learning rate sigma_p^2/sigma_res^2, relaxation time of sigma
-    tau = sigma_res^2/(2 sigma_p^2) steps (:meth:`relaxation_time`), memory window sigma_res^2/sigma_p^2.
+    Derived constants (from Eqs. 6 and 8, not stated in the paper): Newton learning rate
+    sigma_p^2/sigma_res^2, relaxation time of sigma tau = sigma_res^2/(2 sigma_p^2) steps
+    (:meth:`relaxation_time`), memory window sigma_res^2/sigma_p^2 (the N of the authors' follow-up paper,
+    which writes sigma_res^2 = N sigma_prior^2).
     """
 
     def __init__(
@@ -108,7 +115,10 @@ class MESU(MeanFieldOptimizer):
             group["sigma_init"] = group["sigma_prior"]
 
     def relaxation_time(self, group: int = 0) -> float:
-        """tau = sigma_res^2 / (2 sigma_prior^2) steps (digest 3.10 item 2; inf without regularisation)."""
+        """tau = sigma_res^2 / (2 sigma_prior^2) steps; inf without regularisation.
+
+        Derived from Eq. 6 (not in the paper): near the fixed point sigma contracts by
+        1 - 2 sigma_prior^2/sigma_res^2 per step, whatever the curvature."""
         g = self.param_groups[group]
         return g["sigma_res"] ** 2 / (2 * g["sigma_prior"] ** 2) if self.regularize else math.inf
 
@@ -129,7 +139,8 @@ class MESU(MeanFieldOptimizer):
             return (u - u0) / (2 * n) if debias else u / (2 * n)
         sp2, sr2 = float(group["sigma_prior"]) ** 2, float(group["sigma_res"]) ** 2
         if debias:
-            # leaky integrator u_n = u_inf + (u_0 - u_inf) rho^n, rho = 1 - 2 sp2/sr2 (digest 3.10 item 3)
+            # leaky integrator u_n = u_inf + (u_0 - u_inf) rho^n, rho = 1 - 2 sp2/sr2 (u = 1/sigma^2 under
+            # Eq. 6 with constant H; derived, not in the paper)
             rho_n = (1.0 - 2.0 * sp2 / sr2) ** n
             u = (u - u0 * rho_n) / (1.0 - rho_n)
         return sp2 * u / sr2 - 1.0 / sr2  # Eq. 7

@@ -1,7 +1,10 @@
 """Predictions of a mean-field Gaussian posterior: MC-averaged softmax and the MAP (mean) prediction.
 
-    p_MC(y | x) = (1/K_test) sum_k softmax(f(x; mu + sigma * eps_k))      (digest section 7 item 9)
+    p_MC(y | x) = (1/K_test) sum_k softmax(f(x; mu + sigma * eps_k))
     p_MAP(y | x) = softmax(f(x; mu))
+
+(The MESU paper does not state its predictor; the MC-averaged softmax is the choice made here, and the
+MAP prediction is provided as well.)
 
 One eps per weight per sample, shared across all inputs (as in training). Inputs are processed in
 chunks of ``batch_size`` rows to bound memory; the same K weight samples are used for every chunk.

@@ -1,15 +1,16 @@
 """Functional weight sampling for a mean-field Gaussian posterior over a plain ``nn.Module``.
 
-The posterior is q(w) = N(mu, diag(sigma^2)) with one mu and one sigma per scalar parameter
-(MESU paper, section 2; digest 000 section 2). ``mu`` are the module's own parameters; ``sigma`` lives
+The posterior is q(w) = N(mu, diag(sigma^2)) with one mu and one sigma per scalar parameter (MESU paper,
+section 2: w = mu + eps * sigma, eps ~ N(0, 1)). ``mu`` are the module's own parameters; ``sigma`` lives
 elsewhere (in the optimiser state) and is passed in as a name -> tensor dict. Weights are sampled
 functionally, never written into the module:
 
     w_k = mu + sigma * eps_k,   eps_k ~ N(0, I),   k = 1..K                      (reparameterisation)
 
-with **one eps per scalar weight per Monte Carlo sample, shared by every example of the minibatch**
-(weight sampling, digest section 7 item 3; not the local reparameterisation trick). The K samples are
-evaluated together with ``torch.func.vmap`` over ``functional_call``, so any module that
+with **one eps per scalar weight per Monte Carlo sample, shared by every example of the minibatch** (weight
+sampling; the MESU paper does not say, and this is what Zeno et al.'s BGD code and the MESU authors' later
+code do; not the local reparameterisation trick, which would change the sigma-gradient estimator). The K
+samples are evaluated together with ``torch.func.vmap`` over ``functional_call``, so any module that
 ``functional_call`` supports (MLPs, CNNs, ...) works, and the module itself is never changed
 (:meth:`curvkit.structure.ModelStructure.functional_call`).
 
