@@ -38,3 +38,21 @@ def test_dataset_sequence_smoke(tmp_path):
     kf = res["runs"]["online KF lam=3"]["acc"][-1]
     assert len(kf) == 5 and min(kf) > 0.5  # every head still classifies its task after all five (chance 0.1)
     assert "synthetic-1" in (tmp_path / "report.md").read_text()
+
+
+def test_laplace_ood_smoke(tmp_path):
+    res = registry.run("laplace-ood", "smoke", tmp_path, seed=0)
+    m = res["methods"]
+    # the Laplace predictive keeps the network's accuracy (Table 5.1) and is more uncertain on KMNIST
+    # letters than on MNIST digits (AUROC of entropy > 0.5)
+    assert abs(m["KF Laplace"]["accuracy"] - m["Deterministic"]["accuracy"]) < 0.05
+    assert m["KF Laplace"]["auroc_KMNIST"] > 0.6 and m["Deterministic"]["accuracy"] > 0.6
+    assert (tmp_path / "fig5_2_ood_entropy.png").exists()
+
+
+def test_laplace_adversarial_smoke(tmp_path):
+    res = registry.run("laplace-adversarial", "smoke", tmp_path, seed=0)
+    for name, curve in res["fgsm"].items():
+        assert curve["accuracy"][-1] < curve["accuracy"][0], name  # FGSM lowers every method's accuracy
+    for name, tr in res["targeted"].items():
+        assert tr["target"][-1] > tr["target"][0], name  # the targeted attack moves predictions to class 0
