@@ -1,15 +1,16 @@
 """Experiment ``filtering-vs-adam``: the Bayesian-filtering optimisers (Aitchison 2018) against SGD(+momentum),
-Adam, AdamW and RMSprop. The paper has no experiments; this is curvkit's own demonstration (digest 004 §9).
+Adam, AdamW and RMSprop. The paper has no experiments (it leaves them to future work); this is curvkit's own
+demonstration.
 
 Tasks:
 
-* ``drift``: linear-Gaussian regression whose true weights follow a random walk,
-  w*(t+1) = w*(t) + tau xi (sd ``tau`` per step, d = 10), y = x^T w* + N(0, s^2), minibatches of 16 fresh
-  points. The dense Kalman filter (O1) with the true drift is the exact Bayes filter here; the factorised
-  and Kronecker filters use eta = tau and the exact Fisher samples x/s. The baselines use the hyperparameters
-  the filters map to (digest §9): Adam/AdamW/RMSprop lr = eta, SGD lr = the filter's steady-state effective
-  rate B eta / sqrt(E[e^2]) = 0.04 (SGD+momentum 0.004 with momentum 0.9: the same steady rate).
-  Metric: tracking error ||w - w*||^2 of the evaluated (posterior) mean.
+* ``drift``: linear-Gaussian regression whose true weights follow a random walk, w*(t+1) = w*(t) + tau xi (sd
+  ``tau`` per step, d = 10), y = x^T w* + N(0, s^2), minibatches of 16 fresh points. The dense Kalman filter
+  (Sec. 2.1, Eqs. 1-7) with the true drift is the exact Bayes filter here; the factorised and Kronecker
+  filters use eta = tau and the exact Fisher samples x/s. The baselines use the hyperparameters the filters
+  map to (:mod:`curvkit.optim.filters.mapping`): Adam/AdamW/RMSprop lr = eta, SGD lr = the filter's
+  steady-state effective rate B eta / sqrt(E[e^2]) = 0.04 (SGD+momentum 0.004 with momentum 0.9: the same
+  steady rate). Metric: tracking error ||w - w*||^2 of the evaluated (posterior) mean.
 * ``mnist``: the bundled MNIST (to_unit + flatten), MLP 784-h-10 (ReLU), cross-entropy with mean reduction;
   library defaults: filters eta = 1e-3 (the Adam lr), lr_sgd = 0.1 (s0 = lr_sgd / B), empirical Fisher;
   SGD 0.1, SGD+momentum 0.01/0.9, Adam/RMSprop 1e-3, AdamW 1e-3 with weight decay 1e-2. Metrics: minibatch
@@ -19,7 +20,8 @@ Effective learning rate (both tasks): the median over the first layer's weights 
 mean loss that moves a weight as far as the optimiser does in its steady state: filters ``effective_lr()``
 (posterior variance, or the momentum filters' steady gain, times B); Adam/AdamW lr/(sqrt(v_hat)+eps) (its
 momentum averages g without amplifying it); RMSprop lr/(sqrt(v)+eps); SGD lr; SGD+momentum lr/(1-momentum).
-The filters also report their regime (SGD-like vs Adam-like, digest K11) at the end of training.
+The filters also report their regime (SGD-like vs Adam-like, :func:`curvkit.optim.filters.regime`; not in
+this version of the paper) at the end of training.
 
 A run that produces a non-finite loss, or a gradient a filter refuses, is recorded as diverged (with the step)
 and reported, not hidden. Each (task, optimiser, seed) run is saved to ``out/runs/*.json`` as soon as it
@@ -124,7 +126,7 @@ def _effective_lr(opt: Any, first: Any) -> float:
 
 
 def _regime(opt: Any) -> str:
-    """``"sgd 0.12 / adam 0.99"`` for the first layer of a filter (digest K11), "-" otherwise."""
+    """``"sgd 0.12 / adam 0.99"`` for the first layer of a filter (``diagnostics()``), "-" otherwise."""
     if not hasattr(opt, "diagnostics"):
         return "-"
     row = opt.diagnostics()[0]

@@ -1,11 +1,12 @@
 """Bayesian-filtering optimisers (Aitchison 2018, "A unified theory of adaptive stochastic gradient
-descent as Bayesian filtering"; engineering digest 004).
+descent as Bayesian filtering", the July 2018 version).
 
-Dense reference filter (O1), factorised filters (O2-O6) and Kronecker-factored filters (O7-O9), all
-``torch.optim.Optimizer`` subclasses with a common interface: explicit loss scaling (``reduction``,
-``batch_size``), lookahead bookkeeping (parameters hold the prior mean, ``posterior_mean()`` swaps in the
-posterior mean), ``curvature()`` (the posterior precision as a curvkit curvature operator), ``effective_lr()``
-and ``close()`` (the Kronecker filters remove their hooks).
+Dense reference filter (paper Sec. 2.1, Eqs. 1-7), factorised filters without and with momentum
+(Secs. 2.1.1-2.1.2) and Kronecker-factored filters (Sec. 2.1.3), all ``torch.optim.Optimizer`` subclasses with
+a common interface: explicit loss scaling (``reduction``, ``batch_size``), lookahead bookkeeping (parameters
+hold the prior mean, ``posterior_mean()`` swaps in the posterior mean), ``curvature()`` (the posterior
+precision as a curvkit curvature operator), ``effective_lr()`` and ``close()`` (the Kronecker filters remove
+their hooks).
 """
 
 from curvkit.optim.filters.dense import DenseKalmanFilter

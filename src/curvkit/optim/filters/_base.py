@@ -7,13 +7,13 @@ Conventions used by every filter in :mod:`curvkit.optim.filters`:
   optimiser needs the reduction: with ``reduction="mean"`` the ascent gradient is
   ``g = -batch_size * p.grad`` (``batch_size`` given at construction, or per call to ``step``); with
   ``reduction="sum"`` it is ``g = -p.grad``.
-* **Lookahead bookkeeping** (digest A6, paper Sec. 2.2.4). After ``step`` the parameters hold the
+* **Lookahead bookkeeping** (paper Sec. 2.2.4 and Eqs. 3a, 5). After ``step`` the parameters hold the
   *prior* mean ``mu_prior(t+1) = (I - A) mu_post(t)`` (decay and momentum already applied, which is what
   gives Nesterov acceleration and decoupled weight decay); the posterior mean ``mu_post(t)`` lives in
   ``state["mu_post"]``. :meth:`FilterOptimizer.posterior_mean` swaps it in for evaluation.
 * **Initialisation.** The initial parameters are taken as ``mu_prior(1)`` (no decay is applied before
-  the first forward pass) and the state starts at the stationary prior covariance where it exists
-  (digest A5).
+  the first forward pass) and the state starts at the stationary prior covariance where it exists (the
+  paper does not say how to initialise; this is the choice made here).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def all_finite(t: Tensor) -> bool:
 
 
 def stationary_variance(sigma2: float, s0: float | None, lr_sgd: float, batch: int) -> float:
-    """Initial posterior variance (digest A5): the stationary prior sigma^2 if finite, else ``s0`` or
-    ``lr_sgd / B`` (an SGD-like warm start)."""
+    """Initial posterior variance (the paper gives none): the stationary prior sigma^2 if finite, else ``s0``
+    or ``lr_sgd / B`` (an SGD-like warm start, as in the author's later AdaBayes code)."""
     if s0 is not None:
         return check_positive("s0", s0)
     if math.isfinite(sigma2):
@@ -186,7 +186,10 @@ def check_fisher_mode(mode: str) -> str:
 
 def fisher_square(mode: str, g: Tensor, state: dict[str, Any], given: Tensor | None, name: str,
                   center_beta: float = 0.9) -> Tensor:
-    """e^2 for one tensor (digest A1). ``given`` is a diagonal Fisher estimate in summed-loss units.
+    """e^2 for one tensor. ``given`` is a diagonal Fisher estimate in summed-loss units.
+
+    The paper (Sec. 2.1, after Eq. 6) asks for a centred gradient e = g - g_hat or a gradient with labels
+    sampled from the model; ``'empirical'`` (e = g, what Adam and RMSProp use) is offered as well.
 
     Returns a new tensor that the caller may overwrite in place (the update rules use it as scratch)."""
     if mode == "empirical":

@@ -1,4 +1,4 @@
-"""O1: the reference dense Gaussian (Kalman) filter for tiny models (Aitchison 2018, Eqs. 1-7).
+"""The reference dense Gaussian (Kalman) filter for tiny models (Aitchison 2018, Sec. 2.1, Eqs. 1-7).
 
 Latent z in R^D (all parameters, flattened in :class:`~curvkit.linalg.layout.ParamLayout` order).
 
@@ -39,14 +39,15 @@ def kalman_rank1_update(S: Tensor, e: Tensor) -> Tensor:
 
 
 class DenseKalmanFilter(FilterOptimizer):
-    """Dense Gaussian filter over all parameters (O1).
+    """Dense Gaussian filter over all parameters (Sec. 2.1, Eqs. 1-7).
 
     Args:
         params: parameters (or named parameters); one param group.
         transition: F = I - A, (D, D). ``None``: identity (static optimum, no drift).
         process_noise: Q, (D, D). ``None``: zero.
-        prior_cov: Sigma_post(0), (D, D); step 1 predicts from it (digest A5 recommends the stationary prior Psi,
-            which the prediction leaves unchanged). The initial parameters are mu_prior(1).
+        prior_cov: Sigma_post(0), (D, D); step 1 predicts from it (the paper gives no initialisation; the
+            stationary prior Psi = F Psi F^T + Q, which the prediction leaves unchanged, is the natural
+            choice). The initial parameters are mu_prior(1).
         reduction, batch_size: loss scaling (see :mod:`._base`).
 
     ``step(closure=None, *, fisher=None)``: ``fisher`` is a (K, D) tensor of rank-1 Fisher samples in summed

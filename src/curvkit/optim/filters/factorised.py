@@ -1,18 +1,19 @@
 """Factorised (one scalar filter per weight) Bayesian-filtering optimisers without momentum
-(Aitchison 2018, Sec. 2.1.1-2.1.2; digest O2, O3, O4).
+(Aitchison 2018, Sec. 2.1.1 and SI Sec. 4.1).
 
 Per weight, with g the ascent gradient of the summed log-likelihood at the current parameters
 (mu_prior) and e^2 a Fisher sample (see ``fisher`` modes in :mod:`._base`):
 
-* :class:`BFNatGrad` (O2, Eqs. 13-14, eta = 0):   s <- s / (1 + s e^2);   mu <- mu + s g.
+* :class:`BFNatGrad` (Eqs. 13-14, eta = 0):   s <- s / (1 + s e^2);   mu <- mu + s g.
   s(T) = (1/s0 + sum_t e^2(t))^{-1}: a mean-square normaliser with 1/t step sizes.
-* :class:`BFRMSProp` (O3, Eqs. 8-12, exact scalar Kalman filter with drift A = eta^2/(2 sigma^2), Q = eta^2):
+* :class:`BFRMSProp` (Eqs. 8-12, exact scalar Kalman filter with drift A = eta^2/(2 sigma^2), Q = eta^2):
       s_prior = (1-a)^2 s + eta^2         (paper form)  or  s e^{-eta^2/sigma^2} + sigma^2 (1 - e^{-eta^2/sigma^2})
       s = 1 / (1/s_prior + e^2)            (12)  -- normaliser updated before the step (Sec. 2.2.5)
       mu_post = mu_prior + s g             (10)
       mu_prior(next) = (1-a) mu_post       (9)  -- decoupled weight decay, applied before the next forward
   Steady state s -> eta/sqrt(<e^2>) (RMSProp with lr eta) when sigma^2 = inf and eta sqrt(<e^2>) << 1.
-* :class:`BFRMSPropSS` (O4): s from the fixed point with a running v ~ <e^2>,
+* :class:`BFRMSPropSS` (the steady state after Eq. 14, extended to a finite sigma^2): s from the fixed point
+  with a running v ~ <e^2>,
       1/s = 1/(2 sigma^2) + sqrt(1/(4 sigma^4) + (v_hat + eps)/eta^2)   (sigma^2 = inf: s = eta/sqrt(v_hat + eps)).
   With sigma^2 = inf, fisher='empirical', bias_correction=False, eps=0 it is torch RMSprop(lr=eta, alpha=beta2, eps=0).
 
@@ -44,7 +45,11 @@ from curvkit.optim.filters._base import (
 
 
 def drift_coefficients(eta: float, sigma2: float, form: str) -> tuple[float, float, float]:
-    """(mean decay, variance multiplier, additive variance) of one prior step (Eqs. 9, 11; digest A8)."""
+    """(mean decay, variance multiplier, additive variance) of one prior step.
+
+    ``form='paper'``: Eqs. 9 and 11. ``form='exp'``: the exact discretisation of the same drift, used by the
+    author's later code, which keeps the stationary variance exactly sigma^2; the two agree to
+    O(eta^4/sigma^4)."""
     if math.isinf(sigma2):
         return 1.0, 1.0, eta * eta
     if form == "exp":
@@ -132,24 +137,27 @@ class _Factorised(FilterOptimizer):
 
     def _cap(self, state: dict[str, Any], group: dict[str, Any]) -> float:
         """The SGD-like limit of the gain: sigma^2; with sigma^2 = inf the SGD-like warm start s0 of the exact
-        filters (O2, O3, O5), and none (inf) for the steady-state filters, which have no SGD-like regime."""
+        filters (BFNatGrad, BFRMSProp, BFAdam), and none (inf) for the steady-state filters, which have no
+        SGD-like regime."""
         s2 = group.get("sigma2", math.inf)
         if math.isfinite(s2):
             return s2
         return math.inf if "v" in state else state.get("s0", math.inf)
 
     def diagnostics(self) -> list[dict[str, Any]]:
-        """Per-tensor effective learning rate (statistics over the tensor) and regime (digest K11).
+        """Per-tensor effective learning rate (statistics over the tensor) and regime (see
+        :func:`.mapping.regime`; not in this version of the paper).
 
         With ``gain`` the displacement of the mean per unit ascent gradient (s; for the momentum filters the
         steady gain Sigma_ww + eta Sigma_wp / eta_p) and ``cap`` = sigma^2, or when sigma^2 = inf the initial
-        s0 of the exact filters (their SGD-like warm start lr_sgd / B; the steady-state filters O4, O6 have
-        no SGD-like regime then and report ``sgd_like`` = 0):
+        s0 of the exact filters (their SGD-like warm start lr_sgd / B; the steady-state filters BFRMSPropSS
+        and BFAdamSS have no SGD-like regime then and report ``sgd_like`` = 0):
 
         * ``sgd_like`` = min(gain / cap, 1): 1 in the SGD limit (s at its prior cap);
-        * ``adam_like`` = min(gain sqrt(v_hat) / eta, 1) for the filters with a running v (O4, O6): 1 in the
-          Adam/RMSProp limit; for the exact filters (O2, O3, O5) the steady-state identity
-          v s^2 = eta^2 (1 - s/sigma^2) gives ``adam_like = sqrt(1 - sgd_like)``; 0 when eta = 0 (O2).
+        * ``adam_like`` = min(gain sqrt(v_hat) / eta, 1) for the filters with a running v (BFRMSPropSS,
+          BFAdamSS): 1 in the Adam/RMSProp limit; for the exact filters (BFNatGrad, BFRMSProp, BFAdam) the
+          steady-state identity v s^2 = eta^2 (1 - s/sigma^2) gives ``adam_like = sqrt(1 - sgd_like)``; 0 when
+          eta = 0 (BFNatGrad).
 
         Both are medians over the tensor's entries (weights that never receive a gradient, e.g. the input
         weights of always-black MNIST pixels, would dominate a mean); ``regime`` names the larger.
@@ -181,7 +189,7 @@ class _Factorised(FilterOptimizer):
 
 
 class BFNatGrad(_Factorised):
-    """Factorised natural gradient, static optimum (O2, Eqs. 13-14). ``s0``: initial variance
+    """Factorised natural gradient, static optimum (Eqs. 13-14). ``s0``: initial variance
     (default ``lr_sgd / batch_size``)."""
 
     def __init__(self, params: Any, s0: float | None = None, lr_sgd: float = 0.1, fisher: str = "empirical",
@@ -202,7 +210,7 @@ class BFNatGrad(_Factorised):
 
 
 class BFRMSProp(_Factorised):
-    """Bayesian-filtering RMSProp: the exact per-weight Kalman filter with drift (O3, Eqs. 8-12)."""
+    """Bayesian-filtering RMSProp: the exact per-weight Kalman filter with drift (Eqs. 8-12)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, sigma2: float = math.inf, s0: float | None = None,
                  lr_sgd: float = 0.1, fisher: str = "empirical", drift: str = "exp",
@@ -230,7 +238,10 @@ class BFRMSProp(_Factorised):
 
 
 class BFRMSPropSS(_Factorised):
-    """Steady-state Bayesian RMSProp (O4): the fixed point of O3 with v = EMA(e^2) (digest A4, A11)."""
+    """Steady-state Bayesian RMSProp: the fixed point of the filter of Eqs. 8-12 with v = EMA(e^2).
+
+    The paper writes only an average <e^2>; an Adam-style EMA with bias correction is the choice made here,
+    and so is ``eps`` (the paper has none: its sigma^2 bounds the step)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, sigma2: float = math.inf, beta2: float = 0.999,
                  eps: float = 1e-8, bias_correction: bool = True, fisher: str = "empirical",

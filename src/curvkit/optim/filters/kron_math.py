@@ -1,7 +1,8 @@
-"""Kronecker-factored Gaussian filtering algebra (Aitchison 2018, Sec. 2.1.4, Eqs. 22-28, SI 4.3).
+"""Kronecker-factored Gaussian filtering algebra (Aitchison 2018, Sec. 2.1.3, Eqs. 22-28, SI Sec. 4.3).
 
-Convention (digest Sec. 2): a layer's weight W is (M, N) = (out, in) (N includes the appended 1 of the
-bias); the paper's latent z = vec(W) is **column-stacking**, e = x (x) delta, and the covariance is
+Convention: a layer's weight W is (M, N) = (out, in) (N includes the appended 1 of the bias); the paper's
+latent z = vec(W) is **column-stacking** (the paper does not say; it is the stacking for which its
+g = x (x) delta^g holds), e = x (x) delta, and the covariance is
 Sigma = Sigma^x (x) Sigma^delta with Sigma^x (N, N), Sigma^delta (M, M). Then
 (Sigma^x (x) Sigma^delta)(x (x) delta) = vec(Sigma^delta delta x^T Sigma^x), so the mean update is
 W <- W + Sigma^delta G Sigma^x. In curvkit's row-major layout the same covariance is
@@ -32,13 +33,17 @@ def rank1_posterior(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> Tensor:
 
 
 def project_first_order(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """Eq. 24, **corrected** (digest erratum E1): first-order KL projection of Eq. 23 onto Kronecker form.
+    """Eq. 24, **corrected**: first-order KL projection of Eq. 23 onto Kronecker form.
 
         X~ = x^T Sx x / N,  D~ = d^T Sd d / M,  D = 1 + (M D~)(N X~)
         Sx' = Sx + (1/2 D~ X~ Sx - D~ (Sx x)(Sx x)^T) / D
         Sd' = Sd + (1/2 D~ X~ Sd - X~ (Sd d)(Sd d)^T) / D
 
     Derived from SI Eq. 32 with X1 = Sx, Y1 = Sd, X2 = Sx x x^T Sx / sqrt(1+XD), Y2 = -Sd d d^T Sd / sqrt(1+XD).
+    As printed, Eq. 24 disagrees with this derivation (SI Sec. 4.3.1) in two ways: X and Delta must be the
+    normalised X~ and D~ above, and the coefficient of (Sd d)(Sd d)^T in Eq. 24b must be X~, not Delta. The
+    printed form is wrong at first order and diverges in a filter loop
+    (:func:`project_first_order_as_printed`). SI Sec. 4.3.1 also prints a stray x in Y2.
     """
     N, M = Sx.shape[0], Sd.shape[0]
     u, v = Sx @ x, Sd @ d
@@ -50,7 +55,8 @@ def project_first_order(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> tuple[T
 
 
 def project_first_order_as_printed(Sx: Tensor, Sd: Tensor, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """Eq. 24 exactly as printed (unnormalised X, Delta; coefficient Delta in 24b). **Wrong** (erratum E1):
+    """Eq. 24 exactly as printed (unnormalised X, Delta; coefficient Delta in 24b). **Wrong** (see
+    :func:`project_first_order`):
     kept only for the regression test that shows it diverges in a filter loop. Do not use."""
     N, M = Sx.shape[0], Sd.shape[0]
     u, v = Sx @ x, Sd @ d
@@ -98,7 +104,7 @@ def first_order_coefficients(Gx: Tensor, Gd: Tensor, N: int, M: int, sequential:
     Sx' = alpha Sx - U0^T Px U0, Sd' = alpha Sd - V0^T Pd V0 with Px = Rx^T diag(sx) Rx (see
     :class:`SampleUpdate`; the square-root form keeps Sx' symmetric without a transpose pass).
 
-    ``sequential=True``: Eq. 24 sample after sample (the paper's rank-1 updates, digest A3). Each update
+    ``sequential=True``: Eq. 24 sample after sample (the paper's rank-1 updates, Sec. 2.1.3). Each update
     maps Sx to a Sx - p u u^T with u = Sx x, a = 1 + Dt Xt / (2 D) (the same a for both factors),
     p = Dt / D (x side) or Xt / D (delta side), so by induction every u_j lies in the row span of U0:
     u_j = U0^T c_j with c_j = alpha_j e_j - P_j Gx e_j, x_j^T u_j = c_j^T Gx e_j, and
@@ -233,7 +239,10 @@ def kl_project(Sigma: Tensor, N: int, M: int, init: tuple[Tensor, Tensor] | None
 
 
 def rebalance(Sx: Tensor, Sd: Tensor) -> tuple[Tensor, Tensor]:
-    """Move the (arbitrary) common scale so that tr(Sx)/N = tr(Sd)/M (digest A10); Sx (x) Sd is unchanged."""
+    """Move the (arbitrary) common scale so that tr(Sx)/N = tr(Sd)/M; Sx (x) Sd is unchanged.
+
+    SI Sec. 4.3 notes the scale invariance and fixes only the product of the two scales; this split is the
+    choice made here."""
     ax = torch.diagonal(Sx).mean()
     ad = torch.diagonal(Sd).mean()
     r = torch.sqrt(ad / ax)
@@ -245,7 +254,8 @@ def drift_project(Sx: Tensor, Sd: Tensor, eta: float, decay: float,
     """Eq. 28: first-order projection of decay^2 Sx (x) Sd + eta^2 I (x) I onto Kronecker form,
 
         Sx' = (decay - 1/2 eta^2 Lx Ld) Sx + eta^2 Ld I,   Sd' = (decay - 1/2 eta^2 Lx Ld) Sd + eta^2 Lx I,
-        Lx = tr(Sx^{-1})/N,  Ld = tr(Sd^{-1})/M  (passed in when cached, digest A10).
+        Lx = tr(Sx^{-1})/N,  Ld = tr(Sd^{-1})/M  (passed in when cached: the paper finds inverting the
+        factors "not desirable" and leaves the approximation open).
 
     ``decay`` = 1 - eta^2/(2 sigma^2) is the paper's per-factor decay (its square is the covariance decay).
     """
@@ -315,7 +325,8 @@ def whitened_gradient(G: Tensor, Vd: Tensor, sd: Tensor, Vx: Tensor, sx: Tensor,
                       factors: tuple[Tensor, Tensor] | None = None,
                       rotated: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """U = P_d G P_x with P_d = V_d diag(s_d) V_d^T (M, M), P_x = V_x diag(s_x) V_x^T (N, N), G (M, N):
-    the O9 step C_delta^{-1/2} G C_x^{-1/2} from the factors' eigenbases without forming P_d, P_x.
+    the whitening step C_delta^{-1/2} G C_x^{-1/2} (end of Sec. 2.1.3) from the factors' eigenbases without
+    forming P_d, P_x.
 
     Without ``factors``: four products, 4MN(M+N) flops. With the gradient's per-example factors
     ``(D (K, M), X (K, N))``: (V_d diag(s_d) (D V_d)^T)(X V_x diag(s_x) V_x^T), about 2K(2M^2 + 2N^2 + MN) flops

@@ -1,37 +1,41 @@
-"""Kronecker-factored Bayesian-filtering optimisers (Aitchison 2018, Sec. 2.1.4, Eqs. 22-28; digest O7-O9).
+"""Kronecker-factored Bayesian-filtering optimisers (Aitchison 2018, Sec. 2.1.3, Eqs. 22-28, SI Sec. 4.3).
 
 Per layer the latent is the weight matrix W_hat = [W | b] (M = out, N = in + 1), with posterior
 covariance Sigma^x (x) Sigma^delta in the paper's column-stacking vec (:mod:`.kron_math`). Each step:
 
-* :class:`KFBayes` (O8):
+* :class:`KFBayes` (Eqs. 25-28, with Eqs. 22-24 for the data step):
     1. prior step for the covariance (Eq. 28, first-order KL projection of (1-a)^2 Sigma + eta^2 I (x) I;
        Lambda_x = tr(Sigma^x^{-1})/N, Lambda_delta = tr(Sigma^delta^{-1})/M refreshed every ``inv_every`` steps);
-    2. data step: corrected Eq. 24 per Fisher sample x_n (x) delta_n (digest erratum E1);
+    2. data step: Eq. 24, corrected, per Fisher sample x_n (x) delta_n (as printed, Eq. 24 disagrees with its
+       own derivation from SI Eq. 32; see :func:`~.kron_math.project_first_order`);
     3. mean: W_post = W_prior + Sigma^delta G Sigma^x, G = sum_n delta^g_n x_n^T (ascent gradient of the
        summed log-likelihood, from ``p.grad``);
     4. the parameters are set to the next prior mean (1 - a) W_post, a = eta^2/(2 sigma^2) (Eq. 26).
-* :class:`KFNatGrad` (O7): the same with eta = 0 (static weights): minibatch-online natural gradient whose
-  factor shapes approach E[x x^T]^{-1}, E[delta delta^T]^{-1}.
-* :class:`KFWhiten` (O9): the steady state of O8, Sigma^x ~ sqrt(eta) C_x^{-1/2}, Sigma^delta ~ sqrt(eta)
-  C_delta^{-1/2}:  W <- W + eta C_delta^{-1/2} G C_x^{-1/2}, with C_x = EMA(mean_n x x^T),
-  C_delta = EMA(sum_n delta delta^T) (summed units), damping ``damping * tr(C)/dim``. The eigenbases are
-  recomputed every ``inv_every`` steps; the second moments along them are updated at every step, so the
-  normaliser is never stale (see the class docstring: stale inverse roots made the step unbounded).
-  Optional momentum ``eta_p`` (an extrapolation by analogy with O6; the paper does not derive it).
+* :class:`KFNatGrad` (Eqs. 22-24): the same with eta = 0 (static weights): minibatch-online natural gradient
+  whose factor shapes approach E[x x^T]^{-1}, E[delta delta^T]^{-1}.
+* :class:`KFWhiten` (end of Sec. 2.1.3): the steady state of KFBayes, Sigma^x ~ sqrt(eta) C_x^{-1/2},
+  Sigma^delta ~ sqrt(eta) C_delta^{-1/2}: W <- W + eta C_delta^{-1/2} G C_x^{-1/2}, with
+  C_x = EMA(mean_n x x^T), C_delta = EMA(sum_n delta delta^T) (summed units), damping ``damping * tr(C)/dim``.
+  The eigenbases are recomputed every ``inv_every`` steps; the second moments along them are updated at every
+  step, so the normaliser is never stale (see the class docstring: stale inverse roots made the step
+  unbounded). Optional momentum ``eta_p`` (an extrapolation by analogy with :class:`~.momentum.BFAdamSS`,
+  Eqs. 18-21; the paper does not derive it).
 
-Products with the factors: Sigma^delta G Sigma^x (O7/O8) and the whitening (O9) use the gradient's
-per-example factors G = D^T X when that is cheaper (minibatch small against the layer widths), with an
-exact correction for any part of G the factors do not explain (:mod:`.kron_math`). In O7/O8 the K Eq. 24
-updates (sequential or batched) are computed in the span of the K samples (a K x K recursion, then one
-rank-K product per factor) and the drift and rebalancing are folded into that product, so a step costs
-O(K(N^2 + M^2)) for the factors plus the mean product, not K passes over each factor; the result equals
-the per-sample loop up to rounding (tested). Lambda_x, Lambda_delta use a Cholesky factor, not an inverse.
+Products with the factors: Sigma^delta G Sigma^x (KFNatGrad/KFBayes) and the whitening (KFWhiten) use the
+gradient's per-example factors G = D^T X when that is cheaper (minibatch small against the layer widths), with
+an exact correction for any part of G the factors do not explain (:mod:`.kron_math`). In KFNatGrad/KFBayes the
+K Eq. 24 updates (sequential or batched) are computed in the span of the K samples (a K x K recursion, then
+one rank-K product per factor) and the drift and rebalancing are folded into that product, so a step costs
+O(K(N^2 + M^2)) for the factors plus the mean product, not K passes over each factor; the result equals the
+per-sample loop up to rounding (tested). Lambda_x, Lambda_delta use a Cholesky factor, not an inverse.
 
 Diagnostics: ``effective_lr()`` (per weight, the posterior variance times the loss scale) and
 ``diagnostics()`` (per layer: effective-lr statistics and the SGD-like / Adam-like regime) cost no
 inversion and can be logged every step.
 
-Fisher samples (digest A1, A3): by default the per-example *empirical* samples delta_n = the per-example
+Fisher samples (the paper, Sec. 2.1.3, asks for rank-1 samples e = x (x) delta with delta centred or computed
+from labels sampled from the model, and leaves their number per minibatch open; the per-example empirical
+samples are the choice made here): by default the per-example *empirical* samples delta_n = the per-example
 gradient of the summed loss with respect to the layer output (captured by hooks); ``fisher_samples=K``
 uses the first K examples of the (shuffled) minibatch with delta scaled by sqrt(B/K), so that the
 per-step Fisher estimate stays unbiased. Sampled-label or exact Fisher samples can be given per step:
@@ -39,10 +43,11 @@ per-step Fisher estimate stays unbiased. Sampled-label or exact Fisher samples c
 
 ``projection="exact"`` (tiny layers only, N*M <= 4096) replaces Eqs. 24/28 by the exact dense Kalman step
 followed by the exact KL projection (flip-flop); it equals the full Kalman filter whenever the posterior
-stays Kronecker (one output, one input, or isotropic output noise; digest K9d).
+stays Kronecker (one output, one input, or isotropic output noise; derived, not in the paper, and tested).
 
 Supported layers: ``nn.Linear`` (all three), ``nn.Conv2d`` (KFWhiten only: its covariance EMAs are the
-KFC-style patch statistics; the rank-1 updates of O7/O8 need a per-example gradient x (x) delta, which a
+KFC-style patch statistics; the rank-1 updates of KFNatGrad/KFBayes need a per-example gradient
+x (x) delta, which a
 convolution's per-example gradient, a sum over positions, is not).
 """
 
@@ -265,7 +270,8 @@ class _KroneckerBase(CurvatureOptimizer):
 
     def diagnostics(self) -> list[dict[str, Any]]:
         """Per-layer effective learning rate (statistics over the layer's weights, bias included) and
-        regime indicators in [0, 1] (digest K11, adapted per class: see ``_regime`` of each optimiser;
+        regime indicators in [0, 1] (:func:`~curvkit.optim.filters.mapping.regime`, not in this version of
+        the paper, adapted per class: see ``_regime`` of each optimiser;
         medians, as for the factorised filters): ``sgd_like`` -> 1 in the SGD limit, ``adam_like`` -> 1 in
         the Adam (whitening) limit; ``regime`` names the larger. Cheap (no inversions)."""
         rows = []
@@ -285,7 +291,8 @@ class _KroneckerBase(CurvatureOptimizer):
 
 
 class KFBayes(_KroneckerBase):
-    """Kronecker-factored filter with weight drift (O8). ``lr`` = eta; eta = 0 gives O7.
+    """Kronecker-factored filter with weight drift (Eqs. 25-28). ``lr`` = eta; eta = 0 gives
+    :class:`KFNatGrad`.
 
     Args:
         params: the parameters to optimise (default: all of ``model``'s); they must be the weights and
@@ -294,7 +301,8 @@ class KFBayes(_KroneckerBase):
             input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
         sigma2: stationary prior variance (inf: no weight decay).
-        s0: initial posterior variance per weight; Sigma^x = Sigma^delta = sqrt(s0) I (digest A5);
+        s0: initial posterior variance per weight; Sigma^x = Sigma^delta = sqrt(s0) I (the paper gives no
+            initialisation; this is the choice made here);
             default ``lr_sgd / batch_size``.
         fisher_samples: examples per step used for the covariance update (None: all); see module doc.
         sample_update: 'sequential' (Eq. 24 per sample, paper) or 'batched' (summed first-order increments).
@@ -347,7 +355,8 @@ class KFBayes(_KroneckerBase):
         """Coefficients (c, ex, ed) of the prior step (Eq. 28, :func:`~.kron_math.drift_project`):
         Sx_prior = c Sx + ex I, Sd_prior = c Sd + ed I, with c = decay - eta^2 Lx Ld / 2, ex = eta^2 Ld,
         ed = eta^2 Lx; Lambda_x = tr(Sx^{-1})/N, Lambda_delta = tr(Sd^{-1})/M refreshed every ``inv_every``
-        steps (digest A10). (1, 0, 0) without drift (O7)."""
+        steps (the paper finds inverting the factors "not desirable" and leaves the approximation open; the
+        periodic refresh is the choice made here). (1, 0, 0) without drift (KFNatGrad)."""
         grp = self._group()
         eta = grp["lr"]
         if eta == 0 and math.isinf(grp["sigma2"]):
@@ -375,7 +384,9 @@ class KFBayes(_KroneckerBase):
     def _first_order_step(self, rec: LayerRecord, st: dict[str, Any], X: Tensor, D: Tensor, scale: float,
                           own: bool) -> Tensor:
         """Prior step (Eq. 28), data step (corrected Eq. 24 for the K Fisher samples, sequential or batched),
-        rebalance (digest A10), and the mean increment Sigma^delta G Sigma^x with the updated factors.
+        rebalance (the common scale of the two factors is arbitrary and the paper leaves its split open; it
+        is moved so that tr(Sigma^x)/N = tr(Sigma^delta)/M), and the mean increment Sigma^delta G Sigma^x
+        with the updated factors.
         Updates ``st`` and returns the increment (M, N).
 
         Work-saving forms, all equal (up to rounding) to drift_project, the per-sample loop of
@@ -511,7 +522,8 @@ class KFBayes(_KroneckerBase):
     def _regime(self, rec: LayerRecord, s: Tensor) -> tuple[float, float]:
         """As the factorised filters without a running v: ``sgd_like`` = s/cap (cap = sigma^2, or s0 when
         sigma^2 = inf), clipped to 1, and ``adam_like`` = sqrt(1 - sgd_like) from the steady-state identity
-        v s^2 = eta^2 (1 - s/sigma^2); 0 when eta = 0 (O7 has no steady state, its s decays like 1/t)."""
+        v s^2 = eta^2 (1 - s/sigma^2); 0 when eta = 0 (KFNatGrad has no steady state, its s decays like
+        1/t)."""
         grp = self._group()
         cap = grp["sigma2"] if math.isfinite(grp["sigma2"]) else grp["s0"]
         sgd = (s / cap).clamp(max=1.0)
@@ -520,7 +532,7 @@ class KFBayes(_KroneckerBase):
 
 
 class KFNatGrad(KFBayes):
-    """Kronecker-factored natural gradient with static weights (O7): :class:`KFBayes` with eta = 0."""
+    """Kronecker-factored natural gradient with static weights (Eqs. 22-24): :class:`KFBayes` with eta = 0."""
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, s0: float | None = None,
                  lr_sgd: float = 0.1, fisher_samples: int | None = 8, sample_update: str = "sequential",
@@ -544,10 +556,12 @@ def _damped_gains(d: Tensor, bc: float, damping: float) -> tuple[Tensor, float]:
 
 
 class KFWhiten(_KroneckerBase):
-    """Steady-state Kronecker filter, the whitening "Kronecker RMSProp/Adam" (O9).
+    """Steady-state Kronecker filter, the whitening "Kronecker RMSProp/Adam" (paper, end of Sec. 2.1.3).
 
-    Math (paper end of Sec. 2.1.3; digest O9): Sigma^x = sqrt(eta) C_x^{-1/2}, Sigma^delta = sqrt(eta)
-    C_delta^{-1/2}, so the mean update (6) is W_post = W_prior + eta C_delta^{-1/2} G C_x^{-1/2}, with
+    Math: the steady state of the full updates (Eqs. 23 and 25), 0 ~ eta^2 I (x) I - Sigma^x E[x x^T] Sigma^x
+    (x) Sigma^delta E[delta delta^T] Sigma^delta (the paper's unnumbered equation, which drops the x and the
+    expectation), gives Sigma^x = sqrt(eta) C_x^{-1/2}, Sigma^delta = sqrt(eta) C_delta^{-1/2}, so the mean
+    update (6) is W_post = W_prior + eta C_delta^{-1/2} G C_x^{-1/2}, with
 
         C_x = EMA_beta(mean_n x_n x_n^T)  (N, N),   C_delta = EMA_beta(sum_n delta_n delta_n^T)  (M, M),
 
@@ -575,8 +589,8 @@ class KFWhiten(_KroneckerBase):
     converge on the many repeated zero eigenvalues of a rank-deficient factor (it did after ~240 steps on a
     repeated batch of the 784-512-512-10 MLP); the fallbacks are float64, a tiny jitter, the kept basis.
 
-    Damping (digest O9 "damping lambda ~ tr/dim"): each factor gets lam = ``damping`` * tr(C_hat)/dim added to
-    its eigenvalues, i.e. relative to its own mean eigenvalue, so the update stays invariant to the loss
+    Damping (not in the paper; the choice made here): each factor gets lam = ``damping`` * tr(C_hat)/dim added
+    to its eigenvalues, i.e. relative to its own mean eigenvalue, so the update stays invariant to the loss
     scale. Directions the statistics have not seen (a rank-deficient single-batch C at step 1) get the gain
     of lam, which is at most sqrt(1/damping) times the typical gain.
 
@@ -589,7 +603,7 @@ class KFWhiten(_KroneckerBase):
         damping: relative Tikhonov damping (see above).
         inv_every: eigendecomposition period k.
         eta_p: momentum (0 = none): M_p <- (1 - eta_p) M_p + eta_p U, W <- W + eta M_p. An extrapolation by
-            analogy with O6; the paper does not derive it.
+            analogy with :class:`~.momentum.BFAdamSS` (Eqs. 18-21); the paper does not derive it.
         sigma2: prior variance; the parameters decay by 1 - eta^2/(2 sigma^2) per step (inf: none).
     """
 

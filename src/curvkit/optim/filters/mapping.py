@@ -1,5 +1,9 @@
 """Hyperparameter maps between the Bayesian filters and the usual optimisers, steady-state formulas,
-and the SGD-like / Adam-like regime indicator (Aitchison 2018, Sec. 2.2; digest O3-O6, K5, K11).
+and the SGD-like / Adam-like regime indicator (Aitchison 2018, Secs. 2.1.1-2.1.2 and 2.2.1, SI Sec. 4.2).
+
+The regime indicator is not in this version of the paper (its later version makes the SGD-like and
+Adam-like regimes its central point); here it is read off the finite-sigma^2 fixed point of the scalar
+filter, :func:`rmsprop_fixed_point`.
 
 All quantities are per step and use the summed log-likelihood (see :mod:`._base`).
 """
@@ -70,8 +74,11 @@ def sgd_lr_from_sigma2(sigma2: float, batch_size: int) -> float:
 
 # ----------------------------------------------------------------------------- steady states
 def rmsprop_fixed_point(eta: float, fisher: float, sigma2: float = math.inf) -> float:
-    """Continuous-time fixed point of the scalar filter (O4; K5):
-    ``1/s = 1/(2 sigma^2) + sqrt(1/(4 sigma^4) + <e^2>/eta^2)``; ``s = eta/sqrt(<e^2>)`` when sigma^2 = inf."""
+    """Continuous-time fixed point of the scalar filter (Sec. 2.1.1, Eqs. 8-12):
+    ``1/s = 1/(2 sigma^2) + sqrt(1/(4 sigma^4) + <e^2>/eta^2)``; ``s = eta/sqrt(<e^2>)`` when sigma^2 = inf.
+
+    The paper gives only the sigma^2 = inf form (the steady state after Eq. 14, from the SI Sec. 4.1
+    recursion); the finite-sigma^2 form keeps that recursion's decay term -(eta^2/sigma^2) s (derived)."""
     if math.isinf(sigma2):
         return eta / math.sqrt(fisher)
     c = 1.0 / (2.0 * sigma2)
@@ -79,13 +86,16 @@ def rmsprop_fixed_point(eta: float, fisher: float, sigma2: float = math.inf) -> 
 
 
 def rmsprop_discrete_fixed_point(eta: float, fisher: float) -> float:
-    """Exact fixed point of Eqs. 11-12 with sigma^2 = inf: ``s* = -eta^2/2 + sqrt(eta^4/4 + eta^2/E)`` (K4)."""
+    """Exact fixed point of Eqs. 11-12 with sigma^2 = inf: ``s* = -eta^2/2 + sqrt(eta^4/4 + eta^2/E)``.
+
+    Derived; the paper's continuous-time eta/sqrt(E) differs from it by about -eta sqrt(E)/2 relative."""
     return -(eta**2) / 2 + math.sqrt(eta**4 / 4 + eta**2 / fisher)
 
 
 def regime(s: float, eta: float, sigma2: float, fisher: float) -> dict[str, float | str]:
     """SGD-likeness ``s/sigma^2`` (-> 1 in the SGD limit) and Adam-likeness ``s sqrt(v)/eta`` (-> 1 in the
-    Adam limit) of a posterior variance ``s`` (digest K11). ``regime`` is the larger of the two."""
+    Adam limit) of a posterior variance ``s`` (not in this version of the paper; see the module docstring).
+    ``regime`` is the larger of the two."""
     sgd = s / sigma2 if math.isfinite(sigma2) else 0.0
     adam = s * math.sqrt(fisher) / eta if eta > 0 else 0.0
     return {"sgd_like": sgd, "adam_like": adam, "regime": "sgd" if sgd > adam else "adam"}
@@ -101,7 +111,10 @@ def momentum_transition(eta: float, eta_p: float, eta_w: float = 0.0, sigma2: fl
 
 
 def momentum_stationary_prior(eta: float, eta_p: float, eta_w: float = 0.0, sigma2: float = 1.0) -> np.ndarray:
-    """Stationary covariance Psi = F Psi F^T + Q of (w, p) (SI 4.2; K7). Needs a finite sigma^2."""
+    """Stationary covariance Psi = F Psi F^T + Q of (w, p). Needs a finite sigma^2.
+
+    Solved exactly; SI Sec. 4.2 gives the first-order solution Psi_ww ~ sigma^2, Psi_wp ~ eta/2,
+    Psi_pp ~ eta_p/2 (the exact Psi_pp is eta_p/(2 - eta_p))."""
     if math.isinf(sigma2):
         raise ValueError("the momentum model has no stationary prior when sigma2 = inf")
     F, Q = momentum_transition(eta, eta_p, eta_w, sigma2)
@@ -110,8 +123,9 @@ def momentum_stationary_prior(eta: float, eta_p: float, eta_w: float = 0.0, sigm
 
 def momentum_filter_fixed_point(eta: float, eta_p: float, fisher: float, eta_w: float = 0.0,
                                 sigma2: float = math.inf) -> np.ndarray:
-    """Steady posterior covariance [[S_ww, S_wp], [S_wp, S_pp]] of the exact 2x2 filter (O5) with a
-    deterministic Fisher ``fisher`` = e^2, from the discrete algebraic Riccati equation (K8)."""
+    """Steady posterior covariance [[S_ww, S_wp], [S_wp, S_pp]] of the exact 2x2 filter (Sec. 2.1.2,
+    Eqs. 15-17) with a deterministic Fisher ``fisher`` = e^2, from the discrete algebraic Riccati equation
+    (exact; the paper's Eqs. 19-21 are a continuous-time, first-order approximation of it)."""
     F, Q = momentum_transition(eta, eta_p, eta_w, sigma2)
     c = np.array([[math.sqrt(fisher)], [0.0]])
     Qr = Q + 1e-300 * np.eye(2)  # DARE solver wants Q symmetric PSD; keep exactly singular Q usable
@@ -121,7 +135,9 @@ def momentum_filter_fixed_point(eta: float, eta_p: float, fisher: float, eta_w: 
 
 
 def adam_closed_forms(eta: float, eta_p: float, fisher: float) -> tuple[float, float]:
-    """The paper's approximate steady state (Eqs. 21-22): S_wp = eta_p/sqrt(E), S_ww = sqrt(2 eta eta_p)/E^{3/4}.
+    """The paper's approximate steady state: S_wp = eta_p/sqrt(E) (Eq. 21), S_ww = sqrt(2 eta eta_p)/E^{3/4}
+    (the unnumbered equation after Eq. 21, from the ww entry of Eq. 20).
 
-    Only rough: the exact filter's S_wp is 0.52-0.94 of this (digest K8)."""
+    Only rough: the exact filter's S_wp (:func:`momentum_filter_fixed_point`) is 0.52-0.94 of this (measured
+    for eta_p from 0.1 down to 0.001)."""
     return math.sqrt(2 * eta * eta_p) / fisher**0.75, eta_p / math.sqrt(fisher)

@@ -1,5 +1,5 @@
-"""Factorised filters with a momentum latent: Bayesian Adam (Aitchison 2018, Sec. 2.1.3, Eqs. 15-22;
-digest O5, O6).
+"""Factorised filters with a momentum latent: Bayesian Adam (Aitchison 2018, Sec. 2.1.2, Eqs. 15-21,
+and SI Sec. 4.2).
 
 Per weight the latent is z = (w, p) with the prior dynamics (15)-(16)
 
@@ -10,19 +10,25 @@ The likelihood only sees w (Eq. 17: e = (e, 0)). Adam's hyperparameters map as l
 beta1 = 1 - eta_p. The gradient is taken at the predicted mean mu_w^- = (1-a) mu_w + eta mu_p, which is
 Nesterov acceleration with "Nesterov-accelerated weight decay" (Sec. 2.2.4).
 
-* :class:`BFAdam` (O5): the exact 2x2 Kalman filter per weight (predict P = F Sigma F^T + Q, then
+* :class:`BFAdam` (Eqs. 15-17 in the generic updates, Eqs. 3, 4 and 7): the exact 2x2 Kalman filter per
+  weight (predict P = F Sigma F^T + Q, then
       k = 1/(1 + P_ww e^2), Sigma_ww = P_ww k, Sigma_wp = P_wp k, Sigma_pp = P_pp - P_wp^2 e^2 k,
       mu_w = mu_w^- + Sigma_ww g, mu_p = mu_p^- + Sigma_wp g).
-  Its effective Adam learning rate is about 0.7-0.83 eta at eta_p = 0.1 (digest K8), not eta.
-* :class:`BFAdamSS` (O6, Eqs. 19-22): the steady state with v = EMA(e^2):
+  Its effective Adam learning rate is about 0.7-0.83 eta at eta_p = 0.1, not eta (measured on the exact filter
+  with a constant gradient; the paper's closed forms, Eq. 21 and the Sigma_ww equation after it, are only
+  rough approximations of its steady state).
+* :class:`BFAdamSS` (Eqs. 18-21 and the unnumbered Sigma_ww equation after Eq. 21): the steady state with
+  v = EMA(e^2) (the paper only writes an average <e^2>; an Adam-style EMA is the choice made here):
       Sigma_wp = eta_p / sqrt(v_hat),  Sigma_ww = 0 (Adam)  or  sqrt((eta_w^2 + 2 eta Sigma_wp)/v_hat)
       (``combine=True``, Sec. 2.2.7). With Sigma_ww = 0 the displacement at step t+1 is eta mu_p(t),
       with mu_p an EMA (weight eta_p) of g / sqrt(v_hat): Adam without bias correction of the first
-      moment, lagged by one step (digest K6).
+      moment, lagged by one step (derived, not stated in the paper, which substitutes the steady mu_p into
+      Eq. 18a, printed there as "Eq. 18b"; checked step by step in the tests).
 
-Only the paper's first-order discretisation of the drift is used here (digest A8 recommends the exact
-exponential form for the scalar filter; the 2x2 model keeps the paper's F so that the DARE/Lyapunov
-checks K7-K8 apply verbatim).
+Only the paper's first-order discretisation of the drift is used here (the scalar filters default to the exact
+exponential discretisation of the author's later code, which keeps the stationary variance exactly sigma^2;
+the 2x2 model keeps the paper's F so that the exact discrete Lyapunov and Riccati solutions in :mod:`.mapping`
+describe it verbatim).
 """
 
 from __future__ import annotations
@@ -57,13 +63,14 @@ def _prior_mean(p: Tensor, mu_w: Tensor, decay: float, mu_p: Tensor, eta: float)
 
 
 class BFAdam(_Factorised):
-    """Bayesian-filtering Adam: exact per-weight weight+momentum Kalman filter (O5).
+    """Bayesian-filtering Adam: exact per-weight weight+momentum Kalman filter (Sec. 2.1.2, Eqs. 15-17).
 
     Args: ``lr`` = eta (momentum coupling; Adam lr), ``eta_p`` = 1 - beta1, ``eta_w`` direct diffusion
     of w (0 = pure Adam model), ``sigma2`` stationary prior variance (inf: no decay), ``s0`` initial
     Sigma_ww (default: sigma^2's stationary value, or ``lr_sgd / B`` when sigma^2 = inf).
-    Initial covariance: the stationary prior of (15) (digest A5), Sigma_wp and Sigma_pp from the exact
-    discrete Lyapunov equation (Sigma_pp = eta_p/(2 - eta_p)).
+    Initial covariance: the stationary prior of (15)-(16) (SI Sec. 4.2; the paper gives no initialisation,
+    this is the choice made here), Sigma_wp and Sigma_pp from the exact discrete Lyapunov equation
+    (Sigma_pp = eta_p/(2 - eta_p)).
     """
 
     _var_key = "S_ww"
@@ -122,12 +129,13 @@ class BFAdam(_Factorised):
         _prior_mean(p, mu_w, d, mu_p, eta)              # mu_w^- of the next step
 
     def _step_gain(self, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
-        # steady displacement per unit gradient: Sigma_ww + eta Sigma_wp / eta_p (digest K8)
+        # steady displacement per unit gradient: Sigma_ww + eta Sigma_wp / eta_p (Eqs. 18a-b with mu_p at its
+        # steady value Sigma_wp g / eta_p)
         return state["S_ww"] + state["S_wp"] * (group["lr"] / group["eta_p"])
 
 
 class BFAdamSS(_Factorised):
-    """Steady-state Bayesian Adam (O6); ``combine=True`` keeps Sigma_ww (RMSProp+Adam, Sec. 2.2.7).
+    """Steady-state Bayesian Adam (Eqs. 18-21); ``combine=True`` keeps Sigma_ww (RMSProp+Adam, Sec. 2.2.7).
 
     ``posterior_precision`` is the diagonal 1/Sigma_ww; with ``combine=False`` (Sigma_ww = 0, the paper's
     "questionable approximation") it is reported from the combined formula with eta_w as given, so it
