@@ -193,12 +193,13 @@ def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]
         budget = 4.0 if (dataset == "faces" and scale == "paper") else 1.0
         task = make_task(dataset, X, st, seed)
         gn_specs, adam_specs = run_specs(st, budget)
-        gn = {s.name: train_run(task, s, out / "runs" / dataset / _slug(s.name), batch_seed=seed) for s in gn_specs}
-        adam = {s.name: train_run(task, s, out / "runs" / dataset / _slug(s.name), batch_seed=seed)
-                for s in adam_specs}
-        assert all(r is not None for r in gn.values()) and all(r is not None for r in adam.values())
-        gn_r: dict[str, dict[str, Any]] = gn  # type: ignore[assignment]
-        adam_r: dict[str, dict[str, Any]] = adam  # type: ignore[assignment]
+        done: dict[str, dict[str, Any]] = {}
+        for s in _run_order(gn_specs, adam_specs):  # a partial (interrupted) run still holds a comparison
+            r = train_run(task, s, out / "runs" / dataset / _slug(s.name), batch_seed=seed)
+            assert r is not None
+            done[s.name] = r
+        gn_r = {s.name: done[s.name] for s in gn_specs}
+        adam_r = {s.name: done[s.name] for s in adam_specs}
         tops = [k for k in (1, 10, 20) if k <= len(adam_r)] or [1]
         if len(adam_r) < 10:
             tops = sorted({1, min(3, len(adam_r)), len(adam_r)})
@@ -214,6 +215,13 @@ def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]
     write_text(out / "results.json", __import__("json").dumps(to_jsonable(results), indent=1) + "\n")
     write_text(out / "report.md", "\n".join(md) + "\n")
     return results
+
+
+def _run_order(gn: list[RunSpec], adam: list[RunSpec]) -> list[RunSpec]:
+    """KFRA, Adam at its default, KFAC, the Adam grid, then the moving-average variants: the order in which
+    an interrupted run has the most to compare (finished runs are kept and reused)."""
+    first = [s for s in gn if s.ema is None]
+    return first[:1] + adam[:1] + first[1:] + adam[1:] + [s for s in gn if s.ema is not None]
 
 
 def _slug(name: str) -> str:
