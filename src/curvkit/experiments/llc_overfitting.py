@@ -1,4 +1,4 @@
-"""``llc-overfitting``: paper App. A (Figs. 7-8) / digest A - λ̂, Tr(H) and WBIC rise as the model overfits.
+"""``llc-overfitting``: paper App. A.3 (Figs. 7-8) - λ̂, Tr(H) and WBIC rise as the model overfits.
 
 The paper used Fashion-MNIST 2HL-128, lr 1e-2, α = 0.1 for 40 epochs. Fashion-MNIST is not bundled:
 ``medium``/``paper`` use it when ``CURVKIT_FASHION_MNIST_DIR`` points at its files and fall back to the

@@ -1,13 +1,15 @@
-"""Shared machinery of the NGD-vs-SGD experiments (digest 003 section 3): data per scale, one training
-run with per-epoch λ̂ / Tr(H) / losses / update norms, checkpointing after every epoch (a rerun resumes
-and gives the same result), and report helpers. Registers nothing itself.
+"""Shared machinery of the NGD-vs-SGD experiments (Saghir et al. 2024, Sec. 3 and App. A): data per scale,
+one training run with per-epoch λ̂ / Tr(H) / losses / update norms, checkpointing after every epoch (a rerun
+resumes and gives the same result), and report helpers. Registers nothing itself.
 
-Protocol (Repo, digest 2.2-2.6): MLP Flatten -> [Linear(h), ReLU] x L -> Linear(10), PyTorch default
-init, CE loss, batch 128, both optimisers with Nesterov momentum 0.9, no weight decay. NGD = Kaldi online
-NG (:class:`curvkit.optim.KaldiNGD`, eta 0.9, delta 5e-4, update period 4). λ̂: SGLD ε = 1e-4, γ = 100,
-nβ = m/ln m, burn-in 0, minibatch init loss. Tr(H): Rademacher Hutchinson on a *fixed* seeded subset of
-1,280 training points (digest ambiguity 12). The data order has its own generator per seed, shared by
-the optimisers (ambiguity 15).
+Protocol (the paper's Sec. 2 and captions; where they are silent, the authors' code): MLP Flatten ->
+[Linear(h), ReLU] x L -> Linear(10), PyTorch default init, CE loss, batch 128, both optimisers with Nesterov
+momentum 0.9, no weight decay. NGD = Kaldi online NG (:class:`curvkit.optim.KaldiNGD`, eta 0.9, delta 5e-4,
+update period 4). λ̂: SGLD ε = 1e-4, γ = 100, nβ = m/ln m, burn-in 0, minibatch init loss. Tr(H): Rademacher
+Hutchinson on a *fixed* seeded subset of 1,280 training points (the paper's App. B says Gaussian probes; the
+authors' code used Rademacher probes on 1,280 points drawn afresh at every checkpoint; the fixed subset is our
+choice and removes that resampling noise). The data order has its own generator per seed, shared by the
+optimisers (our choice; the authors' code does not seed it, so their SGD and NGD runs saw different orders).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Measure:
 @dataclass(frozen=True)
 class RunSpec:
     """One training run. ``optimizer`` is 'sgd' or 'ngd'; with ``switch_epoch`` = K the run trains with
-    SGD at ``lr_before`` for epochs 1..K and with ``optimizer`` at ``lr`` afterwards (digest E3)."""
+    SGD at ``lr_before`` for epochs 1..K and with ``optimizer`` at ``lr`` afterwards (paper Sec. 3.3)."""
 
     name: str
     hidden: int

@@ -1,9 +1,10 @@
-"""``ngd-smoothing``: paper Fig. 3 / digest E2 - more Fisher smoothing (larger α, or larger ε at α = 0)
+"""``ngd-smoothing``: paper Fig. 3 (Sec. 3.2) - more Fisher smoothing (larger α, or larger ε at α = 0)
 pushes λ̂ of NGD down towards SGD's.
 
 Scales: ``smoke`` - synthetic blobs, 2HL-16, α ∈ {0.01, 50}, ε ∈ {1e-1, 1e-10} (α = 0), 5 epochs;
 ``medium`` - MNIST 2HL-256, α ∈ {0, 1e-2, 0.1, 1, 5, 50}, ε ∈ {1e-1, 1e-4, 1e-10, 1e-19}, 15 epochs,
-2 chains x 1000 draws at the last epoch; ``paper`` - the digest's full sweeps, 30 epochs, seed 1.
+2 chains x 1000 draws at the last epoch; ``paper`` - the full sweeps of the authors' code (the α and ε
+values of ``PAPER_ALPHA`` / ``PAPER_EPS``), 30 epochs, seed 1.
 Checkpoints after every epoch under ``out/checkpoints``.
 """
 

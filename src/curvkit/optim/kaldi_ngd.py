@@ -1,5 +1,8 @@
 """Kaldi's online natural gradient (Povey, Zhang & Khudanpur 2015, arXiv:1410.7455), as the NGD paper's
-authors actually ran it (digest 003 section 2.3). Written from the algorithm's description; no code copied.
+authors actually ran it: the paper (Saghir et al. 2024, arXiv:2409.04913) writes NGD as
+w <- w - eta F_s^{-1} grad L with F_s = F + kappa I (its eqs. 5-7), but its code uses ``ngd.py`` of the
+NGD-SGD repository, a PyTorch port of Kaldi's method. Written from the algorithm's description; no code
+copied.
 
 For every parameter tensor and every tensor axis a of size D > 1 there is one Fisher-like estimate
 
@@ -10,7 +13,8 @@ and the other axes flattened ("the other dimensions act as the minibatch"). F_t 
 
     F̂_t = F_t + α (tr F_t / D) I = R_tᵀ diag(d_t) R_t + β_t I,   β_t = ρ_t (1 + α) + α Σd_t / D,
 
-(the paper's κ = (α/d) max(tr F, ε) of eq. 7 with d = the axis size D, digest ambiguity 2), and the
+(the paper's κ = (α/d) max(tr F, ε) of eq. 7, but as the authors' code does it: d = the axis size D, not
+the total parameter count, and ε a floor on the eigenvalues, not on the trace), and the
 gradient is replaced by X̂ = β_t X F̂_t⁻¹ = X - X Wᵀ W with W = diag(e)^{1/2} R, e = d/(d + β). The
 estimate used is the one from *before* the current batch; afterwards F is moved towards
 S = XᵀX/N, F_{t+1} ≈ η S + (1 - η) F_t, by one step of subspace iteration plus an R x R eigen-
@@ -164,9 +168,10 @@ def precondition_axis(state: AxisState | None, X: Tensor, alpha: float, eta: flo
 class KaldiNGD(CurvatureOptimizer):
     """Online natural-gradient SGD (Kaldi NG-SGD) with torch-SGD momentum/Nesterov.
 
-    Defaults are the reproduction settings of the paper's repository (digest 2.3): alpha=0.1,
-    eta=0.9 (EMA weight of the *new* batch), epsilon=1e-10, delta=5e-4, rank=auto (min((D+1)//2, 80)),
-    update_period=4, momentum=0.9, nesterov=True, preserve_norm=True. ``alpha=0`` is allowed.
+    Defaults are the settings of the paper's code (its figure captions give only alpha, lr and epsilon):
+    alpha=0.1, eta=0.9 (EMA weight of the *new* batch), epsilon=1e-10, delta=5e-4, rank=auto
+    (min((D+1)//2, 80)), update_period=4, momentum=0.9, nesterov=True, preserve_norm=True. ``alpha=0`` is
+    allowed.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, momentum: float = 0.9, dampening: float = 0.0,

@@ -1,4 +1,4 @@
-"""SGLD as a ``torch.optim`` optimiser (devinterp convention, digest section 2.5).
+"""SGLD as a ``torch.optim`` optimiser (devinterp's convention, which the NGD paper's authors used).
 
 One ``step()`` after ``loss.backward()`` (loss = the *mean* minibatch loss) performs, per parameter,
 

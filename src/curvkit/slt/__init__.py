@@ -1,5 +1,5 @@
-"""Singular learning theory diagnostics (digest 003): LLC by vectorised SGLD, WBIC, Hessian trace,
-effective dimension."""
+"""Singular learning theory diagnostics (as in Saghir et al. 2024, "NGD converges to less degenerate
+solutions than SGD", arXiv:2409.04913): LLC by vectorised SGLD, WBIC, Hessian trace, effective dimension."""
 
 from curvkit.slt.diagnostics import plot_chains, summary
 from curvkit.slt.hessian import (

@@ -1,13 +1,15 @@
-"""Hessian trace and effective dimension at a solution (paper section 2.3 and App. B; digest 2.4, 2.6).
+"""Hessian trace and effective dimension at a solution (NGD paper App. B; Sec. 1.1 motivates the effective
+dimension).
 
 * :func:`hessian_trace` - Tr(H) of the mean loss on a fixed data set by Hutchinson's estimator
   (paper eq. 34): Tr(H) = E[vᵀ H v], E[v vᵀ] = I, with Rademacher (default, as PyHessian and the
   authors' code) or Gaussian (the paper's text) probes. Stopping: ``tol`` = relative standard error
   (curvkit's rule), or ``protocol="pyhessian"`` - PyHessian's rule (runs of up to 50 probes that stop
   when |mean - previous mean| / (|previous mean| + 1e-6) < 1e-5, repeated 5 times, all probe values
-  averaged; digest 2.4). ``method="exact"`` gives the exact trace (small models).
+  averaged, as in the authors' code). ``method="exact"`` gives the exact trace (small models).
 * :func:`effective_dimension` - Maddox et al.'s N_eff(H, z) = Σ_i h_i / (h_i + z); with z = γ/(nβ) it
-  equals 2 λ̂ for a quadratic loss (digest C8).
+  equals 2 λ̂ for a quadratic loss sampled exactly (derived, not in the paper; see
+  :func:`curvkit.slt.quadratic_llc`).
 * :func:`thresholded_rank` - #{i : h_i > τ} (τ absolute, or relative to the largest eigenvalue).
 * :func:`hessian_spectrum` - all eigenvalues (dense, small models) or the top k by Lanczos.
 

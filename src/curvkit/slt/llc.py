@@ -1,6 +1,6 @@
 """Local learning coefficient λ̂(w*) and WBIC from SGLD draws (paper section 2.2, eq. 18-21).
 
-Estimator (paper eq. 19, devinterp convention, digest section 2.5):
+Estimator (paper eq. 19, as devinterp computes it; the paper's authors used devinterp):
 
     λ̂(w*) = nβ ( E^β_{w|w*}[ L(w) ] - L(w*) ),
 
@@ -444,7 +444,8 @@ def estimate_llc_potential(
 
 
 def quadratic_llc(eigenvalues: Tensor, nbeta: float, gamma: float, epsilon: float = 0.0) -> float:
-    """λ̂ predicted for a quadratic loss ½ Σ h_i u_i² sampled exactly by SGLD (digest C1/C8):
+    """λ̂ predicted for a quadratic loss ½ Σ h_i u_i² sampled exactly by SGLD (derived, not in the paper; the
+    draws are Gaussian there, so their mean has a closed form):
 
         λ̂ = ½ Σ_i nβ h_i / (a_i (1 - ε a_i / 4)),   a_i = nβ h_i + γ,
 

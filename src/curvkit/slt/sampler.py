@@ -1,10 +1,11 @@
 """SGLD from the localized tempered posterior, several chains vectorised together.
 
-Target density (paper eq. 20, in devinterp's convention, digest section 2.5 and ambiguity 7):
+Target density (paper eq. 20 in the convention of devinterp, which the paper's authors used: eq. 20
+prints the localizing term as γ||w - w*||², devinterp's drift gives (γ/2)||w - w*||²):
 
     p(w | D_n, w*) ∝ exp( -nβ L_n(w) - (γ/2) ||w - w*||² ),
 
-sampled by the SGLD update (paper eq. 21 with the 1/m of Lau et al. restored, digest ambiguity 8)
+sampled by the SGLD update (paper eq. 21, which drops the 1/m of Lau et al.'s minibatch sum; restored here)
 
     w <- w - (ε/2) (nβ ∇ℓ_B(w) + γ (w - w*)) + sqrt(ε) ξ,    ξ ~ N(0, I),
 
@@ -86,8 +87,8 @@ def count(name: str, value: Any, minimum: int = 1) -> int:
 @dataclass(frozen=True)
 class SGLDConfig:
     """SGLD settings (devinterp names in brackets: lr, localization, nbeta, num_chains, num_draws,
-    num_burnin_steps, num_steps_bw_draws). Defaults are the paper's repository settings (digest 2.5)
-    except ``num_chains`` (4 instead of 1-2)."""
+    num_burnin_steps, num_steps_bw_draws). Defaults are the settings in the paper's code (the paper
+    itself states none) except ``num_chains`` (4 instead of 1-2)."""
 
     epsilon: float = 1e-4
     gamma: float = 100.0
