@@ -2,7 +2,7 @@
 
 A likelihood turns network outputs ``f`` of shape (B, C) (the natural parameters h_L of thesis Eq. 3.10:
 logits, or the Gaussian mean) and targets into the negative log-likelihood, and supplies everything the
-curvature engine needs in output space (digest 002, section 2.3 table):
+curvature engine needs in output space (thesis Secs. 3.4.1 and 3.5):
 
 * ``nll(f, y)``            - reduced NLL (``reduction='sum'`` or ``'mean'`` over the batch; explicit);
 * ``nll_per_sample(f, y)`` - (B,) per-sample NLL L^n;
@@ -129,7 +129,8 @@ class CrossEntropy(Likelihood):
         return p - p**2
 
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        """S = diag(sqrt p) - p sqrt(p)^T, (B, K, K): S S^T = diag(p) - p p^T (digest 002 section 2.3)."""
+        """S = diag(sqrt p) - p sqrt(p)^T, (B, K, K): S S^T = diag(p) - p p^T (the factor KFLR propagates,
+        thesis Sec. 4.3.1)."""
         p = f.softmax(-1)
         sp = p.sqrt()
         return torch.diag_embed(sp) - p[:, :, None] * sp[:, None, :]

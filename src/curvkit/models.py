@@ -93,9 +93,9 @@ def autoencoder(
 ) -> nn.Sequential:
     """D-1000-500-250-30-250-500-1000-D autoencoder; hidden widths scaled by ``width`` (code layer fixed).
 
-    The thesis (section 4.5) does not state the hidden activation; following digest 002 section 4.5 the
-    default is tanh on every hidden layer including the 30-unit code. The output gives logits (Bernoulli
-    likelihood) or means (Gaussian), with no output activation.
+    The thesis (Sec. 4.5) does not state the hidden activation; the default here is tanh on every hidden
+    layer including the 30-unit code, the choice of the authors' public autoencoder example. The output
+    gives logits (Bernoulli likelihood) or means (Gaussian), with no output activation.
     """
     if width <= 0:
         raise ValueError(f"width must be positive, got {width}")

@@ -29,7 +29,8 @@ The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dth
   Equal to the GGN for the three built-in heads (Eqs. 3.37-3.38).
 * :class:`MCFisherOperator` - F_L replaced by (1/M) sum_m g(f_n, y_nm) g(f_n, y_nm)^T with M labels per
   point sampled from the model ONCE at construction (seeded), so the operator is a fixed matrix; with
-  M = 1 this is the curvature that KFAC factorises (digest section 2.6).
+  M = 1 this is the curvature that KFAC factorises (thesis Sec. 4.3.3: one label sampled from the model per
+  data point).
 * :class:`EmpiricalFisherOperator` - F_L replaced by g(f_n, y_n) g(f_n, y_n)^T at the DATA labels
   (not the thesis's Fisher; differs from the GGN in general).
 
@@ -734,7 +735,7 @@ class MCFisherOperator(OutputFactorOperator):
 class EmpiricalFisherOperator(OutputFactorOperator):
     """Empirical Fisher w sum_n grad L^n grad L^n^T at the DATA labels (S_n = dL^n/df_n, R = 1).
 
-    Not the thesis's Fisher (which samples labels from the model, digest section 2.6): it differs from
+    Not the thesis's Fisher (which samples labels from the model, Eq. 3.35): it differs from
     the GGN in general and is provided for comparison only. Rank <= N.
     """
 

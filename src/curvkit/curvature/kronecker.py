@@ -1,4 +1,4 @@
-"""Kronecker-factored curvature per layer: KFAC, KFLR, KFRA (thesis section 4.3; digest 002 section 3.3).
+"""Kronecker-factored curvature per layer: KFAC, KFLR, KFRA (thesis Sec. 4.3).
 
 Each layer's block of the GGN (= type-2 Fisher for the exponential-family likelihoods of
 :mod:`curvkit.likelihoods`) is approximated by the factored expectation (thesis Eqs. 4.2-4.3)
@@ -15,8 +15,8 @@ pre-activation ``h_l`` (thesis Eq. 4.6), and the estimators differ only in the v
 * :func:`kfac` (Monte Carlo Fisher, Sec. 4.3.3; Martens & Grosse 2015): ``c^n = dL(y_hat^n)/dh_L`` for
   labels ``y_hat ~ p(y | h_L)`` sampled from the MODEL with a seeded generator, averaged over
   ``mc_samples`` samples. Unbiased for KFLR's G.
-* :func:`empirical_kfac`: ``c^n = dL(y^n)/dh_L`` at the DATA labels (empirical Fisher; not a GGN estimator,
-  thesis digest section 2.6; provided for comparisons only).
+* :func:`empirical_kfac`: ``c^n = dL(y^n)/dh_L`` at the DATA labels (empirical Fisher; not a GGN estimator:
+  the thesis's Fisher, Eq. 3.35, samples labels from the model; provided for comparisons only).
 * :func:`kfra` (recursive, Sec. 4.3.2, Eq. 4.7): propagates the batch-mean matrix,
   ``G_L = mean_n H_L^n``, ``G_l = (W_{l+1}^T G_{l+1} W_{l+1}) o (Phi_l^T Phi_l / B)`` with
   ``Phi_l = phi'(h_l)`` (B, d_l) - the activation DERIVATIVE, not the activation (erratum of Algorithm 1).
@@ -90,7 +90,8 @@ def kfac(model: nn.Module, likelihood: Likelihood, data: Data, mc_samples: int =
 def empirical_kfac(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOperator:
     """Kronecker-factored EMPIRICAL Fisher: ``c = likelihood.output_grad(f, y)`` at the data labels.
 
-    Not an estimator of the GGN/Fisher (it is biased; digest 002 section 2.6); for comparisons only.
+    Not an estimator of the GGN/Fisher (it is biased: the thesis's Fisher, Eq. 3.35, samples the labels from
+    the model); for comparisons only.
     """
     return KroneckerEstimator(model, likelihood, "empirical").update(data).operator()
 

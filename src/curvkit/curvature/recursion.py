@@ -10,7 +10,7 @@ For a feed-forward chain (thesis Eq. 3.10) ``a_hat_0 = [x; 1]``, ``h_l = W_hat_l
 
 with ``W_{l+1}`` WITHOUT its bias column; the pre-activation GGNs (Eq. 3.30) obey the same recursion
 without ``D_l``: ``G_L = H_L``, ``G_l = B_l W_{l+1}^T G_{l+1} W_{l+1} B_l``. The exact per-sample diagonal
-parameter block is, in PyTorch's row-major ``W_hat = [W | b]`` layout (digest 002 section 0),
+parameter block is, in PyTorch's row-major ``W_hat = [W | b]`` layout (see :mod:`curvkit.linalg.kron`),
 
     d^2 L^n / dW_hat_l^2 = H_l^n (x) a_hat_{l-1}^n a_hat_{l-1}^{nT}     (thesis Eq. 3.17 re-ordered),
 

@@ -1,4 +1,4 @@
-"""Kronecker-factored, block-diagonal curvature (thesis chapter 4; digest 002 sections 0, 3.2 and 3.4).
+"""Kronecker-factored, block-diagonal curvature (thesis Ch. 4: Sec. 4.2, Eqs. 4.2-4.3, and Sec. 4.4.2).
 
 Layout (read this first). PyTorch stores a ``nn.Linear`` weight as (out, in) and flattens row-major. With
 the bias appended as the LAST column, ``W_hat = [W | b]`` has shape (out, in+1) (``(out, in)`` without a
@@ -7,8 +7,8 @@ curvature block is
 
     G (x) A,   G: (out, out) output-side factor,  A: (in_aug, in_aug) input-side factor,
 
-with the OUTPUT factor first (the thesis writes ``A (x) G`` because it stacks columns, digest section 0),
-and for symmetric A
+with the OUTPUT factor first (the thesis writes ``A (x) G``, Eq. 3.17, because its vec stacks columns,
+Sec. 3.2.2), and for symmetric A
 
     (G (x) A) vec_row(X) = vec_row(G X A^T) = vec_row(G X A).
 
