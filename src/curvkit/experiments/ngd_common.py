@@ -79,7 +79,7 @@ class Data:
 def load_data(scale: str, dataset: str = "mnist", seed: int = 0) -> Data:
     """smoke: synthetic 10-class Gaussian blobs (32-d, 2,000 train / 1,000 test; always available).
     medium/paper: MNIST (bundled) or Fashion-MNIST (user files via CURVKIT_FASHION_MNIST_DIR), flattened,
-    normalised as the Repo ((0.1307, 0.3081) for MNIST, (0.5, 0.5) for Fashion-MNIST)."""
+    normalised as the authors' code does ((0.1307, 0.3081) for MNIST, (0.5, 0.5) for Fashion-MNIST)."""
     if scale == "smoke":
         from curvkit.data.synthetic import classification
 
@@ -205,7 +205,7 @@ def _batches(X: Tensor, y: Tensor, m: int, gen: torch.Generator) -> Any:
 
 
 def welch_one_sided(sgd: Sequence[float], ngd: Sequence[float]) -> dict[str, float]:
-    """One-sided Welch t-test of mean(SGD) < mean(NGD) (the Repo's test), plus the two-sided p."""
+    """One-sided Welch t-test of mean(SGD) < mean(NGD) (the authors' test), plus the two-sided p."""
     from scipy import stats
 
     if len(sgd) < 2 or len(ngd) < 2:

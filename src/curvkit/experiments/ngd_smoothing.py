@@ -52,7 +52,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     sgd = final_llc(train_run(mk(f"e2-sgd-{h}", h, 2, "sgd", epochs=E, seed=1), data, m, ck))
     alpha_res = {}
     for a in st["alphas"]:
-        eps = 1e-20 if a > 1e-3 else 1e-10  # Repo: ε = 1e-20 in the α sweep (1e-10 for α <= 1e-3)
+        eps = 1e-20 if a > 1e-3 else 1e-10  # authors' code: ε = 1e-20 in the α sweep (1e-10 for α <= 1e-3)
         recs = train_run(mk(f"e2-alpha{a:g}-{h}", h, 2, "ngd", alpha=a, epsilon=eps, epochs=E, seed=1), data, m, ck)
         alpha_res[a] = final_llc(recs)
     eps_res = {}

@@ -3,7 +3,7 @@ with SGD and one with NGD; λ̂ rises after switching to NGD but not when SGD's 
 
 Scales: ``smoke`` - synthetic blobs, 2HL-16, cut-off 3 of 6 epochs; ``medium`` - MNIST 2HL-256, cut-off
 15 of 30 epochs, SGD lr 1e-4 before, after the split SGD lr {1e-4, 1e-2} and NGD lr {1e-4, 1e-3, 1e-2};
-``paper`` - cut-off 15 of 50 epochs (Repo), same lrs, 2 chains x 1000 draws every epoch.
+``paper`` - cut-off 15 of 50 epochs (the authors' code), same lrs, 2 chains x 1000 draws every epoch.
 Training seed 2 + ``--seed`` (the paper's runs use seed 2). Every branch checkpoints after each epoch.
 """
 

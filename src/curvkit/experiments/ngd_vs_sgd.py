@@ -75,7 +75,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
                                epochs=st["epochs"], seed=s)
                 recs = train_run(spec, data, st["m1"], ck)
                 llcs = [r["llc"] for r in recs if r["epoch"] in last]
-                vals[opt].append(sum(llcs) / len(llcs))  # Repo: mean of the last two epochs
+                vals[opt].append(sum(llcs) / len(llcs))  # authors' code: mean of the last two epochs
                 val_loss[opt].append(sum(r["val_loss"] for r in recs if r["epoch"] in last) / 2)
         test = welch_one_sided(vals["sgd"], vals["ngd"])
         ms, mn = mean_std(vals["sgd"]), mean_std(vals["ngd"])
