@@ -61,36 +61,43 @@ def test_estimators_and_layers(tiny_run: tuple[Path, dict[str, Any]]) -> None:
     assert res["num_params"] == 784 * 16 + 16 + 16 * 10 + 10
 
 
-def test_block_errors_are_sane(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+def test_block_errors(tiny_run: tuple[Path, dict[str, Any]]) -> None:
     _, res = tiny_run
     probe, exact, se = res["block_rel_error_probe"], res["block_rel_error_exact"], res["block_rel_error_probe_se"]
     for n in probe:
         assert all(math.isfinite(e) and e >= 0 for e in probe[n]), n
         assert exact[n][0] is None and exact[n][1] is not None
-        # the probe estimate agrees with the exact value on the output layer (within 5 s.e. or 25%)
-        assert abs(probe[n][1] - exact[n][1]) <= max(5 * se[n][1], 0.25 * exact[n][1]), n
+        # the probe estimate agrees with the exact value on the output layer within 4 bootstrap standard
+        # errors (the largest deviation seen over the estimators is 1.1 s.e.)
+        assert abs(probe[n][1] - exact[n][1]) <= 4 * se[n][1], n
     # KFLR and KFRA both use the batch-mean output Hessian on the last layer: identical blocks
     assert exact["KFLR"][1] == pytest.approx(exact["KFRA"][1], rel=1e-9)
-    # the factored-expectation error of KFLR on the output layer is small, and below KFAC's (MC noise added)
-    assert exact["KFLR"][1] < 0.2
+    # KFAC is KFLR plus Monte Carlo noise (one sampled label per point), so its error is larger
     assert exact["KFLR"][1] < exact["KFAC"][1]
-    # a diagonal cannot represent the off-diagonal mass of the block: its error is large
-    assert exact["exact diagonal"][1] > 0.5
-    # the exact diagonal as a block approximation is optimal among diagonals (Frobenius projection)
+    # the exact diagonal is the Frobenius projection of the block onto diagonals: no diagonal does better
     for n in ("Hutchinson diagonal", "MC Fisher diagonal", "empirical Fisher diagonal"):
         assert exact["exact diagonal"][1] <= exact[n][1] + 1e-12
 
 
-def test_diagonals_and_traces(tiny_run: tuple[Path, dict[str, Any]]) -> None:
-    _, res = tiny_run
-    assert "exact diagonal" in res["diagonal_rel_error"]
-    assert all(e == 0 for e in res["diagonal_rel_error"]["exact diagonal"])
-    ex = res["traces"]["exact"]
-    assert ex > 0
-    # every trace estimate within 50% (Hutchinson with 64 probes, MC with one label per point)
-    for name, t in res["traces"].items():
-        assert abs(t - ex) / ex < 0.5, name
-    assert abs(res["traces"]["KFLR"] - ex) / ex < 0.05  # tr(G (x) A) = tr(G) tr(A): factored mean only
+def test_exact_trace_by_an_independent_route(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+    """The report's exact trace (batched backward passes to the layer outputs) equals the trace from
+    per-sample gradients of the same trained model on the same evaluation batch, and the Hutchinson
+    estimate lies within 4 of its standard errors."""
+    from curvkit import checkpoint
+    from curvkit.curvature import GGNOperator
+    from curvkit.likelihoods import CrossEntropy
+
+    out, res = tiny_run
+    cfg = cr.config_for("tiny", show_progress=False)
+    X, y, _, _ = cr.load_data(cfg, 0)
+    model = mlp([784, cfg.hidden, 10], "relu", seed=0)
+    model.load_state_dict(checkpoint.load(out / "checkpoint.pt")["model"])
+    idx = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(2))[: cfg.eval_size]
+    G = GGNOperator(model.double(), CrossEntropy("mean"), (X[idx].double(), y[idx]))
+    per_sample = float(G._diagonal_per_sample().flat.sum())
+    assert res["traces"]["exact"] == pytest.approx(per_sample, rel=1e-10)
+    name = f"Hutchinson ({cfg.hutchinson_probes} probes)"
+    assert abs(res["traces"][name] - per_sample) <= 4 * res["trace_standard_errors"][name]
 
 
 def test_step_cosines(tiny_run: tuple[Path, dict[str, Any]]) -> None:
@@ -100,17 +107,24 @@ def test_step_cosines(tiny_run: tuple[Path, dict[str, Any]]) -> None:
     for lam, st in res["steps"].items():
         assert st["cg_relative_residual"] <= 10 * cfg.cg_tol, lam
         assert st["block_cg_relative_residual"] <= 10 * cfg.cg_tol, lam
-        for n, c in st["full"].items():
-            assert -1 - 1e-12 <= c <= 1 + 1e-12, (lam, n)
-            assert all(-1 - 1e-12 <= x <= 1 + 1e-12 for x in st["per_layer"][n]), (lam, n)
-        # the exact block step is its own per-layer reference
-        assert st["per_layer"]["exact block-diagonal GGN"] == pytest.approx([1.0, 1.0], abs=1e-9)
         # curvature helps: the Kronecker steps are closer to the exact GGN step than the plain gradient
         assert st["full"]["KFLR"] > st["full"]["gradient (no curvature)"]
         assert st["per_layer"]["KFLR"][1] > 0.95  # near-exact factors on the output layer
     # cosines grow with damping (every preconditioner tends to the gradient direction)
     lo, hi = (str(lam) for lam in sorted(cfg.dampings)[:2])
     assert res["steps"][hi]["full"]["gradient (no curvature)"] > res["steps"][lo]["full"]["gradient (no curvature)"]
+
+
+def test_rerun_keeps_the_finished_stages(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+    """A re-run of the same configuration reuses the training checkpoint and every finished evaluation
+    stage (estimators, block errors, CG steps, KFLR check) and reports the same numbers."""
+    out, res = tiny_run
+    stages = sorted(p.name for p in (out / "stages").iterdir())
+    assert stages == ["block_errors_0.pt", "block_errors_2.pt", "estimators.pt", "kflr_check.pt",
+                      "reference_steps.pt"]
+    again = cr.run_config(cr.config_for("tiny", show_progress=False), out, seed=0, scale="tiny")
+    assert again["traces"] == res["traces"] and again["steps"] == res["steps"]
+    assert again["block_rel_error_exact"] == res["block_rel_error_exact"]
 
 
 def test_kflr_single_datum_is_exact(tiny_run: tuple[Path, dict[str, Any]]) -> None:
@@ -158,19 +172,6 @@ def test_training_resumes_to_the_same_weights(tmp_path: Path) -> None:
                          seed=0, ckpt=tmp_path / "b.pt")
     # (had the checkpoint been reused, the first log entry would be the old run's)
     assert len(log_other) == 2 and log_other[0]["train_loss"] != log2[0]["train_loss"]
-
-
-def test_shifted_cg_matches_direct_solves() -> None:
-    gen = torch.Generator().manual_seed(0)
-    M = torch.randn(12, 5, generator=gen, dtype=torch.float64)
-    A = M @ M.T  # PSD, rank 5: singular without the shift
-    B = torch.randn(12, 3, generator=gen, dtype=torch.float64)
-    shifts = torch.tensor([1e-2, 1e-1, 1.0], dtype=torch.float64)
-    X, iters, resid = cr.shifted_cg(lambda P: A @ P, B, shifts, tol=1e-12, max_iter=100)
-    for j in range(3):
-        ref = torch.linalg.solve(A + shifts[j] * torch.eye(12, dtype=torch.float64), B[:, j])
-        assert torch.allclose(X[:, j], ref, atol=1e-9)
-        assert resid[j] < 1e-10 and 0 < iters[j] <= 12
 
 
 def test_probe_error_limits() -> None:

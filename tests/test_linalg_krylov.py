@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvkit.linalg.krylov import NotPositiveDefiniteError, conjugate_gradient, lanczos, lanczos_eigenvalues
+from curvkit.linalg.krylov import (
+    NotPositiveDefiniteError,
+    conjugate_gradient,
+    lanczos,
+    lanczos_eigenvalues,
+    shifted_cg,
+)
 
 D64 = torch.float64
 
@@ -96,3 +102,16 @@ def test_cg_warns_when_not_converged():
 def test_cg_bad_rhs_shape():
     with pytest.raises(ValueError, match="right-hand side"):
         conjugate_gradient(lambda M: M, torch.ones(2, 2, 2, dtype=D64))
+
+
+def test_shifted_cg_matches_direct_solves() -> None:
+    gen = torch.Generator().manual_seed(0)
+    M = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    A = M @ M.T  # PSD, rank 5: singular without the shift
+    B = torch.randn(12, 3, generator=gen, dtype=torch.float64)
+    shifts = torch.tensor([1e-2, 1e-1, 1.0], dtype=torch.float64)
+    X, iters, resid = shifted_cg(lambda P: A @ P, B, shifts, tol=1e-12, max_iter=100)
+    for j in range(3):
+        ref = torch.linalg.solve(A + shifts[j] * torch.eye(12, dtype=torch.float64), B[:, j])
+        assert torch.allclose(X[:, j], ref, atol=1e-9)
+        assert resid[j] < 1e-10 and 0 < iters[j] <= 12

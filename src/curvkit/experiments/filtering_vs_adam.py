@@ -389,7 +389,7 @@ def _run(scale: str, cfg: dict[str, Any], out: Path, seed: int, threads: int) ->
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     report = [
         f"# filtering-vs-adam ({scale})", "",
-        "Bayesian-filtering optimisers (Aitchison 2018; digest 004) against SGD(+momentum), Adam, AdamW and "
+        "Bayesian-filtering optimisers (Aitchison 2018) against SGD(+momentum), Adam, AdamW and "
         f"RMSprop. Seeds {seeds}; every number is mean ± sd over the seeds (effective lr: median over seeds).",
         "", "## Drifting linear-Gaussian regression (the filters' model is exact here)", "",
         f"d = {DRIFT_D}, minibatch {DRIFT_B} fresh points per step, random-walk sd tau = {DRIFT_TAU} per step, "
@@ -408,7 +408,7 @@ def _run(scale: str, cfg: dict[str, Any], out: Path, seed: int, threads: int) ->
         markdown_table(mnist_headers, mnist_rows), "",
         "Effective lr: median over the first layer's weights of the SGD learning rate on the mean loss that "
         "matches the optimiser's steady step (module docstring). Regime: the filters' `diagnostics()` for the "
-        "first layer, SGD-likeness / Adam-likeness in [0, 1] (digest K11).", "",
+        "first layer, SGD-likeness / Adam-likeness in [0, 1] (an indicator of this library, not in the paper).", "",
         "Divergence: " + ("none; every run stayed finite." if not diverged else "; ".join(diverged)), "",
         "## Figures", "",
         *[f"- `{f}`" for f in figs], "",

@@ -327,7 +327,7 @@ def run(scale: str, out: Path, seed: int = 0, show_progress: bool = True) -> dic
         f"\n## Fig. 2c: MESU w/o reg estimate / exact, binned by the exact value (n = {n_max}, floor "
         f"1/(2 n sigma_0^2) = {floor:.2e})\n",
         markdown_table(["exact H_D(mu) bin", "entries", "median ratio", "median estimate"], bin_rows),
-        "\n## Paper claims (digest section 9)\n",
+        "\n## Paper claims (MESU paper Figs. 2a-c)\n",
         markdown_table(["claim", "paper", "measured", "verdict"], [
             ["H1 (Fig. 2a)", "H_D(sigma) = H_D(mu) per synapse (Pearson log > 0.99)",
              f"Pearson log10 {h1['pearson_log']:.4f}, median ratio {h1['median_ratio']:.3f} ({proto.eps_draws} "
@@ -342,7 +342,7 @@ def run(scale: str, out: Path, seed: int = 0, show_progress: bool = True) -> dic
              f"<= floor/10: {[round(e / floor, 3) for e in below]}", verdict(h3_ok)],
         ]),
         ("\nThe paper compares at n = 1e5 (scale `paper`); at smaller n the MESU estimate is still "
-         "biased low by the known transient 1 - exp(-2 n sigma_p^2 / sigma_res^2) (digest 3.10 item 3), and the "
+         "biased low by the known transient 1 - exp(-2 n sigma_p^2 / sigma_res^2) (the leaky-integrator transient of the sigma recursion), and the "
          "w/o-reg floor is higher. " + ("Smoke scale only checks the plumbing; its numbers say nothing about "
                                         "the claims.\n" if scale == "smoke" else "\n")),
         "\nFigures: " + ", ".join(figures) + "\n",

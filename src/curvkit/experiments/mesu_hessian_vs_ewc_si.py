@@ -225,7 +225,7 @@ def run(scale: str, out: Path, seed: int = 0, progress: bool = True) -> dict[str
             markdown_table(["estimate", "Pearson log10", "Spearman", "Pearson", "output layer Pearson log10"], rows),
             "\nTest accuracy (MC for Bayesian runs) at the end: "
             + ", ".join(f"{m} {a:.4f}" for m, a in summary["test_accuracy"].items()) + "\n",
-            "\n## Paper claim H4 (digest section 9)\n",
+            "\n## Paper claim H4 (MESU paper Fig. 2d)\n",
             markdown_table(["claim", "paper", "measured", "verdict"], [
                 ["H4 ordering", "at n = 1e5 MESU's correlation is the highest (vs BGD, EWC, SI)",
                  "ranking (Pearson log10): " + " > ".join(ranking), "holds" if h4 else "does not hold"],

@@ -314,7 +314,7 @@ def run(scale: str, out: Path, seed: int = 0, progress: bool = True) -> dict[str
             markdown_table(["method", "task boundaries used", f"tasks 1-{k} after {k}",
                             f"last {k} after {proto.num_tasks}", f"tasks 1-{k} after {proto.num_tasks}",
                             "mean all tasks (final)", "MAP mean all (final)"], rows),
-            "\n## Paper claims (digest section 9)\n",
+            "\n## Paper claims (MESU paper Fig. 3)\n",
             markdown_table(["claim", "paper", "measured", "verdict"], claims) if claims else "(MESU/BGD not run)\n",
             "\n" + (f"Smoke scale checks the plumbing only ({proto.num_tasks} tasks of {D} iterations on "
                     f"{proto.n_train} images); its numbers say nothing about the claims.\n" if scale == "smoke" else ""),

@@ -112,7 +112,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     md = [f"# ngd-vs-sgd ({scale})", "",
           f"Data: {data.name}. NGD = Kaldi online natural gradient (KaldiNGD, eta 0.9, eps 1e-10, delta 5e-4, "
           "period 4, norm-preserving), both optimisers Nesterov 0.9, lr 1e-2, batch 128. λ̂: SGLD ε=1e-4, γ=100, "
-          "nβ = m/ln m, burn-in 0, minibatch init loss (devinterp convention; digest 2.5).",
+          "nβ = m/ln m, burn-in 0, minibatch init loss (devinterp convention, as the authors' code).",
           f"Settings: {st}", "",
           "## Fig. 1: λ̂ (mean of the last two epochs) over seeds, α = 0.01", "",
           markdown_table(["MLP", "λ̂ SGD (ours)", "λ̂ NGD (ours)", "Welch t", "one-sided p", "paper SGD / NGD",
