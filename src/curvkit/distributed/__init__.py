@@ -1,0 +1,64 @@
+"""Data-parallel training and curvature on ``torch.distributed`` (gloo on CPUs, NCCL on GPUs).
+
+One object, the :class:`Reducer`, carries every collective; the curvkit classes take it through one
+keyword, ``distributed=``, and then compute the quantity of the UNION of the ranks' shards, the same on
+every rank (the weights for unequal shards are in :mod:`curvkit.distributed.reducer`):
+
+* estimators (``KroneckerEstimator``, ``DiagonalEstimator``): each update's statistics and counts are
+  all-reduced (symmetric factors as upper triangles), so ``operator()`` is the curvature of the union;
+* exact operators over sharded data: :class:`DistributedOperator` (products, diagonals, traces with
+  shared Hutchinson probes, Lanczos, CG);
+* mean-field optimisers (``MESU``, ``MESUNoReg``, ``BGD``, ``BBBSGD``): the same weight samples on every
+  rank (the noise generator is synchronised from rank 0), g_mu, g_sigma and the loss all-reduced;
+* Kronecker filters (``KFWhiten``, ``KFBayes``, ``KFNatGrad``) and ``GaussNewton``: factors all-reduced when
+  they are refreshed, inverses computed once per layer on an owner rank and broadcast
+  (:mod:`curvkit.distributed.placement`: KAISA's comm-opt, mem-opt, hybrid), damping and step-size
+  scalars from all-reduced quantities, so every rank takes the identical step;
+* LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.distributed.llc`);
+* checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`;
+* launching: ``torchrun --nproc_per_node=N`` + :func:`init`; :func:`spawn` for tests; :func:`ddp` for
+  DistributedDataParallel with the union gradient on unequal shards.
+"""
+
+from curvkit.distributed.checkpoint import DistributedCheckpointError, load_checkpoint, save_checkpoint
+from curvkit.distributed.ddp import ddp
+from curvkit.distributed.launch import destroy, env_world_size, init, spawn
+from curvkit.distributed.operator import DistributedOperator
+from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
+from curvkit.distributed.reducer import CollectiveTimeout, CommStats, Reducer, derive_seed, shard_range
+
+__all__ = [
+    "Assignment",
+    "CollectiveTimeout",
+    "CommStats",
+    "DistributedCheckpointError",
+    "DistributedOperator",
+    "Reducer",
+    "assign_owners",
+    "current",
+    "ddp",
+    "derive_seed",
+    "destroy",
+    "env_world_size",
+    "factor_cost",
+    "init",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_current",
+    "shard_range",
+    "spawn",
+]
+
+_CURRENT: Reducer | None = None
+
+
+def current() -> Reducer | None:
+    """The reducer set by :func:`set_current` (``curvkit reproduce --distributed`` sets one with
+    ``shard_batches=True``); optimisers built with ``distributed=None`` use it. None outside such a run."""
+    return _CURRENT
+
+
+def set_current(reducer: Reducer | None) -> None:
+    """Make ``reducer`` the default of the optimisers constructed afterwards (None: none)."""
+    global _CURRENT
+    _CURRENT = reducer
