@@ -97,11 +97,19 @@ class CurvatureEstimator:
 
     Subclasses implement ``_batch_statistics(data) -> (list of statistic tensors summed over the batch,
     batch size)`` and ``_operator(stats, scale) -> CurvatureOperator`` from per-sample MEAN statistics.
+
+    Data-parallel (``distributed=`` a :class:`curvkit.distributed.Reducer`): every update's statistics
+    (sums over the rank's batch) and its batch size are all-reduced in one message before they are
+    combined (:meth:`_reduce`), so the estimator holds the statistics of the union of the ranks' batches:
+    sums of sums, and with ``ema`` the batch mean sum_r S_r / sum_r B_r, which weights unequal shards by
+    their size. The finiteness check runs on the reduced statistics, so a NaN on one rank makes every
+    rank raise the same error. Every rank must call ``update``/``accumulate`` equally often.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None):
+    def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.distributed = distributed
         self.model = model
         self.likelihood = _check_likelihood(likelihood)
         self.ema = None if ema is None else unit_interval("ema", ema, closed_left=True)
@@ -122,6 +130,8 @@ class CurvatureEstimator:
         return self
 
     def _combine(self, stats: list[Tensor], B: int) -> None:
+        if self.distributed is not None:
+            stats, B = self._reduce(stats, B)
         for t, name in zip(stats, self._stat_names()):
             if not bool(torch.isfinite(t.sum())):
                 raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
@@ -139,6 +149,17 @@ class CurvatureEstimator:
 
     def _stat_names(self) -> list[str]:
         return [f"#{i}" for i in range(len(self._stats or []))]
+
+    def _symmetric(self, stats: list[Tensor]) -> list[bool]:
+        """Which statistics are symmetric matrices (sent as upper triangles by :meth:`_reduce`)."""
+        return [False] * len(stats)
+
+    def _reduce(self, stats: list[Tensor], B: int) -> tuple[list[Tensor], int]:
+        """(sum over the ranks of ``stats``, sum of the batch sizes): one all-reduce (class docstring)."""
+        count = stats[0].new_tensor([float(B)])
+        out = self.distributed.sum_symmetric([*stats, count], [*self._symmetric(stats), False],
+                                             f"{type(self).__name__} statistics")
+        return out[:-1], round(float(out[-1][0]))
 
     def _means(self) -> list[Tensor]:
         if self._stats is None:
@@ -194,7 +215,12 @@ class KroneckerEstimator(CurvatureEstimator):
         distribution: ``rademacher`` | ``gaussian`` probe vectors for ``projection``.
         ema: moving-average factor rho in [0, 1) (None: sum over all data).
         seed / generator: the only randomness (labels, projections); a generator on the model's device is
-            created from ``seed`` on first use. Batches consume it in order.
+            created from ``seed`` on first use. Batches consume it in order. With ``distributed`` each rank
+            seeds its own generator with ``distributed.seed(seed)`` (rank 0 keeps ``seed``).
+        distributed: a :class:`curvkit.distributed.Reducer` (class :class:`CurvatureEstimator`): the
+            factors of the union of the ranks' batches. ``kfra`` is not linear in the batch (its
+            recursion multiplies batch means), so its batch means of H_L and of Phi_l^T Phi_l are
+            all-reduced first (one message): the factors of the union batch as one batch.
         keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (name ->
             (inputs (B*T, in_aug), back-propagated vectors (V, B*T, out), weights (V,))) for estimators
             built on top (e.g. eigenbasis corrections or diagonal Fishers of Kronecker layers).
@@ -203,7 +229,7 @@ class KroneckerEstimator(CurvatureEstimator):
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
                  mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
-                 keep_per_sample: bool = False):
+                 keep_per_sample: bool = False, distributed: Any = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -212,7 +238,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.method = method
         self.mc_samples = integer("mc_samples", mc_samples)
         self.distribution = distribution
-        self.seed = int(seed)
+        self.seed = int(seed) if distributed is None else distributed.seed(int(seed))
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
         self.per_sample: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -221,7 +247,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.chain = structure.mlp_chain(method) if method == "kfra" else None
         if self.chain is not None and [lay.module for lay in self.layers] != self.chain.linears:
             raise UnsupportedModelError("kfra: the trainable layers must be exactly the chain's nn.Linear layers")
-        super().__init__(model, likelihood, ema)
+        super().__init__(model, likelihood, ema, distributed)
 
     # ------------------------------------------------------------------ per-batch statistics
     def capture(self) -> LayerCapture:
@@ -331,12 +357,20 @@ class KroneckerEstimator(CurvatureEstimator):
         assert self.chain is not None
         B = f.shape[0]
         G = _mean_output_hessian(self.likelihood, f.detach(), y)
-        per = [G]
-        for l in range(len(self.chain.linears) - 2, -1, -1):
-            W = self.chain.linears[l + 1].weight.detach()
+        L = len(self.chain.linears)
+        grams = {}
+        for l in range(L - 2, -1, -1):
             h = cap.records[l].output.detach()  # type: ignore[union-attr]
             Phi = activation_derivatives(self.chain.activations[l], h)[1]
-            G = (W.T @ G @ W) * (Phi.T @ Phi / B)
+            grams[l] = Phi.T @ Phi / B
+        if self.distributed is not None:  # batch means of the union (class docstring)
+            keys = sorted(grams)
+            means, _ = self.distributed.weighted_mean([G] + [grams[l] for l in keys], B)
+            G, grams = means[0], dict(zip(keys, means[1:]))
+        per = [G]
+        for l in range(L - 2, -1, -1):
+            W = self.chain.linears[l + 1].weight.detach()
+            G = (W.T @ G @ W) * grams[l]
             per.append(G)
         per.reverse()
         return [B * g for g in per]  # summed form: B times the batch mean (the thesis computes per batch)
@@ -345,6 +379,18 @@ class KroneckerEstimator(CurvatureEstimator):
     def _stat_names(self) -> list[str]:
         return [f"A of layer {lay.label!r}" for lay in self.layers] + [f"G of layer {lay.label!r}"
                                                                        for lay in self.layers]
+
+    def _symmetric(self, stats: list[Tensor]) -> list[bool]:
+        return [True] * len(stats)
+
+    def _reduce(self, stats: list[Tensor], B: int) -> tuple[list[Tensor], int]:
+        if self.method != "kfra":
+            return super()._reduce(stats, B)
+        # kfra's G are B_r times the union's batch means (identical on every rank): only A and the count
+        # travel; G_union = N * mean = (N / B_r) * (B_r * mean)
+        L = len(self.layers)
+        A, N = super()._reduce(stats[:L], B)
+        return A + [g * (N / B) for g in stats[L:]], N
 
     def _reference_shapes(self) -> list[tuple[int, ...]] | None:
         a_shapes: list[tuple[int, ...]] = []
@@ -381,13 +427,13 @@ class DiagonalEstimator(CurvatureEstimator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: DiagonalMethod = "ggn", *,
-                 mc_samples: int = 1, ema: float | None = None, seed: int = 0):
+                 mc_samples: int = 1, ema: float | None = None, seed: int = 0, distributed: Any = None):
         if method not in ("ggn", "mc_fisher", "empirical"):
             raise ValueError(f"unknown diagonal method {method!r}; use 'ggn', 'mc_fisher' or 'empirical'")
         self.method = method
         self.mc_samples = integer("mc_samples", mc_samples)
-        self._seeds = torch.Generator().manual_seed(int(seed))
-        super().__init__(model, likelihood, ema)
+        self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
+        super().__init__(model, likelihood, ema, distributed)
 
     def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
         from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator

@@ -40,11 +40,12 @@ class BBBSGD(MeanFieldOptimizer):
         seed: int = 0,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
+        distributed: Any = None,
     ):
         _positive("lr", lr)
         defaults = dict(lr=lr, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
         super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
-                         generator=generator, chunk_size=chunk_size)
+                         generator=generator, chunk_size=chunk_size, distributed=distributed)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _positive("lr", group["lr"])

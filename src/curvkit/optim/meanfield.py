@@ -116,6 +116,15 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         seed: seed of the optimiser's noise generator (ignored if ``generator`` is given).
         generator: a ``torch.Generator`` on the parameters' device to draw eps from.
         chunk_size: optional ``vmap`` chunk size over the K samples (bounds memory).
+        distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (default: the one set by
+            ``curvkit.distributed.set_current``, else none). At construction rank 0's parameters (mu) and
+            noise-generator state are broadcast, so every rank draws the SAME eps_k; each step's g_mu,
+            g_sigma and per-sample losses, computed on the rank's shard, are then all-reduced: summed for
+            a summed loss (the default; a closure's loss is taken as summed over its shard), and as
+            sum_r B_r x_r / sum_r B_r for a ``loss_fn`` with ``reduction='mean'`` (the mean over the union
+            of unequal shards). The step is then the single-process step on the union of the shards, on
+            every rank. With ``distributed.grads='synced'`` (a DDP model) a closure's gradients are taken
+            as already reduced. ``distributed.shard_batches``: ``batch=`` is cut to the rank's rows.
     """
 
     model: nn.Module
@@ -131,6 +140,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         seed: int = 0,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
+        distributed: Any = None,
     ):
         params, model = legacy_model_first(type(self).__name__, params, model)
         if model is None:
@@ -158,6 +168,14 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             generator = torch.Generator(device=first.device)
             generator.manual_seed(int(seed))
         self.generator = generator
+        if distributed is None:
+            from curvkit.distributed import current
+
+            distributed = current()
+        self.distributed = distributed
+        if distributed is not None:  # the same mu and the same noise on every rank
+            distributed.sync_tensors_([p for g in self.param_groups for p in g["params"]])
+            distributed.sync_generator(self.generator)
         self._step = 0
         self._diagnostics = dict.fromkeys(_DIAG_KEYS, 0)
         for group in self.param_groups:
@@ -310,12 +328,19 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         if grads is None:
             if closure is not None:
                 grads = self._closure_gradients(closure, mu, sigma)
+                if self.distributed is not None:
+                    grads = self._reduce_grads(grads, None, self.distributed.grads == "synced")
             else:
                 assert batch is not None
                 if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                     raise TypeError("batch must be an (inputs, targets) pair")
+                if self.distributed is not None and self.distributed.shard_batches:
+                    rows = self.distributed.shard(int(batch[0].shape[0]))
+                    batch = (batch[0][rows], batch[1][rows])
                 with torch.enable_grad():
                     grads = self.mc_gradients(batch[0], batch[1])
+                if self.distributed is not None:
+                    grads = self._reduce_grads(grads, int(batch[0].shape[0]), False)
         self._check_grads(grads, mu)
         loss = grads.loss if grads.losses.numel() else torch.tensor(float("nan"))
         if not bool(torch.isfinite(loss)):
@@ -360,6 +385,22 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         self._diagnostics["steps_large_sigma_grad"] += int(any_large)
         self._diagnostics["steps_nonpositive_sigma"] += int(any_nonpos)
         return loss.detach()
+
+    def _reduce_grads(self, grads: MCGradients, batch_size: int | None, synced: bool) -> MCGradients:
+        """All-reduce one step's MC estimates over the ranks (``distributed`` in the class docstring)."""
+        red = self.distributed
+        names = list(grads.g_mu)
+        parts = [grads.losses]
+        if not synced:
+            parts = [grads.g_mu[n] for n in names] + [grads.g_sigma[n] for n in names] + parts
+        if batch_size is not None and getattr(self.loss_fn, "reduction", "sum") == "mean":
+            parts, _ = red.weighted_mean(parts, batch_size)
+        else:
+            parts = red.sum(parts, "all_reduce of Monte Carlo gradients")
+        if synced:
+            return MCGradients(grads.g_mu, grads.g_sigma, parts[0], grads.eps)
+        k = len(names)
+        return MCGradients(dict(zip(names, parts[:k])), dict(zip(names, parts[k:2 * k])), parts[-1], grads.eps)
 
     def _check_grads(self, grads: MCGradients, mu: dict[str, Tensor]) -> None:
         if not isinstance(grads, MCGradients):

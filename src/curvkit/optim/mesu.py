@@ -68,6 +68,8 @@ class MESU(MeanFieldOptimizer):
         regularize: False gives the Theorem 2 rule (prefer :class:`MESUNoReg`).
         sigma_min, max_ratio: optional safeguards (default off; see :mod:`curvkit.optim.meanfield`).
         seed, generator, chunk_size: noise generator and vmap chunking.
+        distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (see
+            :class:`curvkit.optim.meanfield.MeanFieldOptimizer`).
 
     Use: ``loss = opt.step(batch=(X, y))`` (vectorised over the K samples) or ``opt.step(closure)``.
     ``opt.curvature()`` returns Eq. 7 (or Eq. 9 with ``regularize=False``) as a DiagonalOperator.
@@ -94,6 +96,7 @@ class MESU(MeanFieldOptimizer):
         seed: int = 0,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
+        distributed: Any = None,
     ):
         _positive("sigma_prior", sigma_prior)
         _positive("sigma_res", sigma_res)
@@ -106,7 +109,7 @@ class MESU(MeanFieldOptimizer):
             max_ratio=max_ratio,
         )
         super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
-                         generator=generator, chunk_size=chunk_size)
+                         generator=generator, chunk_size=chunk_size, distributed=distributed)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _positive("sigma_prior", group["sigma_prior"])

@@ -267,6 +267,8 @@ def estimate_llc(
     init_loss: float | None = None,
     vectorise: str = "auto",
     max_rows: int | None = DEFAULT_MAX_ROWS,
+    distributed: Any = None,
+    distributed_split: str = "chains",
 ) -> LLCResult:
     """λ̂(w*) of ``model`` at its current parameters w* on the data set D_n.
 
@@ -301,7 +303,19 @@ def estimate_llc(
     ``vectorise``: ``"auto"`` uses :func:`curvkit.slt.sampler.stacked_mlp_grad_fn` for MLP chains
     (``curvkit.structure.read_model(model).mlp_chain``) and ``vmap`` otherwise; ``"vmap"`` always uses
     ``vmap`` (same numbers up to rounding).
+    ``distributed``: a :class:`curvkit.distributed.Reducer`; every rank passes the whole data set and
+    gets the same result. ``distributed_split='chains'`` (default) spreads the chains over the ranks (seeds
+    derived from ``seed`` per rank), ``'batch'`` computes each SGLD gradient data-parallel within the
+    chains (:mod:`curvkit.distributed.llc`).
     """
+    if distributed is not None and distributed_split not in ("chains", "batch"):
+        raise ValueError(f"distributed_split must be 'chains' or 'batch', got {distributed_split!r}")
+    if distributed is not None and distributed_split == "chains":
+        from curvkit.distributed.llc import estimate_llc_chains
+
+        return estimate_llc_chains(distributed, model, data, config=config, seed=seed, init_loss=init_loss,
+                                   loss=loss, batch_size=batch_size, generator=generator, vectorise=vectorise,
+                                   max_rows=max_rows)
     cfg = config or SGLDConfig()
     if not isinstance(cfg, SGLDConfig):
         raise TypeError(f"config must be an SGLDConfig, got {type(cfg).__name__}")
@@ -402,8 +416,12 @@ def estimate_llc(
                if vectorise == "auto" else None)
     if grad_fn is None:
         grad_fn = vmap(grad_and_value(loss_fn), in_dims=(0, stream.chain_axis))
-    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen,
-                   grad_fn=chunked_grad_fn(grad_fn, stream.chain_axis, per_chain))
+    step_fn = chunked_grad_fn(grad_fn, stream.chain_axis, per_chain)
+    if distributed is not None:  # distributed_split='batch': this rank's rows, gradients all-reduced
+        from curvkit.distributed.llc import sharded_grad_fn
+
+        step_fn = sharded_grad_fn(step_fn, stream.chain_axis, distributed)
+    run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen, grad_fn=step_fn)
     return _summarise(run.losses, init, nbeta, n, m, cfg, run.seconds)
 
 

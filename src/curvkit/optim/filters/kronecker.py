@@ -94,7 +94,7 @@ class _KroneckerBase(CurvatureOptimizer):
     supported: tuple[type[nn.Module], ...] = (nn.Linear,)
 
     def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
-                 batch_size: int | None):
+                 batch_size: int | None, distributed: Any = None):
         params, model = legacy_model_first(type(self).__name__, params, model)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__} needs the model for its layer structure: "
@@ -112,6 +112,10 @@ class _KroneckerBase(CurvatureOptimizer):
         super().__init__(ordered, defaults)
         self._init_names(model)
         self._work: dict[tuple[str, str], Tensor] = {}
+        # data-parallel (curvkit.distributed.filters): rank 0's parameters on every rank, then union steps
+        self.distributed = distributed
+        if distributed is not None:
+            distributed.sync_tensors_(ordered)
 
     def close(self) -> None:
         """Remove the capture hooks from the model (idempotent; also on ``with``-exit and deletion)."""
@@ -313,7 +317,8 @@ class KFBayes(_KroneckerBase):
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3,
                  sigma2: float = math.inf, s0: float | None = None, lr_sgd: float = 0.1,
                  fisher_samples: int | None = 8, sample_update: str = "sequential", projection: str = "first_order",
-                 inv_every: int = 10, reduction: Reduction = "mean", batch_size: int | None = None):
+                 inv_every: int = 10, reduction: Reduction = "mean", batch_size: int | None = None,
+                 distributed: Any = None):
         check_positive("lr", lr, allow_zero=True)
         check_positive("sigma2", sigma2, allow_inf=True)
         check_positive("lr_sgd", lr_sgd)
@@ -330,7 +335,7 @@ class KFBayes(_KroneckerBase):
         s_init = s0 if s0 is not None else lr_sgd / (batch_size or 1)
         defaults = {"lr": float(lr), "sigma2": float(sigma2), "s0": float(s_init), "fisher_samples": fisher_samples,
                     "sample_update": sample_update, "projection": projection, "inv_every": int(inv_every)}
-        super().__init__(params, model, defaults, reduction, batch_size)
+        super().__init__(params, model, defaults, reduction, batch_size, distributed)
         if projection == "exact":
             for rec in self.layers:
                 if rec.in_dim * rec.out_dim > 4096:
@@ -411,7 +416,7 @@ class KFBayes(_KroneckerBase):
         K = X.shape[0]
         cf, ex, ed = self._drift(st)
         low = None
-        if rec.a is not None and rec.delta is not None:
+        if self.distributed is None and rec.a is not None and rec.delta is not None:
             B = rec.a.shape[0]
             shared = own and K <= B
             c_low, c_dense = sandwich_costs(B, K, M, N, shared)
@@ -438,6 +443,8 @@ class KFBayes(_KroneckerBase):
         refresh = st["step"] % grp["inv_every"] == 0   # remove any rounding asymmetry now and then
         st["Sx"] = self._new_factor(Sx, Wx, up.sx, up.alpha, cf, ex, r, refresh)
         st["Sd"] = self._new_factor(Sd, Wd, up.sd, up.alpha, cf, ed, 1.0 / r, refresh)
+        if low is None and self.distributed is not None:   # the union's ascent gradient
+            return st["Sd"] @ self._union[rec.name][2] @ st["Sx"]
         if low is None:   # dense route: -scale Sd' [dW | db] Sx', the gradient gathered into a reused buffer
             G = rec.weight_matrix_grad(out=self._buffer(rec, "G", (M, N), Sx))
             return torch.mm(st["Sd"] @ G, st["Sx"], out=self._buffer(rec, "inc", (M, N), G)).mul_(-scale)
@@ -474,16 +481,26 @@ class KFBayes(_KroneckerBase):
         loss, scale = self._begin_step(closure, fisher_samples, batch_size, extras)
         grp = self._group()
         decay = self._decay()
+        if self.distributed is not None:
+            from curvkit.distributed.filters import bayes_inputs
+
+            self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
             st = self._init(rec)
             self._check_finite(rec)
-            X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
+            if self.distributed is None:
+                X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
+            else:
+                X, D = self._union[rec.name][:2]
             dtype = rec.weight.dtype
             X, D = X.to(dtype), D.to(dtype)
             if grp["projection"] == "exact":
                 self._exact_step(st, X, D)
-                G = rec.weight_matrix_grad().mul(-scale)
-                inc = kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
+                if self.distributed is None:
+                    G = rec.weight_matrix_grad().mul(-scale)
+                    inc = kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
+                else:
+                    inc = kron_sandwich(st["Sd"], self._union[rec.name][2], st["Sx"], None)
             else:
                 own = fisher_samples is None or rec.name not in fisher_samples
                 inc = self._first_order_step(rec, st, X, D, scale, own)
@@ -536,10 +553,11 @@ class KFNatGrad(KFBayes):
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, s0: float | None = None,
                  lr_sgd: float = 0.1, fisher_samples: int | None = 8, sample_update: str = "sequential",
-                 projection: str = "first_order", reduction: Reduction = "mean", batch_size: int | None = None):
+                 projection: str = "first_order", reduction: Reduction = "mean", batch_size: int | None = None,
+                 distributed: Any = None):
         super().__init__(params, model=model, lr=0.0, sigma2=math.inf, s0=s0, lr_sgd=lr_sgd, fisher_samples=fisher_samples,
                          sample_update=sample_update, projection=projection, reduction=reduction,
-                         batch_size=batch_size)
+                         batch_size=batch_size, distributed=distributed)
 
 
 def _damped_gains(d: Tensor, bc: float, damping: float) -> tuple[Tensor, float]:
@@ -611,7 +629,7 @@ class KFWhiten(_KroneckerBase):
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,
                  damping: float = 1e-3, inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
-                 reduction: Reduction = "mean", batch_size: int | None = None):
+                 reduction: Reduction = "mean", batch_size: int | None = None, distributed: Any = None):
         check_positive("lr", lr)
         check_unit_interval("beta", beta)
         check_positive("damping", damping)
@@ -621,7 +639,7 @@ class KFWhiten(_KroneckerBase):
             raise ValueError(f"inv_every must be a positive integer, got {inv_every!r}")
         defaults = {"lr": float(lr), "beta": beta, "damping": damping, "inv_every": int(inv_every),
                     "eta_p": eta_p, "sigma2": float(sigma2)}
-        super().__init__(params, model, defaults, reduction, batch_size)
+        super().__init__(params, model, defaults, reduction, batch_size, distributed)
 
     def _decay(self) -> float:
         g = self._group()
@@ -656,10 +674,15 @@ class KFWhiten(_KroneckerBase):
         loss, scale = self._begin_step(closure, fisher_samples, batch_size, extras)
         grp = self._group()
         check_positive("lr", grp["lr"])
+        union = None
+        if self.distributed is not None:
+            from curvkit.distributed.filters import whiten_inputs, whiten_statistics
+
+            union = whiten_inputs(self, scale, fisher_samples)
         for rec in self.layers:
             st = self.state[rec.weight]
             self._check_finite(rec)
-            G = rec.weight_matrix_grad().mul(-scale)
+            G = rec.weight_matrix_grad().mul(-scale) if union is None else union[rec.name]["G"]
             X, D = self._samples(rec, scale, fisher_samples, None)
             X, D = X.to(G.dtype), D.to(G.dtype)
             if not st:
@@ -669,9 +692,13 @@ class KFWhiten(_KroneckerBase):
                 if grp["eta_p"] > 0:
                     st["mu_p"] = torch.zeros_like(G)
             st["step"] += 1
-            rotated = self._update_statistics(st, X, D)
+            rotated = None
+            if union is None:
+                rotated = self._update_statistics(st, X, D)
+            else:
+                whiten_statistics(self, rec, st, union[rec.name])
             sx, _, sd, _ = self._gains(st)
-            factors = self._grad_factors(rec, scale, G.dtype)
+            factors = self._grad_factors(rec, scale, G.dtype) if union is None else None
             own = fisher_samples is None or rec.name not in fisher_samples   # then D = -D_ascent
             reuse = (-rotated[0], rotated[1]) if rotated is not None and own else None
             if factors is not None and whitening_low_rank_is_cheaper(factors[0].shape[0], rec.out_dim, rec.in_dim,
