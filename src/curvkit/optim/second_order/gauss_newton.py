@@ -112,6 +112,9 @@ class GaussNewton(CurvatureOptimizer):
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
         seed: seeds the optimiser's own generator (sampled labels, projections).
+        distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (default: the one set by
+            ``curvkit.distributed.set_current``): each rank steps on its shard and every rank takes the step
+            of the union minibatch (:mod:`curvkit.distributed.gauss_newton`); the generator is seeded per rank.
     """
 
     def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "kfra",
@@ -120,7 +123,8 @@ class GaussNewton(CurvatureOptimizer):
                  tau: float = 1.0, zeta: float = 1.0, tau_every: int = 5, zeta_every: int = 20,
                  omega_tau: float = 0.95, omega_zeta: float = 0.95, lm_rule: Literal["band", "threshold"] = "band",
                  ema: float | None = None, curvature_every: int = 1, momentum: bool = False, mc_samples: int = 1,
-                 distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0):
+                 distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
+                 distributed: Any = None):
         if curvature not in _CURVATURES:
             raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
         if inversion not in ("factored", "eigen"):
@@ -169,10 +173,18 @@ class GaussNewton(CurvatureOptimizer):
         self.hp = defaults
         first = self.ordered_params()[0]
         self._device, self._dtype = first.device, first.dtype
-        self._generator = torch.Generator(device=self._device).manual_seed(int(defaults["seed"]))
+        if distributed is None:
+            from curvkit.distributed import current
+
+            distributed = current()
+        self.distributed = distributed
+        seed_r = int(defaults["seed"]) if distributed is None else distributed.seed(int(defaults["seed"]))
+        self._generator = torch.Generator(device=self._device).manual_seed(seed_r)
         self.estimator = KroneckerEstimator(model, likelihood, method=curvature, mc_samples=defaults["mc_samples"],
                                             distribution=distribution, ema=defaults["ema"],
-                                            generator=self._generator)
+                                            generator=self._generator, distributed=distributed)
+        if distributed is not None:
+            distributed.sync_tensors_(self.ordered_params())
         self._structure = read_model(model)
         self._names = self.param_names()
         self._linearisation = Linearisation(model, self._structure, self._names)
@@ -194,14 +206,21 @@ class GaussNewton(CurvatureOptimizer):
         assert self._op is not None
         inv = self._inverses.get(zeta)
         damping = self.hp["weight_decay"] + zeta
+        if inv is None and self.distributed is not None:
+            from curvkit.distributed.gauss_newton import DistributedKroneckerInverse
+
+            omegas = [self._omega[b.weight_name] for b in self._op.blocks] if self._omega else None
+            inv = DistributedKroneckerInverse(self._op, damping, self.hp["inversion"], omegas,  # type: ignore[assignment]
+                                              self.distributed)
+            self._inverses[zeta] = inv  # type: ignore[assignment]
         if inv is None:
             if self.hp["inversion"] == "eigen":
                 inv = self._op.inverse(damping, method="eigen")
             else:
                 inv = FactoredInverse(self._op, damping, [self._omega[b.weight_name] for b in self._op.blocks])
             self._inverses[zeta] = inv
-        if isinstance(inv, FactoredInverse):
-            d = inv.apply(dict(zip(self._names, g)))
+        if hasattr(inv, "apply"):
+            d = inv.apply(dict(zip(self._names, g)))  # type: ignore[union-attr]
             return [d[n] for n in self._names]
         return list(inv @ g)
 
@@ -239,7 +258,14 @@ class GaussNewton(CurvatureOptimizer):
         saved_gen = self._generator.get_state() if refresh else None
         saved_cache = (self._op, self._inverses, self._omega)
         try:
+            if self.distributed is not None and self.distributed.shard_batches and batch is not None:
+                rows = self.distributed.shard(int(batch[0].shape[0]))
+                batch = (batch[0][rows], batch[1][rows])
             X, y, f, data_loss, grads, evaluate = self._forward(k, params, closure, batch, refresh)
+            if self.distributed is not None:  # the union's loss, gradient and objective after the step
+                from curvkit.distributed.gauss_newton import reduce_step_inputs
+
+                data_loss, grads, evaluate = reduce_step_inputs(self, X, data_loss, grads, evaluate, closure is not None)
             out = self._compute(k, params, X, y, f, data_loss, grads, refresh)
         except BaseException:
             if saved_est is not None:
@@ -398,6 +424,10 @@ class GaussNewton(CurvatureOptimizer):
                 prev = None
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
         M = output_gram(self.likelihood, f, y, JV)
+        if self.distributed is not None:  # d_i^T G d_j is a sum over the examples: the union's
+            from curvkit.distributed.gauss_newton import reduce_like_loss
+
+            M = reduce_like_loss(self.distributed, [M], int(f.shape[0]), self.likelihood.reduction)[0]
         if not bool(torch.isfinite(M).all()):
             raise FloatingPointError(f"{name}: step {k}: the exact GGN quadratic form is not finite; nothing was "
                                      "changed")
