@@ -27,3 +27,54 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# ------------------------------------------------------------------------------ shared tiny models and data
+_ACTS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
+
+
+@pytest.fixture
+def make_mlp():
+    """Factory of the tiny MLPs the unit tests share: ``make_mlp((4, 5, 3), "relu", seed=0)`` is
+    ``Linear(4, 5) - ReLU - Linear(5, 3)`` in float64 with torch's default initialisation after
+    ``torch.manual_seed(seed)`` (the global RNG is seeded, so later unseeded draws in a test are
+    reproducible too)."""
+
+    def make(sizes=(4, 5, 3), activation="relu", seed=0, dtype=torch.float64):
+        torch.manual_seed(seed)
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(torch.nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(_ACTS[activation]())
+        return torch.nn.Sequential(*layers).to(dtype)
+
+    return make
+
+
+@pytest.fixture
+def make_cnn():
+    """Factory of the tiny CNN the unit tests share: ``Conv2d(1, 2, 3) - ReLU - MaxPool2d(2) - Flatten -
+    Linear(2 * ((image - 2) // 2)^2, classes)`` for (B, 1, image, image) inputs, float64, seeded like
+    :func:`make_mlp`."""
+
+    def make(image=8, classes=3, seed=0, dtype=torch.float64):
+        torch.manual_seed(seed)
+        side = (image - 2) // 2
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                   torch.nn.Flatten(), torch.nn.Linear(2 * side * side, classes)).to(dtype)
+
+    return make
+
+
+@pytest.fixture
+def make_batch():
+    """Factory of seeded classification data: ``make_batch(n, shape=(4,), classes=3, seed=0)`` returns
+    X (n, *shape) float64 standard normal and y (n,) int64 labels in [0, classes), from a private
+    generator."""
+
+    def make(n=8, shape=(4,), classes=3, seed=0, dtype=torch.float64):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g)
+
+    return make

@@ -16,15 +16,10 @@ DT = torch.float64
 
 
 
-def tiny():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
-
-
-def test_bgd_step_is_zenos_exact_rule():
+def test_bgd_step_is_zenos_exact_rule(make_mlp):
     X = torch.randn(8, 4, dtype=DT, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    model = tiny()
+    model = make_mlp(activation="tanh")
     opt = BGD(model.parameters(), model=model, eta=3.0, sigma_init=0.07, mc_samples=3, seed=4)
     net = copy.deepcopy(model)
     g = BGD(net.parameters(), model=net, sigma_init=0.07, mc_samples=3, seed=4).mc_gradients(X, y)  # same noise as opt's step

@@ -39,11 +39,6 @@ KRONECKER = {
 }
 
 
-def _net(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
-
-
 def _batches(n=6):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
@@ -58,18 +53,18 @@ def _train(net, opt, batches):
 
 
 @pytest.mark.parametrize("kind", [*FACTORISED, *KRONECKER])
-def test_state_dict_round_trip_gives_identical_steps(kind):
+def test_state_dict_round_trip_gives_identical_steps(kind, make_mlp):
     def make(net):
         return FACTORISED[kind](net.named_parameters()) if kind in FACTORISED else KRONECKER[kind](net)
 
     data = _batches()
-    net = _net()
+    net = make_mlp((5, 4, 3), "tanh")
     opt = make(net)
     _train(net, opt, data[:3])
     sd_model = {k: v.clone() for k, v in net.state_dict().items()}
     sd_opt = copy.deepcopy(opt.state_dict())   # what torch.save would persist
     _train(net, opt, data[3:])
-    net2 = _net(seed=5)
+    net2 = make_mlp((5, 4, 3), "tanh", seed=5)
     net2.load_state_dict(sd_model)
     opt2 = make(net2)
     opt2.load_state_dict(sd_opt)
@@ -80,9 +75,42 @@ def test_state_dict_round_trip_gives_identical_steps(kind):
     assert isinstance(prec, KroneckerOperator if kind in KRONECKER else DiagonalOperator)
     assert prec.shape == (sum(p.numel() for p in net.parameters()),) * 2
     assert bool((torch.linalg.eigvalsh(prec.to_dense()) > 0).all())
-    with opt.posterior_mean():
-        pass
     assert all(torch.isfinite(v).all() for v in opt.effective_lr().values())
+
+
+def _stored_posterior_means(opt, net):
+    """Parameter tensors as the optimiser stores its posterior mean (None where it holds none)."""
+    if hasattr(opt, "layers"):  # Kronecker: W_hat = [W | b] per layer
+        out = []
+        for rec in opt.layers:
+            W = opt.state[rec.weight].get("mu_post")
+            w, b = (None, None) if W is None else rec._split(W)
+            out += [w] + ([b] if rec.bias is not None else [])
+        return out
+    return [opt.state[p].get("mu_post") for p in net.parameters()]
+
+
+@pytest.mark.parametrize("kind", [*FACTORISED, *KRONECKER])
+def test_posterior_mean_swaps_in_the_stored_mean_and_restores_the_prior(kind, make_mlp):
+    """Inside ``posterior_mean()`` the parameters are the stored posterior mean mu_post; outside they are
+    the prior mean of the next step, restored exactly (also after an exception in the block)."""
+    net = make_mlp((5, 4, 3), "tanh")
+    opt = FACTORISED[kind](net.named_parameters()) if kind in FACTORISED else KRONECKER[kind](net)
+    _train(net, opt, _batches(3))
+    prior = [p.detach().clone() for p in net.parameters()]
+    stored = _stored_posterior_means(opt, net)
+    assert any(m is not None for m in stored) == (kind in ("rmsprop", "rmsprop_ss", "adam", "adam_ss",
+                                                           "kf_bayes", "kf_whiten"))
+    with opt.posterior_mean():
+        inside = [p.detach().clone() for p in net.parameters()]
+    for p, q, m, i in zip(prior, net.parameters(), stored, inside):
+        assert torch.equal(q, p)  # restored exactly
+        assert torch.equal(i, p if m is None else m.to(p.dtype))
+    if any(m is not None for m in stored):
+        assert any(not torch.equal(i, p) for i, p in zip(inside, prior))  # something was swapped
+    with pytest.raises(RuntimeError, match="boom"), opt.posterior_mean():
+        raise RuntimeError("boom")
+    assert all(torch.equal(q, p) for p, q in zip(prior, net.parameters()))
 
 
 @pytest.mark.parametrize(("factory", "match"), [
@@ -98,22 +126,22 @@ def test_state_dict_round_trip_gives_identical_steps(kind):
     (lambda ps: BFNatGrad(ps, s0=0.0), "s0"),
     (lambda ps: BFRMSProp(ps, batch_size=0), "batch_size"),
 ])
-def test_invalid_hyperparameters_raise(factory, match):
+def test_invalid_hyperparameters_raise(factory, match, make_mlp):
     with pytest.raises(ValueError, match=match):
-        factory(_net().parameters())
+        factory(make_mlp((5, 4, 3), "tanh").parameters())
 
 
-def test_kronecker_invalid_hyperparameters_raise():
+def test_kronecker_invalid_hyperparameters_raise(make_mlp):
     for factory, match in [(lambda m: KFBayes(m.parameters(), model=m, lr=-1), "lr"), (lambda m: KFBayes(m.parameters(), model=m, projection="x"), "projection"),
                            (lambda m: KFBayes(m.parameters(), model=m, fisher_samples=0), "fisher_samples"),
                            (lambda m: KFWhiten(m.parameters(), model=m, beta=1.5), "beta"), (lambda m: KFWhiten(m.parameters(), model=m, damping=0), "damping"),
                            (lambda m: KFWhiten(m.parameters(), model=m, inv_every=0), "inv_every")]:
         with pytest.raises(ValueError, match=match):
-            factory(_net())
+            factory(make_mlp((5, 4, 3), "tanh"))
 
 
-def test_runtime_errors_are_clear():
-    net = _net()
+def test_runtime_errors_are_clear(make_mlp):
+    net = make_mlp((5, 4, 3), "tanh")
     opt = BFRMSProp(net.parameters())     # mean reduction without batch size
     torch.nn.functional.cross_entropy(net(_batches(1)[0][0]), _batches(1)[0][1]).backward()
     with pytest.raises(ValueError, match="batch_size"):
@@ -125,7 +153,7 @@ def test_runtime_errors_are_clear():
     next(net.parameters()).grad.zero_()
     with pytest.raises(ValueError, match="fisher_diag"):
         BFRMSProp(net.parameters(), fisher="given", batch_size=8).step()
-    net2 = _net()
+    net2 = make_mlp((5, 4, 3), "tanh")
     kf = KFBayes(net2.parameters(), model=net2, batch_size=8)
     with pytest.raises(RuntimeError, match="step"):
         kf.curvature()

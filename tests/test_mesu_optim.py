@@ -19,23 +19,14 @@ DT = torch.float64
 
 
 
-def tiny_mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).to(DT)
-
-
-def tiny_cnn(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(18, 3)).to(DT)
-
 
 def data(n=6, shape=(4,), seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, *shape, dtype=DT, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def test_mesu_step_applies_eq3_to_the_mc_gradients():
-    model = tiny_mlp()
+def test_mesu_step_applies_eq3_to_the_mc_gradients(make_mlp):
+    model = make_mlp()
     X, y = data()
     opt = MESU(model.parameters(), model=model, sigma_prior=0.1, sigma_res=10.0, mc_samples=4, seed=3)
     net = copy.deepcopy(model)
@@ -65,8 +56,9 @@ def test_mesu_step_applies_eq3_to_the_mc_gradients():
                 torch.testing.assert_close(p.detach(), before[n] - 0.05 * g.g_mu[n])
 
 
-@pytest.mark.parametrize("make,shape", [(tiny_mlp, (4,)), (tiny_cnn, (1, 8, 8))])
-def test_closure_path_equals_vectorised_path(make, shape):
+@pytest.mark.parametrize("kind,shape", [("mlp", (4,)), ("cnn", (1, 8, 8))])
+def test_closure_path_equals_vectorised_path(kind, shape, make_mlp, make_cnn):
+    make = make_mlp if kind == "mlp" else make_cnn
     X, y = data(shape=shape)
     m1, m2 = make(), make()
     o1 = MESU(m1.parameters(), model=m1, sigma_prior=0.1, mc_samples=3, seed=5)
@@ -89,16 +81,16 @@ def test_closure_path_equals_vectorised_path(make, shape):
 
 
 @pytest.mark.parametrize("cls,kw", [(MESU, {}), (MESUNoReg, {}), (BGD, {}), (BBBSGD, {"lr": 0.01})])
-def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw):
+def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw, make_mlp):
     X, y = data(8)
-    model = tiny_mlp()
+    model = make_mlp()
     opt = cls(model.parameters(), model=model, mc_samples=3, seed=2, **kw)
     for _ in range(3):
         opt.step(batch=(X, y))
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
     ref = [opt.step(batch=(X, y)) for _ in range(2)]
-    model2 = tiny_mlp(seed=9)
+    model2 = make_mlp(seed=9)
     model2.load_state_dict(saved_model)
     opt2 = cls(model2.parameters(), model=model2, mc_samples=3, seed=123, **kw)
     opt2.load_state_dict(saved_opt)
@@ -133,15 +125,15 @@ def test_state_dict_round_trip_mid_training_gives_identical_next_steps(cls, kw):
         (BBBSGD, {"lr": -1.0}, "lr"),
     ],
 )
-def test_invalid_hyperparameters_raise(cls, kw, match):
+def test_invalid_hyperparameters_raise(cls, kw, match, make_mlp):
     kw = {"lr": 0.1, **kw} if cls is BBBSGD else kw
     with pytest.raises(ValueError, match=match):
-        net = tiny_mlp()
+        net = make_mlp()
         cls(net.parameters(), model=net, **kw)
 
 
-def test_invalid_param_group_and_step_arguments_raise():
-    model = tiny_mlp()
+def test_invalid_param_group_and_step_arguments_raise(make_mlp):
+    model = make_mlp()
     with pytest.raises(ValueError, match="sigma_res"):
         MESU([{"params": [model[0].weight], "sigma_res": -1.0}], model=model)
     with pytest.raises(ValueError, match="parameter of `model`"):
@@ -166,8 +158,8 @@ def test_invalid_param_group_and_step_arguments_raise():
         BBBSGD(model.parameters(), model=model, lr=0.1).curvature("state")
 
 
-def test_param_groups_and_deterministic_parameters():
-    model = tiny_mlp()
+def test_param_groups_and_deterministic_parameters(make_mlp):
+    model = make_mlp()
     X, y = data()
     fixed = model[0].bias.detach().clone()
     opt = MESU([{"params": [model[0].weight]},
@@ -184,8 +176,8 @@ def test_param_groups_and_deterministic_parameters():
     torch.testing.assert_close(H.tensors[2], 0.04 / (25.0 * s**2) - 1 / 25.0)  # Eq. 7 with the group values
 
 
-def test_hessian_diagonal_api_all_optimisers():
-    model = tiny_mlp()
+def test_hessian_diagonal_api_all_optimisers(make_mlp):
+    model = make_mlp()
     X, y = data()
     layout = ParamLayout.from_module(model)
     for opt in (MESU(model.parameters(), model=model), MESUNoReg(model.parameters(), model=model), BGD(model.parameters(), model=model), BBBSGD(model.parameters(), model=model, lr=0.01)):
@@ -206,8 +198,8 @@ def test_hessian_diagonal_api_all_optimisers():
     torch.testing.assert_close(opt.curvature("stein").tensors[0], (g.g_sigma["0.weight"] / s["0.weight"]).double())
 
 
-def test_max_ratio_safeguard_clamps_steps():
-    model = tiny_mlp()
+def test_max_ratio_safeguard_clamps_steps(make_mlp):
+    model = make_mlp()
     X, y = data()
     opt = MESU(model.parameters(), model=model, sigma_prior=0.1, max_ratio=1e-3)
     mu0 = [p.detach().clone() for p in model.parameters()]
@@ -218,9 +210,9 @@ def test_max_ratio_safeguard_clamps_steps():
         assert float((s_new - s).abs().max()) <= 1e-3 * 0.1 * (1 + 1e-9)
 
 
-def test_mesu_trains_a_cnn_and_predicts():
+def test_mesu_trains_a_cnn_and_predicts(make_cnn):
     X, y = data(12, (1, 8, 8))
-    model = tiny_cnn()
+    model = make_cnn()
     opt = MESU(model.parameters(), model=model, sigma_prior=0.05, mc_samples=2)
     losses = [float(opt.step(batch=(X, y))) for _ in range(8)]
     assert losses[-1] < losses[0]

@@ -19,18 +19,6 @@ def _sum_ce(f, y):
     return CrossEntropy("sum").nll_per_sample(f, y).sum()
 
 
-def tiny_mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).to(DT)
-
-
-def tiny_cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 3 * 3, 3)
-    ).to(DT)
-
-
 def _posterior(model, sigma=0.1):
     mu = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(3)
@@ -38,9 +26,9 @@ def _posterior(model, sigma=0.1):
     return mu, sig
 
 
-@pytest.mark.parametrize("make,xshape", [(tiny_mlp, (6, 4)), (tiny_cnn, (6, 1, 8, 8))])
-def test_vectorised_mc_gradients_equal_loop_for_same_eps(make, xshape):
-    model = make()
+@pytest.mark.parametrize("kind,xshape", [("mlp", (6, 4)), ("cnn", (6, 1, 8, 8))])
+def test_vectorised_mc_gradients_equal_loop_for_same_eps(kind, xshape, make_mlp, make_cnn):
+    model = make_mlp() if kind == "mlp" else make_cnn()
     X = torch.randn(*xshape, dtype=DT, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     mu, sig = _posterior(model)
@@ -57,8 +45,8 @@ def test_vectorised_mc_gradients_equal_loop_for_same_eps(make, xshape):
     assert a.losses.shape == (5,)
 
 
-def test_same_generator_state_gives_same_noise():
-    model = tiny_mlp()
+def test_same_generator_state_gives_same_noise(make_mlp):
+    model = make_mlp()
     X, y = torch.randn(4, 4, dtype=DT), torch.tensor([0, 1, 2, 0])
     mu, sig = _posterior(model)
     a = mc_gradients(model, _sum_ce, X, y, mu, sig, 3, torch.Generator().manual_seed(5))
@@ -68,10 +56,10 @@ def test_same_generator_state_gives_same_noise():
         torch.testing.assert_close(a.g_mu[n], b.g_mu[n], rtol=1e-12, atol=1e-13)
 
 
-def test_eps_shared_across_minibatch_and_gradient_formula():
+def test_eps_shared_across_minibatch_and_gradient_formula(make_mlp):
     """One eps per weight per sample shared by the batch: the batch-sum gradient at w_k equals the sum of
     per-example gradients at the same w_k; g_mu / g_sigma are the plain means of g_k and g_k * eps_k."""
-    model = tiny_mlp()
+    model = make_mlp()
     X, y = torch.randn(3, 4, dtype=DT), torch.tensor([2, 0, 1])
     mu, sig = _posterior(model)
     eps = sample_eps(mu, 2, torch.Generator().manual_seed(0))
@@ -81,8 +69,8 @@ def test_eps_shared_across_minibatch_and_gradient_formula():
         torch.testing.assert_close(full.g_sigma[n], sum(p.g_sigma[n] for p in parts), rtol=1e-12, atol=1e-13)
 
 
-def test_deterministic_parameters_stay_fixed():
-    model = tiny_mlp()
+def test_deterministic_parameters_stay_fixed(make_mlp):
+    model = make_mlp()
     X, y = torch.randn(4, 4, dtype=DT), torch.tensor([0, 1, 2, 0])
     mu = {"2.weight": model[2].weight.detach()}
     sig = {"2.weight": torch.full_like(mu["2.weight"], 0.1)}
@@ -93,8 +81,8 @@ def test_deterministic_parameters_stay_fixed():
     torch.testing.assert_close(a.g_mu["2.weight"], b.g_mu["2.weight"], rtol=1e-12, atol=1e-13)
 
 
-def test_mismatched_posterior_raises():
-    model = tiny_mlp()
+def test_mismatched_posterior_raises(make_mlp):
+    model = make_mlp()
     mu, sig = _posterior(model)
     sig["0.weight"] = sig["0.weight"][:1]
     with pytest.raises(ValueError, match="shape"):
@@ -103,8 +91,8 @@ def test_mismatched_posterior_raises():
         sample_eps(mu, 0)
 
 
-def test_predict_mc_is_average_of_sampled_softmax_and_map_at_zero_sigma():
-    model = tiny_mlp()
+def test_predict_mc_is_average_of_sampled_softmax_and_map_at_zero_sigma(make_mlp):
+    model = make_mlp()
     X = torch.randn(7, 4, dtype=DT)
     mu, sig = _posterior(model, 0.3)
     eps = sample_eps(mu, 4, torch.Generator().manual_seed(2))
