@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -43,7 +45,7 @@ def make_mlp():
     def make(sizes=(4, 5, 3), activation="relu", seed=0, dtype=torch.float64):
         torch.manual_seed(seed)
         layers = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
             layers.append(torch.nn.Linear(a, b))
             if i < len(sizes) - 2:
                 layers.append(_ACTS[activation]())

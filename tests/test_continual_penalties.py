@@ -14,8 +14,8 @@ from curvkit.continual import (
     TorchLearner,
 )
 from curvkit.continual.penalties import diagonal_fisher
-from curvkit.linalg.operator import DiagonalOperator
 from curvkit.likelihoods import CrossEntropy
+from curvkit.linalg.operator import DiagonalOperator
 from curvkit.models import mlp
 from reference import dense_empirical_fisher, dense_fisher_categorical
 

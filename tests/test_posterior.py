@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from curvkit.likelihoods import CrossEntropy
 from curvkit.posterior import mc_gradients, mc_gradients_loop, predict_map, predict_mc, sample_eps
