@@ -11,7 +11,8 @@ replaced by a synthetic stand-in task (:func:`curvkit.data.synthetic_vision_task
 tasks ran. Claims (Table 5.3): KF variants above the diagonal ones on average, every Laplace variant above
 SI on average.
 
-Scales: smoke - five synthetic tasks (400 training images each), Online KF / Online D / SI, 2 epochs;
+Scales: smoke - five synthetic tasks (300 training images each), a narrow LeNet (6 and 16 filters, dense 100),
+Online KF / Online D / SI, 3 epochs;
 medium - real tasks where available (10,000 training and 2,000 test images each), all seven methods at
 lambda = 3 (SI c = 0.1), 3-5 epochs (patience 2); paper - full data sets, 10-20 epochs, lambda in {1, 3, 10}.
 """
@@ -43,26 +44,29 @@ THESIS = {  # Table 5.3 (accuracies; the thesis's header says "Test Error")
 }
 
 
-def lenet_multihead(num_tasks: int, seed: int) -> MultiHead:
+def lenet_multihead(num_tasks: int, seed: int, channels: tuple[int, int] = (20, 50), hidden: int = 500) -> MultiHead:
+    """The thesis's LeNet (conv 20 5x5, pool, conv 50 5x5, pool, dense 500) with one 10-way head per task."""
     torch.manual_seed(seed)
-    trunk = nn.Sequential(nn.Conv2d(3, 20, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
-                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(50 * 5 * 5, 500), nn.ReLU())
-    return MultiHead(trunk, [nn.Linear(500, 10) for _ in range(num_tasks)])
+    c1, c2 = channels
+    trunk = nn.Sequential(nn.Conv2d(3, c1, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(c1, c2, 5), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c2 * 5 * 5, hidden), nn.ReLU())
+    return MultiHead(trunk, [nn.Linear(hidden, 10) for _ in range(num_tasks)])
 
 
 def _settings(scale: str) -> dict[str, Any]:
     if scale == "smoke":
-        return dict(real=False, n_train=250, n_test=100, epochs=(2, 2), patience=1, val=50, batch=50, lr=1e-3, opt="adam",
+        return dict(real=False, n_train=300, n_test=100, epochs=(3, 3), patience=1, val=60, batch=20, lr=1e-3, opt="adam",
+                    net=((6, 16), 100),
                     methods=[Method("online", "kron", 3.0), Method("online", "diag", 3.0), Method("si", hyper=0.1)])
     methods = [Method(f, c, 3.0) for f in ("online", "ewc", "non_online") for c in ("kron", "diag")]
     methods.append(Method("si", hyper=0.1))
     if scale == "medium":
         return dict(real=True, n_train=10000, n_test=2000, epochs=(3, 5), patience=2, val=2000, batch=250, lr=1e-2,
-                    opt="momentum",
+                    opt="momentum", net=((20, 50), 500),
                     methods=methods)
     methods += [Method("online", c, lam) for c in ("kron", "diag") for lam in (1.0, 10.0)]
     return dict(real=True, n_train=None, n_test=None, epochs=(10, 20), patience=5, val=5000, batch=250, lr=1e-2,
-                opt="momentum",
+                opt="momentum", net=((20, 50), 500),
                 methods=methods)
 
 
@@ -94,7 +98,7 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
                          val_size=st["val"], multi_head=True, curvature_batch=500)
     runs = {}
     for m in st["methods"]:
-        runs[m.label] = run_method(m, lambda s: lenet_multihead(5, s), tasks, cfg, out, seed,
+        runs[m.label] = run_method(m, lambda s: lenet_multihead(5, s, *st["net"]), tasks, cfg, out, seed,
                                    params_fn=lambda model: model.shared_parameters(),  # type: ignore[operator]
                                    progress=scale != "smoke")
     rows, avg = [], {}
@@ -122,7 +126,8 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
                "seconds": time.perf_counter() - t0, "machine": machine_info()}
     write_json(out / "results.json", results)
     md = [f"# dataset-sequence ({scale})", "", "Tasks that ran: " + ", ".join(names) + ".", "",
-          f"Multi-head LeNet (conv20-pool-conv50-pool-fc500, one head per task), {st['epochs'][0]}-{st['epochs'][1]} "
+          f"Multi-head LeNet (conv{st['net'][0][0]}-pool-conv{st['net'][0][1]}-pool-fc{st['net'][1]}, one head per task), "
+          f"{st['epochs'][0]}-{st['epochs'][1]} "
           f"epochs per task, {st['opt']} lr {st['lr']:g} (smoke: Adam so that 2 epochs learn); penalty on the shared trunk. Final test accuracy (%):", "",
           markdown_table(["method", *[n.split(" ")[0] for n in names], "avg", "thesis avg"], rows), "",
           "Claims (Table 5.3):", ""]

@@ -9,7 +9,7 @@ predicted 0 excluded per method; entropy, accuracy on the original class and the
 step. Claims: KF Laplace has the highest entropy under FGSM at the largest step; under the targeted attack
 KF Laplace needs at least as many steps as every other method to misclassify half of the images.
 
-Scales: smoke - 200 test images, 15 targeted steps (network of laplace-ood's smoke scale); medium - 1,000
+Scales: smoke - 100 test images, 10 targeted steps (network of laplace-ood's smoke scale); medium - 1,000
 images, 50 steps; paper - the full test set, 50 steps.
 """
 
@@ -26,7 +26,7 @@ from curvkit.experiments._report import machine_info, markdown_table, new_figure
 from curvkit.experiments.laplace_ood import SETUPS
 from curvkit.experiments.registry import register
 
-SIZES = {"smoke": (200, 15), "medium": (1000, 50), "paper": (10000, 50)}
+SIZES = {"smoke": (100, 10), "medium": (1000, 50), "paper": (10000, 50)}
 ETAS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5]
 
 

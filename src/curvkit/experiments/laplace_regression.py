@@ -9,7 +9,7 @@ target per point (``mc_fisher``), KF Laplace KFLR factors (Eq. 5.14). Plain: N =
 prior precision; regularised [R]: (N, lambda) by grid search on the validation NLL of the MC predictive
 (Eq. 5.9). HMC with dual-averaged step size on the same posterior (50,000 samples at ``paper`` scale).
 
-Scales: smoke 1,000 HMC samples and 200 predictive samples; medium 10,000 and 1,000; paper 50,000 and 2,000.
+Scales: smoke 300 HMC samples and 100 predictive samples; medium 10,000 and 1,000; paper 50,000 and 2,000.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from curvkit.structure import read_model
 PRIOR = 0.1  # the thesis gives none; 1.0 makes the MAP underfit x^3 (train RMSE 8 > sigma)
 SIGMA = 3.0
 DT = torch.float64
-SETTINGS = {"smoke": dict(hmc=1000, burn=500, pred=200, grid=4),
+SETTINGS = {"smoke": dict(hmc=300, burn=200, pred=100, grid=3),
             "medium": dict(hmc=10000, burn=2000, pred=1000, grid=7),
             "paper": dict(hmc=50000, burn=5000, pred=2000, grid=7)}
 
