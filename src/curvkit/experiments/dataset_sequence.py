@@ -32,6 +32,7 @@ from curvkit.continual.laplace import MultiHead
 from curvkit.continual.streams import DatasetSequence
 from curvkit.data.task_sequence import SEQUENCE, available_tasks, load_task, synthetic_vision_tasks
 from curvkit.experiments._laplace_continual import Method, run_method
+from curvkit.experiments._laplace_threads import single_threaded
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 
@@ -88,6 +89,7 @@ def _datasets(st: dict[str, Any], seed: int) -> tuple[list[Any], list[str]]:
 
 @register("dataset-sequence", "MNIST, notMNIST, Fashion-MNIST, SVHN, CIFAR-10 in sequence, multi-head LeNet: "
           "Online / EWC / Non-Online Laplace (KF, diag) vs SI", paper="002 Botev thesis, Table 5.3")
+@single_threaded
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = _settings(scale)
     t0 = time.perf_counter()

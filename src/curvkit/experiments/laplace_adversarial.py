@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from curvkit.experiments._laplace_mnist import binarise, entropy, fit_laplace, load, predictors, train_models
+from curvkit.experiments._laplace_threads import single_threaded
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.laplace_ood import SETUPS
 from curvkit.experiments.registry import register
@@ -39,6 +40,7 @@ def _grad(fn: Any, x: torch.Tensor, objective: Any) -> torch.Tensor:
 
 @register("laplace-adversarial", "FGSM and targeted iterative attacks through each method's MC predictive",
           paper="002 Botev thesis, Figs. 5.3-5.4")
+@single_threaded
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     setup = SETUPS[scale]
     n, steps = SIZES[scale]

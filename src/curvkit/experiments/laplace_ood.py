@@ -35,6 +35,7 @@ from curvkit.experiments._laplace_mnist import (
     predictors,
     train_models,
 )
+from curvkit.experiments._laplace_threads import single_threaded
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 
@@ -70,6 +71,7 @@ def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> float:
 
 @register("laplace-ood", "Predictive entropy on OOD letters (KMNIST bundled; notMNIST if given): KF/diag Laplace vs "
           "dropout vs FFG; AUROC and ECE", paper="002 Botev thesis, Fig. 5.2 and Table 5.1")
+@single_threaded
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     setup = SETUPS[scale]
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from curvkit.continual._laplace_sequence import SequenceConfig
 from curvkit.continual.streams import SplitTasks
 from curvkit.data import mnist
 from curvkit.experiments._laplace_continual import Method, run_method
+from curvkit.experiments._laplace_threads import single_threaded
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 from curvkit.models import mlp
@@ -54,6 +55,7 @@ def _settings(scale: str) -> dict[str, Any]:
 
 @register("online-laplace-disjoint", "Disjoint MNIST (0-4 then 5-9): KF vs diagonal Laplace vs SI over lambda / c",
           paper="002 Botev thesis, Fig. 5.9")
+@single_threaded
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = _settings(scale)
     t0 = time.perf_counter()

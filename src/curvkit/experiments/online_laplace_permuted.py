@@ -26,6 +26,7 @@ from curvkit.continual._laplace_sequence import SequenceConfig
 from curvkit.continual.streams import PermutedTasks
 from curvkit.data import mnist
 from curvkit.experiments._laplace_continual import Method, run_method
+from curvkit.experiments._laplace_threads import single_threaded
 from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
 from curvkit.experiments.registry import register
 from curvkit.models import mlp
@@ -64,6 +65,7 @@ def _tasks(st: dict[str, Any], seed: int) -> PermutedTasks:
 
 @register("online-laplace-permuted", "Online / EWC / Non-Online Laplace (KF, diag), SI, joint on permuted MNIST",
           paper="002 Botev thesis, Figs. 5.7-5.8")
+@single_threaded
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = _settings(scale)
     t0 = time.perf_counter()
