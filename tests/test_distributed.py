@@ -37,6 +37,7 @@ BOUNDS = {2: [0, 8, 13], 3: [0, 2, 7, 13]}  # unequal shards of N = 13 rows
 def _close(a, b, what, rtol=RTOL, atol=ATOL):
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    a, b = a.detach(), b.detach()
     err = float((a - b).abs().max()) if a.numel() else 0.0
     assert torch.allclose(a, b, rtol=rtol, atol=atol), f"{what}: max abs difference {err:.3g}"
 
@@ -365,7 +366,9 @@ def test_checkpoint_resumes_on_another_number_of_processes(tmp_path):
 @pytest.mark.parametrize("mode", ["raise", "stall"])
 def test_a_failing_rank_stops_every_rank(mode):
     t0 = time.monotonic()
-    expected = "boom on rank 1" if mode == "raise" else "CollectiveTimeout"
+    # "raise": rank 1's error, or rank 0's CollectiveTimeout naming the dropped connection, whichever is seen
+    # first; "stall": rank 0's CollectiveTimeout after 4 s
+    expected = "boom on rank 1|Connection reset|CollectiveTimeout" if mode == "raise" else "CollectiveTimeout"
     with pytest.raises(ProcessRaisedException, match=expected):
         spawn(failing_worker, 2, (mode,), timeout=90, collective_timeout=60)
     assert time.monotonic() - t0 < 60  # stopped by the error or the 4 s collective timeout, not the limit
@@ -374,7 +377,7 @@ def test_a_failing_rank_stops_every_rank(mode):
 def test_placement_balances_cost():
     costs = [100.0, 1.0, 50.0, 49.0, 2.0]
     a = assign_owners(costs, 2, "comm-opt")
-    assert a.owner == (0, 1, 1, 1, 0) and a.load == (102.0, 100.0)
+    assert a.owner == (0, 0, 1, 1, 1) and a.load == (101.0, 101.0)
     assert all(w == (0, 1) for w in a.grad_workers)
     m = assign_owners(costs, 3, "mem-opt")
     assert all(w == (o,) for w, o in zip(m.grad_workers, m.owner))

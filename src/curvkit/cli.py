@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--scale", default="smoke", choices=registry.SCALES)
     rep.add_argument("--out", default=None, help="output directory (default results/NAME-SCALE)")
     rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--distributed", action="store_true",
+                     help="data-parallel under torchrun (automatic when WORLD_SIZE > 1): the optimisers that take "
+                          "step(batch=...) split each minibatch over the processes; rank 0 writes --out")
     return parser
 
 
@@ -34,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown experiment {args.name!r}; available: {', '.join(exps)}", file=sys.stderr)
             return 2
         out = Path(args.out) if args.out is not None else Path("results") / f"{args.name}-{args.scale}"
+        from curvkit.distributed import env_world_size
+
+        if args.distributed or env_world_size() > 1:  # torchrun --nproc_per_node=N -m curvkit reproduce ...
+            from curvkit.distributed.launch import init_experiment
+
+            out = init_experiment(out)
         try:
             if args.out is not None and not args.out.strip():
                 raise registry.ExperimentError("--out is empty; pass a directory path (e.g. --out results/run1), "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +66,13 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, b
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # the caller records the traceback and exits; the process group's teardown can wait for a stalled
+        # peer at interpreter exit, so the process is ended shortly afterwards in any case
+        threading.Timer(3.0, os._exit, (1,)).start()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
@@ -96,3 +102,24 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, ba
                 p.join(5)
                 if p.is_alive():
                     p.kill()
+
+
+def init_experiment(out: Any) -> Any:
+    """``curvkit reproduce NAME --distributed`` under torchrun: initialise the process group, make a
+    :class:`~curvkit.distributed.Reducer` with ``shard_batches=True`` the default of the optimisers
+    (:func:`curvkit.distributed.set_current`), and return the output directory of this rank: ``out`` on
+    rank 0, ``out/.rank{r}`` on the others (their own checkpoints, so that every rank resumes alike; the
+    report is rank 0's).
+
+    Every rank runs the experiment with the same seed, hence the same data and minibatches; an optimiser
+    that takes ``step(batch=(X, y))`` (MESU, BGD, BBBSGD, MESUNoReg, GaussNewton) keeps its rank's rows of
+    each minibatch and all-reduces, so the run equals the single-process run to rounding (Monte Carlo label
+    sampling of KFAC curvature excepted: per-rank seeds). Everything else runs replicated.
+    """
+    from pathlib import Path
+
+    from curvkit.distributed import Reducer, set_current
+
+    rank, _ = init()
+    set_current(Reducer(shard_batches=True))
+    return Path(out) if rank == 0 else Path(out) / f".rank{rank}"
