@@ -424,3 +424,22 @@ def test_truncated_checkpoint_names_the_file(tmp_path):
     checkpoint.save({"w": torch.zeros(3)}, path)  # the atomic writer replaces it whole
     assert torch.equal(checkpoint.load(path)["w"], torch.zeros(3))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("make, group", [
+    (lambda groups, model: KaldiNGD(groups), {"lr": float("nan")}),
+    (lambda groups, model: KaldiNGD(groups), {"weight_decay": math.inf}),
+    (lambda groups, model: SGLD(groups), {"localization": -1.0}),
+    (lambda groups, model: MESU(groups, model=model), {"sigma_prior": float("nan")}),
+    (lambda groups, model: BGD(groups, model=model), {"eta": -1.0}),
+])
+def test_param_groups_cannot_smuggle_invalid_hyperparameters(make, group):
+    """A param group that overrides a default is checked like the constructor's argument."""
+    from curvkit.optim import BFRMSProp
+
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    groups = [{"params": [model[0].weight], **group}, {"params": [model[0].bias]}]
+    with pytest.raises(ValueError, match=next(iter(group))):
+        make(groups, model)
+    with pytest.raises(ValueError, match="lr"):
+        BFRMSProp([{"params": [model[0].weight], "lr": math.inf}, {"params": [model[0].bias]}])

@@ -26,9 +26,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,9 @@ from torch.optim import Optimizer
 
 from curvkit.linalg.layout import ParamLayout
 
-__all__ = ["CurvatureOptimizer", "check_finite", "check_step_extras", "legacy_model_first"]
+GroupChecks = Mapping[str, Callable[[str, Any], Any]]
+
+__all__ = ["CurvatureOptimizer", "GroupChecks", "check_finite", "check_step_extras", "legacy_model_first"]
 
 
 class CurvatureOptimizer(Optimizer):
@@ -44,6 +46,18 @@ class CurvatureOptimizer(Optimizer):
     parameter names of an optional ``model``."""
 
     model: nn.Module | None = None
+
+    #: per-group hyperparameter checks, name -> check(name, value) raising ValueError (``curvkit.validation``);
+    #: applied to every param group, so a group cannot override a default with a NaN, an inf or a
+    #: negative value that the constructor would have refused
+    group_checks: ClassVar[GroupChecks] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for name, check in self.group_checks.items():
+            if name in group and group[name] is not None:
+                check(name, group[name])
 
     def _init_names(self, model: nn.Module | None) -> None:
         """Record ``model`` and check that every optimised parameter belongs to it."""

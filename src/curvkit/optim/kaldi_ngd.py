@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras
+from curvkit.optim.base import CurvatureOptimizer, GroupChecks, check_finite, check_step_extras
 from curvkit.validation import integer, nonnegative, positive, unit_interval
 
 AxisState = dict[str, Any]
@@ -173,6 +173,11 @@ class KaldiNGD(CurvatureOptimizer):
     (min((D+1)//2, 80)), update_period=4, momentum=0.9, nesterov=True, preserve_norm=True. ``alpha=0`` is
     allowed.
     """
+
+    group_checks: ClassVar[GroupChecks] = {"lr": positive, "momentum": nonnegative, "dampening": nonnegative, "weight_decay": nonnegative,
+                    "alpha": nonnegative, "eta": unit_interval, "epsilon": nonnegative,
+                    "delta": lambda n, v: unit_interval(n, v, closed_left=True), "update_period": integer,
+                    "rank": integer}
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, momentum: float = 0.9, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = True, alpha: float = 0.1, eta: float = 0.9,

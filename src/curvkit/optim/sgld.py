@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from curvkit.optim.base import CurvatureOptimizer, check_step_extras
+from curvkit.optim.base import CurvatureOptimizer, GroupChecks, check_step_extras
 from curvkit.validation import nonnegative, positive
 
 
 class SGLD(CurvatureOptimizer):
     """Stochastic-gradient Langevin dynamics with localization (lr = ε, nbeta = nβ, localization = γ)."""
+
+    group_checks: ClassVar[GroupChecks] = {"lr": positive, "nbeta": positive, "localization": nonnegative, "noise_level": nonnegative}
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, nbeta: float = 1.0, localization: float = 0.0,
                  noise_level: float = 1.0, generator: torch.Generator | None = None):

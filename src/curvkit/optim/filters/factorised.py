@@ -25,12 +25,12 @@ may change it), ``sigma2`` the stationary prior variance (``inf``: no decay; Ada
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from curvkit.optim.base import check_step_extras
+from curvkit.optim.base import GroupChecks, check_step_extras
 from curvkit.optim.filters._base import (
     FilterOptimizer,
     Reduction,
@@ -63,6 +63,10 @@ class _Factorised(FilterOptimizer):
     """Shared step loop. Subclasses implement ``_update`` and set ``_var_key`` (posterior variance)."""
 
     _var_key = "s"
+    group_checks: ClassVar[GroupChecks] = {"lr": check_positive, "sigma2": lambda n, v: check_positive(n, v, allow_inf=True),
+                    "s0": check_positive, "beta2": check_unit_interval,
+                    "eps": lambda n, v: check_positive(n, v, allow_zero=True), "eta_p": check_unit_interval,
+                    "eta_w": lambda n, v: check_positive(n, v, allow_zero=True)}
 
     def __init__(self, params: Any, defaults: dict[str, Any], fisher: str, reduction: Reduction,
                  batch_size: int | None, drift: str = "exp"):
