@@ -3,12 +3,14 @@
 * Exact operators (:mod:`curvkit.curvature.exact`): Hessian, GGN, type-2 Fisher, MC Fisher, empirical
   Fisher, with the convenience builders ``hessian``, ``ggn``, ``fisher``, ``mc_fisher``,
   ``empirical_fisher``; the output-space Fisher (:mod:`curvkit.curvature.output_space`).
-* Estimators updated batch by batch (:mod:`curvkit.curvature.estimators`: Kronecker and diagonal), the
+* Estimators updated batch by batch (:mod:`curvkit.curvature.estimators`: Kronecker and diagonal;
+  :mod:`curvkit.curvature.ekfac`: eigenvalue-corrected Kronecker), the
   one-shot Kronecker factors (:mod:`curvkit.curvature.kronecker`) and the block-diagonal recursions
   (:mod:`curvkit.curvature.recursion`).
 * Metrics comparing an estimate with a reference (:mod:`curvkit.curvature.compare`).
 """
 
+from curvkit.curvature.ekfac import EKFACEstimator
 from curvkit.curvature.estimators import CurvatureEstimator, DiagonalEstimator, KroneckerEstimator
 from curvkit.curvature.exact import (
     EmpiricalFisherOperator,
@@ -34,6 +36,7 @@ __all__ = [
     "BlockDiagonalCurvature",
     "CurvatureEstimator",
     "DiagonalEstimator",
+    "EKFACEstimator",
     "EmpiricalFisherOperator",
     "ExactCurvatureOperator",
     "FisherOperator",

@@ -615,6 +615,21 @@ class KroneckerSpectralOperator(CurvatureOperator):
         super().__init__(layout, dtype, device)
         self._index, self._eigh, self._spectra, self._names = index, eigh, spectra, names
 
+    @classmethod
+    def in_eigenbasis_of(cls, op: KroneckerOperator, spectra: Sequence[Tensor]) -> KroneckerSpectralOperator:
+        """The operator with the eigenvectors of ``op``'s factors and the given per-block eigenvalues
+        ``spectra[l]`` of shape (out_l, in_aug_l) (e.g. the eigenbasis-corrected scalings of EKFAC)."""
+        spectra = list(spectra)
+        eigh = op.eigh()
+        if len(spectra) != len(eigh):
+            raise ValueError(f"need one spectrum per block ({len(eigh)}), got {len(spectra)}")
+        for b, e, lam in zip(op.blocks, eigh, spectra):
+            shape = (e.G_eigvals.numel(), e.A_eigvals.numel())
+            if tuple(lam.shape) != shape:
+                raise ValueError(f"spectrum of block {b.weight_name!r} has shape {tuple(lam.shape)}, expected {shape}")
+            _finite(lam, f"spectrum of block {b.weight_name!r}")
+        return cls(op.layout, op._index, eigh, spectra, [b.weight_name for b in op.blocks])
+
     def _matmat(self, M: Tensor) -> Tensor:
         M = M.to(self.dtype)
         out = torch.empty_like(M)
