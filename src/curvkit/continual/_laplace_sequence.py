@@ -73,9 +73,12 @@ class SequenceConfig:
 @dataclass
 class SequenceResult:
     """``acc[t][m]``: test accuracy on task m after training task t (every task, seen or not);
-    ``val_err[t]``: best validation error of task t; ``epochs[t]``; ``seconds[t]`` (wall time)."""
+    ``val_acc[t][m]``: the same on task m's validation split (tasks seen so far; the thesis selects
+    hyperparameters by the final validation error over all tasks); ``val_err[t]``: best validation error of
+    task t while it was trained; ``epochs[t]``; ``seconds[t]`` (wall time)."""
 
     acc: list[list[float]] = field(default_factory=list)
+    val_acc: list[list[float]] = field(default_factory=list)
     val_err: list[float] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
@@ -210,7 +213,7 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
                 consolidate(model, data, num_data=n_train)
             else:  # other penalties (SI, EWC) get the first curvature batch of the task
                 penalty.on_task_end(model, next(iter(data)))
-        row = []
+        row, vrow = [], []
         for m in range(tasks.num_tasks):
             if cfg.multi_head and m > t:
                 row.append(float("nan"))  # its head is untrained
@@ -218,8 +221,12 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
             _select(model, m, cfg)
             X, y = tasks.test_data(m, cfg.eval_max_test)
             row.append(_accuracy(model, X, y, device))
+            if m <= t:
+                Xv, yv = tasks.train_batch(m, _split(tasks, m, cfg.val_size)[1])
+                vrow.append(_accuracy(model, Xv, yv, device))
         _select(model, t, cfg)
         result.acc.append(row)
+        result.val_acc.append(vrow)
         result.val_err.append(best_err)
         result.epochs.append(epochs)
         result.lr.append(lr)
@@ -236,6 +243,6 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
 
 def describe(result: SequenceResult) -> dict[str, Any]:
     """JSON-able summary: accuracy matrix, mean over seen tasks, first and latest task accuracy."""
-    return {"acc": result.acc, "mean_seen": result.mean_seen(),
+    return {"acc": result.acc, "mean_seen": result.mean_seen(), "val_acc": result.val_acc,
             "first": [row[0] for row in result.acc], "latest": [row[t] for t, row in enumerate(result.acc)],
             "val_err": result.val_err, "epochs": result.epochs, "seconds": result.seconds, "lr": result.lr}

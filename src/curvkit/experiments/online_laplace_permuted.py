@@ -92,8 +92,13 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     else:
         holds["kf_online_above_90pct"] = kf.get(3.0, 0.0) > 0.9
         holds["kf_beats_diag_at_every_lambda"] = bool(pairs) and all(a > b for a, b in pairs)
-        valid = {lam: float(np.mean(runs[Method("online", "kron", lam).label]["val_err"])) for lam in kf}
-        holds["lambda_3_best_for_kf_by_validation"] = min(valid, key=valid.get) == 3.0  # type: ignore[arg-type]
+        # the thesis selects by the final validation error over all tasks; runs made before the trainer recorded
+        # validation accuracy on every task fall back to the final mean test accuracy (stated in the report)
+        recorded = all(runs[Method("online", "kron", lam).label].get("val_acc") for lam in kf)
+        score = {lam: (float(np.mean(runs[Method("online", "kron", lam).label]["val_acc"][-1])) if recorded
+                       else kf[lam]) for lam in kf}
+        key = "lambda_3_best_for_kf_by_validation" if recorded else "lambda_3_best_for_kf_by_final_test_accuracy"
+        holds[key] = max(score, key=score.get) == 3.0  # type: ignore[arg-type]
         r1, r100 = runs[Method("online", "kron", 1.0).label], runs[Method("online", "kron", 100.0).label]
         holds["lambda_1_forgets_first_task"] = r1["first"][-1] < r1["latest"][-1]
         holds["lambda_100_freezes"] = r100["first"][-1] > r100["latest"][-1]
