@@ -69,23 +69,28 @@ def run_method(m: Method, model_fn: Callable[[int], nn.Module], tasks: TaskSet, 
     cfg = replace(cfg, seed=seed, joint=m.family == "joint")
     if m.family == "si":  # thesis Sec. 5.4.1: SI did best with Adam (lr 1e-3)
         cfg = replace(cfg, optimizer="adam", lr=1e-3, lr_decay_k=0.0, step_decay_every=None)
-    # The thesis tunes the lr decay "to prevent the objective from diverging" (Sec. 5.4.1); here a run whose
-    # loss becomes non-finite is restarted from scratch with a 10x smaller initial lr (at most 3 times).
+    # The thesis tunes the per-task lr decay k of lr0 / (1 + k t) "to prevent the objective from diverging towards
+    # the end of training" (Sec. 5.4.1); here a run whose loss becomes non-finite is restarted from scratch with a
+    # 10x larger k (1 if k was 0), which keeps the first task's lr; after 3 such restarts the initial lr is cut.
     retries = 0
     while True:
         model = model_fn(seed)
         params = params_fn(model) if params_fn is not None else None
         pen = make_penalty(m, tasks, cfg, params, seed, prior_precision)
         try:
-            res = describe(train_task_sequence(model, tasks, pen, cfg, run_dir / f"lr{cfg.lr:g}", progress=progress))
+            res = describe(train_task_sequence(model, tasks, pen, cfg, run_dir / f"lr{cfg.lr:g}_k{cfg.lr_decay_k:g}",
+                                               progress=progress))
             break
         except FloatingPointError:
-            if retries == 3:
+            if retries == 5:
                 raise
             retries += 1
-            cfg = replace(cfg, lr=cfg.lr / 10)
+            if retries <= 3:
+                cfg = replace(cfg, lr_decay_k=10 * cfg.lr_decay_k if cfg.lr_decay_k > 0 else 1.0)
+            else:
+                cfg = replace(cfg, lr=cfg.lr / 10)
     res["method"] = m.label
-    res["lr0"], res["lr_retries"] = cfg.lr, retries
+    res["lr0"], res["lr_decay_k"], res["lr_retries"] = cfg.lr, cfg.lr_decay_k, retries
     if isinstance(pen, LaplacePenalty):
         res["stored_scalars"] = pen.memory_numel()
     checkpoint.write_text(done, json.dumps(res) + "\n")

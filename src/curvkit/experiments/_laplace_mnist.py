@@ -75,8 +75,13 @@ def _net(hidden: int, dropout: float, seed: int) -> nn.Sequential:
 
 
 def train_models(setup: MnistSetup, data: dict[str, Tensor], out: Path, seed: int) -> tuple[nn.Module, nn.Module, Any]:
-    """(dropout net, FFG mean net, FFG optimiser), trained or read back from ``out/models``."""
-    path = out / "models" / f"mnist_h{setup.hidden}_e{setup.epochs}_n{setup.n_train}_s{seed}.pt"
+    """(dropout net, FFG mean net, FFG optimiser), trained or read back from ``out/models`` (or, when that has
+    none, from a sibling ``laplace-ood`` run of the same setting: ``out/../laplace-ood/models``)."""
+    name = f"mnist_h{setup.hidden}_e{setup.epochs}_n{setup.n_train}_s{seed}.pt"
+    path = out / "models" / name
+    sibling = out.parent / "laplace-ood" / "models" / name
+    if not path.exists() and sibling.exists():
+        path = sibling
     drop, ffg = _net(setup.hidden, 0.5, seed), _net(setup.hidden, 0.0, seed + 1)
     # lr on the summed minibatch loss (batch 100): 5e-4 is about the dropout net's momentum-SGD step
     opt_f = BBBSGD(ffg.parameters(), model=ffg, lr=5e-4, sigma_init=1e-3, mc_samples=1, seed=seed)
