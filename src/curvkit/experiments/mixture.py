@@ -115,14 +115,15 @@ def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]
     for name, r in gn.items():
         U, T = len(r["loss"]), r["time"][-1]
         mine = value_at(r, update=U)
+        t_eq = min(T, best["time"][-1])  # equal wall-clock: the end of the shorter run
         claims["per_method"][name] = {
-            "objective": mine, "best_adam_same_updates": value_at(best, update=U),
-            "best_adam_same_time": value_at(best, time_s=T), "best_adam_end": value_at(best, update=len(best["loss"])),
-            "train_time_s": T, "updates": U,
+            "objective": mine, "best_adam_same_updates": value_at(best, update=U), "equal_time_s": t_eq,
+            "objective_at_equal_time": value_at(r, time_s=t_eq), "best_adam_same_time": value_at(best, time_s=t_eq),
+            "best_adam_end": value_at(best, update=len(best["loss"])), "train_time_s": T, "updates": U,
         }
         c = claims["per_method"][name]
         c["faster_per_update"] = bool(mine < c["best_adam_same_updates"])
-        c["faster_per_time"] = bool(mine < c["best_adam_same_time"])
+        c["faster_per_time"] = bool(c["objective_at_equal_time"] < c["best_adam_same_time"])
         c["higher_than_adam_at_the_end"] = bool(mine > c["best_adam_end"])
         cnt = r.get("likelihood_counters") or {"projections": 0, "evaluations": 0}
         c["projection_fraction"] = cnt["projections"] / cnt["evaluations"] if cnt["evaluations"] else math.nan
@@ -175,8 +176,9 @@ def _report(scale: str, task: Task, summary: dict[str, Any], cl: dict[str, Any],
           f"Best Adam setting: {cl['best_adam']}.", "", "## Claims", ""]
     for name, c in cl["per_method"].items():
         md.append(f"- {name}: after {c['updates']} updates {c['objective']:.4g} vs best Adam {c['best_adam_same_updates']:.4g} "
-                  f"-> faster per update **{'holds' if c['faster_per_update'] else 'does not hold'}**; at "
-                  f"{c['train_time_s']:.0f} s Adam is at {c['best_adam_same_time']:.4g} -> faster per wall-clock (CPU) "
+                  f"-> faster per update **{'holds' if c['faster_per_update'] else 'does not hold'}**; at equal time "
+                  f"({c['equal_time_s']:.0f} s) {c['objective_at_equal_time']:.4g} vs {c['best_adam_same_time']:.4g} "
+                  "-> faster per wall-clock (CPU) "
                   f"**{'holds' if c['faster_per_time'] else 'does not hold'}**; Adam after its whole budget: "
                   f"{c['best_adam_end']:.4g} (thesis: the second-order final objective is higher than Adam's: "
                   f"{'yes' if c['higher_than_adam_at_the_end'] else 'no'} here). The PSD projection of the output "
