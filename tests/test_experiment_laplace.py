@@ -1,10 +1,18 @@
-"""Smoke runs of the chapter-5 experiments, each asserting something the run must get right."""
+"""Smoke runs of the chapter-5 experiments, each asserting something the run must get right.
+
+Like the project's experiment smoke loop, the end-to-end runs are behind ``-m slow`` (about a minute in all on
+two idle cores) except the fastest one; their parts have fast dedicated tests (test_laplace.py,
+test_online_laplace.py, test_laplace_hmc.py, test_data_vision_sets.py).
+"""
 
 import json
+
+import pytest
 
 from curvkit.experiments import registry
 
 
+@pytest.mark.slow
 def test_laplace_regression_smoke(tmp_path):
     res = registry.run("laplace-regression", "smoke", tmp_path, seed=0)
     assert res["train_rmse"] < 3.0  # the MAP fits x^3 within the noise std
@@ -15,6 +23,7 @@ def test_laplace_regression_smoke(tmp_path):
     assert (tmp_path / "fig5_1_toy_regression.png").exists()
 
 
+@pytest.mark.slow
 def test_online_laplace_permuted_smoke(tmp_path):
     res = registry.run("online-laplace-permuted", "smoke", tmp_path, seed=0)
     runs = res["runs"]
@@ -32,6 +41,7 @@ def test_online_laplace_disjoint_smoke(tmp_path):
     assert set(res["curves"]) == {"KF", "D", "SI"}
 
 
+@pytest.mark.slow
 def test_dataset_sequence_smoke(tmp_path):
     res = registry.run("dataset-sequence", "smoke", tmp_path, seed=0)
     assert res["tasks"] == [f"synthetic-{i}" for i in range(1, 6)]
@@ -40,6 +50,7 @@ def test_dataset_sequence_smoke(tmp_path):
     assert "synthetic-1" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_laplace_ood_smoke(tmp_path):
     res = registry.run("laplace-ood", "smoke", tmp_path, seed=0)
     m = res["methods"]
@@ -50,6 +61,7 @@ def test_laplace_ood_smoke(tmp_path):
     assert (tmp_path / "fig5_2_ood_entropy.png").exists()
 
 
+@pytest.mark.slow
 def test_laplace_adversarial_smoke(tmp_path):
     res = registry.run("laplace-adversarial", "smoke", tmp_path, seed=0)
     for name, curve in res["fgsm"].items():
