@@ -250,3 +250,23 @@ def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path):
     assert set(pen.store) == {"trunk.0.weight", "trunk.0.bias"}
     model.set_task(0)
     assert model.task == 0
+
+
+@pytest.mark.parametrize("curvature", ["kron", "diag"])
+def test_curvature_bound_bounds_the_penalty_hessian(curvature):
+    net = mlp([4, 5, 3], "tanh", dtype=DT, seed=0)
+    pen = LaplacePenalty(curvature=curvature, lam=2.0, prior_precision=0.3, task_size=7)
+    for i, task in enumerate(_tasks(3)):
+        _perturb(net, 0.3, i)
+        pen.consolidate(net, task)
+    # the penalty's Hessian per layer, formed densely from the stored factors / diagonals
+    tops = []
+    for blk in pen.store.values():
+        if curvature == "kron":
+            dense = sum(c * torch.kron(G, A) for c, G, A in zip(blk["coef"], blk["G"], blk["A"]))
+        else:
+            dense = torch.diag((blk["coef"].reshape(-1, *[1] * (blk["F"].dim() - 1)) * blk["F"]).sum(0).reshape(-1))
+        dense = (dense + 0.3 * torch.eye(dense.shape[0], dtype=DT)) / 7
+        tops.append(float(torch.linalg.eigvalsh(dense)[-1]))
+    top = max(tops)
+    assert top <= pen.curvature_bound() * (1 + 1e-9) and pen.curvature_bound() < 50 * top

@@ -55,6 +55,8 @@ class SequenceConfig:
     multi_head: bool = False
     joint: bool = False
     task_lr_factor: tuple[float, ...] = ()  # extra factor on task t's initial lr (disjoint MNIST: 1/max(1, lam/10))
+    lr_cap: bool = False  # cap a task's lr at (1 + momentum) / L, L = the penalty's curvature bound (half the
+    # heavy-ball stability limit 2 (1 + momentum) / L): our safeguard where the thesis tunes k by hand
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -180,6 +182,9 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
         if penalty is not None and hasattr(penalty, "set_task_size"):
             penalty.set_task_size(n_train)
         lr = decayed_lr(cfg.lr, cfg.lr_decay_k, t) * (cfg.task_lr_factor[t] if t < len(cfg.task_lr_factor) else 1.0)
+        bound = getattr(penalty, "curvature_bound", None)
+        if cfg.lr_cap and cfg.optimizer != "adam" and callable(bound) and bound() > 0:
+            lr = min(lr, (1 + cfg.momentum) / bound())
         opt = _optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)
         best_err, best_state, since, epochs = float("inf"), copy.deepcopy(model.state_dict()), 0, 0
         for epoch in range(cfg.max_epochs):

@@ -401,6 +401,20 @@ class LaplacePenalty(Penalty):
         self.store = {k: dict(v) for k, v in state["store"].items()}
         self._layers = None
 
+    def curvature_bound(self) -> float:
+        """An upper bound on the largest eigenvalue of the penalty's Hessian (in the units of :meth:`loss`):
+        the Hessian is block-diagonal over layers, and per layer
+        ``lambda_max(sum_i c_i G_i (x) A_i) <= sum_i c_i lambda_max(G_i) lambda_max(A_i)``, plus lam_0."""
+        worst = 0.0
+        for s in self.store.values():
+            if "G" in s:
+                lg = torch.linalg.eigvalsh(s["G"])[:, -1]
+                la = torch.linalg.eigvalsh(s["A"])[:, -1]
+                worst = max(worst, float((s["coef"] * lg * la).sum()))
+            else:
+                worst = max(worst, float((s["coef"].reshape(-1, *[1] * (s["F"].dim() - 1)) * s["F"]).sum(0).max()))
+        return (worst + self.lam0) * self._scale()
+
     def memory_numel(self) -> int:
         """Scalars stored (factors, coefficients, anchors): grows with the tasks for ``per_task``."""
         return sum(int(t.numel()) for s in self.store.values() for t in s.values())
