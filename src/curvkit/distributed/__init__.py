@@ -14,7 +14,7 @@ every rank (the weights for unequal shards are in :mod:`curvkit.distributed.redu
   they are refreshed, inverses computed once per layer on an owner rank and broadcast
   (:mod:`curvkit.distributed.placement`: KAISA's comm-opt, mem-opt, hybrid), damping and step-size
   scalars from all-reduced quantities, so every rank takes the identical step;
-* LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.distributed.llc`);
+* LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.slt._distributed`);
 * checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`;
 * launching: ``torchrun --nproc_per_node=N`` + :func:`init`; :func:`spawn` for tests; :func:`ddp` for
   DistributedDataParallel with the union gradient on unequal shards.

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from curvkit.distributed.placement import assign_owners, factor_cost
+from curvkit.linalg.kron import psd_eigh as robust_eigh
 
 __all__ = ["bayes_inputs", "whiten_inputs", "whiten_statistics"]
 
@@ -88,8 +89,6 @@ def _check_union(name: str, *tensors: Tensor) -> None:
 def whiten_statistics(opt: Any, rec: Any, st: dict[str, Any], stats: dict[str, Any]) -> None:
     """KFWhiten's ``_update_statistics`` from reduced statistics: EMA, then the owner's eigendecompositions
     broadcast on a refresh step, else d = diag(V^T C_batch V) along the kept basis."""
-    from curvkit.optim.filters.kron_math import robust_eigh
-
     red = opt.distributed
     grp = opt._group()
     beta = grp["beta"]

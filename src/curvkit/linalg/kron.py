@@ -54,6 +54,7 @@ __all__ = [
     "KroneckerOperator",
     "KroneckerSpectralOperator",
     "kron_matvec",
+    "psd_eigh",
     "stable_eigh",
     "vec_row",
 ]
@@ -131,6 +132,20 @@ def stable_eigh(M: Tensor, what: str = "matrix") -> tuple[Tensor, Tensor]:
     raise ValueError(f"eigendecomposition of the {tuple(M.shape)} {what} failed ({err}); it may contain inf/NaN "
                      "or be far from symmetric") from err
 
+
+
+def psd_eigh(C: Tensor, previous: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD factor C (n, n), in C's dtype:
+    :func:`stable_eigh` (float64 and jitter fallbacks for the repeated zero eigenvalues
+    of a rank-deficient covariance), then, if that fails too, the ``previous`` eigenbasis with
+    d = diag(V^T C V) (what the kept-basis update of KFWhiten uses between refreshes anyway)."""
+    try:
+        w, V = stable_eigh(C, "Kronecker factor")
+    except ValueError:
+        if previous is None:
+            raise
+        return ((C @ previous) * previous).sum(0).clamp(min=0), previous
+    return w.clamp(min=0), V
 
 # ---------------------------------------------------------------------------------------------- blocks
 @dataclass

@@ -306,12 +306,12 @@ def estimate_llc(
     ``distributed``: a :class:`curvkit.distributed.Reducer`; every rank passes the whole data set and
     gets the same result. ``distributed_split='chains'`` (default) spreads the chains over the ranks (seeds
     derived from ``seed`` per rank), ``'batch'`` computes each SGLD gradient data-parallel within the
-    chains (:mod:`curvkit.distributed.llc`).
+    chains (:mod:`curvkit.slt._distributed`).
     """
     if distributed is not None and distributed_split not in ("chains", "batch"):
         raise ValueError(f"distributed_split must be 'chains' or 'batch', got {distributed_split!r}")
     if distributed is not None and distributed_split == "chains":
-        from curvkit.distributed.llc import estimate_llc_chains
+        from curvkit.slt._distributed import estimate_llc_chains
 
         return estimate_llc_chains(distributed, model, data, config=config, seed=seed, init_loss=init_loss,
                                    loss=loss, batch_size=batch_size, generator=generator, vectorise=vectorise,
@@ -418,7 +418,7 @@ def estimate_llc(
         grad_fn = vmap(grad_and_value(loss_fn), in_dims=(0, stream.chain_axis))
     step_fn = chunked_grad_fn(grad_fn, stream.chain_axis, per_chain)
     if distributed is not None:  # distributed_split='batch': this rank's rows, gradients all-reduced
-        from curvkit.distributed.llc import sharded_grad_fn
+        from curvkit.slt._distributed import sharded_grad_fn
 
         step_fn = sharded_grad_fn(step_fn, stream.chain_axis, distributed)
     run = run_sgld(loss_fn, w_star, batches, stream.chain_axis, cfg, nbeta, gen, grad_fn=step_fn)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from curvkit.linalg.kron import stable_eigh
+from curvkit.linalg.kron import psd_eigh as robust_eigh  # noqa: F401  (re-exported for the filters)
 
 
 def kron_vec(x: Tensor, d: Tensor) -> Tensor:
@@ -344,16 +344,3 @@ def whitened_gradient(G: Tensor, Vd: Tensor, sd: Tensor, Vx: Tensor, sx: Tensor,
     res = gradient_residual(G, D, X)
     return U if res is None else U + full(res)
 
-
-def robust_eigh(C: Tensor, previous: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD factor C (n, n), in C's dtype:
-    :func:`curvkit.linalg.kron.stable_eigh` (float64 and jitter fallbacks for the repeated zero eigenvalues
-    of a rank-deficient covariance), then, if that fails too, the ``previous`` eigenbasis with
-    d = diag(V^T C V) (what the kept-basis update of KFWhiten uses between refreshes anyway)."""
-    try:
-        w, V = stable_eigh(C, "Kronecker factor")
-    except ValueError:
-        if previous is None:
-            raise
-        return ((C @ previous) * previous).sum(0).clamp(min=0), previous
-    return w.clamp(min=0), V

@@ -603,7 +603,7 @@ class KFWhiten(_KroneckerBase):
     rank-deficient C early on) the kept basis is arbitrary, so the gains there depend on it, and a
     rounding-level change of C can change later steps by more than rounding.
 
-    The eigendecompositions go through :func:`~.kron_math.robust_eigh`: LAPACK's float32 ``eigh`` can fail to
+    The eigendecompositions go through :func:`curvkit.linalg.kron.psd_eigh`: LAPACK's float32 ``eigh`` can fail to
     converge on the many repeated zero eigenvalues of a rank-deficient factor (it did after ~240 steps on a
     repeated batch of the 784-512-512-10 MLP); the fallbacks are float64, a tiny jitter, the kept basis.
 
