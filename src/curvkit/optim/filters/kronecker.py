@@ -112,7 +112,7 @@ class _KroneckerBase(CurvatureOptimizer):
         super().__init__(ordered, defaults)
         self._init_names(model)
         self._work: dict[tuple[str, str], Tensor] = {}
-        # data-parallel (curvkit.distributed.filters): rank 0's parameters on every rank, then union steps
+        # data-parallel (curvkit.optim.filters._distributed): rank 0's parameters on every rank, then union steps
         self.distributed = distributed
         if distributed is not None:
             distributed.sync_tensors_(ordered)
@@ -482,7 +482,7 @@ class KFBayes(_KroneckerBase):
         grp = self._group()
         decay = self._decay()
         if self.distributed is not None:
-            from curvkit.distributed.filters import bayes_inputs
+            from curvkit.optim.filters._distributed import bayes_inputs
 
             self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
@@ -676,7 +676,7 @@ class KFWhiten(_KroneckerBase):
         check_positive("lr", grp["lr"])
         union = None
         if self.distributed is not None:
-            from curvkit.distributed.filters import whiten_inputs, whiten_statistics
+            from curvkit.optim.filters._distributed import whiten_inputs, whiten_statistics
 
             union = whiten_inputs(self, scale, fisher_samples)
         for rec in self.layers:

@@ -114,7 +114,7 @@ class GaussNewton(CurvatureOptimizer):
         seed: seeds the optimiser's own generator (sampled labels, projections).
         distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (default: the one set by
             ``curvkit.distributed.set_current``): each rank steps on its shard and every rank takes the step
-            of the union minibatch (:mod:`curvkit.distributed.gauss_newton`); the generator is seeded per rank.
+            of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
     """
 
     def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "kfra",
@@ -207,7 +207,7 @@ class GaussNewton(CurvatureOptimizer):
         inv = self._inverses.get(zeta)
         damping = self.hp["weight_decay"] + zeta
         if inv is None and self.distributed is not None:
-            from curvkit.distributed.gauss_newton import DistributedKroneckerInverse
+            from curvkit.optim.second_order._distributed import DistributedKroneckerInverse
 
             omegas = [self._omega[b.weight_name] for b in self._op.blocks] if self._omega else None
             inv = DistributedKroneckerInverse(self._op, damping, self.hp["inversion"], omegas,  # type: ignore[assignment]
@@ -263,7 +263,7 @@ class GaussNewton(CurvatureOptimizer):
                 batch = (batch[0][rows], batch[1][rows])
             X, y, f, data_loss, grads, evaluate = self._forward(k, params, closure, batch, refresh)
             if self.distributed is not None:  # the union's loss, gradient and objective after the step
-                from curvkit.distributed.gauss_newton import reduce_step_inputs
+                from curvkit.optim.second_order._distributed import reduce_step_inputs
 
                 data_loss, grads, evaluate = reduce_step_inputs(self, X, data_loss, grads, evaluate, closure is not None)
             out = self._compute(k, params, X, y, f, data_loss, grads, refresh)
@@ -425,7 +425,7 @@ class GaussNewton(CurvatureOptimizer):
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
         M = output_gram(self.likelihood, f, y, JV)
         if self.distributed is not None:  # d_i^T G d_j is a sum over the examples: the union's
-            from curvkit.distributed.gauss_newton import reduce_like_loss
+            from curvkit.optim.second_order._distributed import reduce_like_loss
 
             M = reduce_like_loss(self.distributed, [M], int(f.shape[0]), self.likelihood.reduction)[0]
         if not bool(torch.isfinite(M).all()):

@@ -65,7 +65,7 @@ class DistributedKroneckerInverse:
     """
 
     def __init__(self, op: Any, damping: float, inversion: str, omegas: list[float] | None, distributed: Reducer):
-        from curvkit.optim.second_order.direction import FactoredInverse, _cholesky
+        from curvkit.optim.second_order.direction import FactoredInverse, _cholesky  # a sibling module
 
         self.op, self.damping, self.inversion, self.red = op, float(damping), inversion, distributed
         assign = getattr(op, "_curvkit_assignment", None)
