@@ -44,6 +44,7 @@ def test_references_where_the_answer_is_known():
     assert res2["per_layer"]["KFRA*"][0] < 1 - 1e-6  # the first layer's block is not Kronecker
 
 
+@pytest.mark.slow  # its parts are covered by the two tests above; the end-to-end run takes ~10 s
 def test_smoke_run_has_valid_references(tmp_path):
     res = registry.run("alignment", "smoke", tmp_path, seed=0)
     assert res["max_cg_residual"] < 1e-4  # the exact references are solved (float32)
