@@ -152,6 +152,34 @@ def test_reduced_output_factor_drops_only_common_null_directions():
     assert reduced_factor(S2).shape == (6, 4, 4)
 
 
+def test_reduced_output_factor_falls_back_when_eigh_fails(monkeypatch):
+    """LAPACK's eigh can fail on saturated softmax outputs (seen on a LeNet in dataset-sequence): float32
+    failures are retried in float64, and if that fails too the unreduced factor is returned (still exact)."""
+    from curvkit.curvature import output_space
+
+    f = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    S = CrossEntropy("sum").output_hessian_sqrt(f)
+    real_eigh = torch.linalg.eigh
+    calls: list[torch.dtype] = []
+
+    def float32_fails(M):
+        calls.append(M.dtype)
+        if M.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return real_eigh(M)
+
+    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    R = output_space.reduced_factor(S)
+    assert calls == [torch.float32, torch.float64] and R.dtype == S.dtype and R.shape == (5, 4, 3)
+    torch.testing.assert_close(R @ R.mT, S @ S.mT, atol=1e-6, rtol=1e-5)
+
+    def always_fails(M):
+        raise torch.linalg.LinAlgError("failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", always_fails)
+    assert output_space.reduced_factor(S) is S
+
+
 @pytest.mark.parametrize("name", ["mlp", "leaky-nobias-nested", "cnn2d-plain"])
 def test_diagonal_from_the_cached_forward_pass(name):
     model, xshape = _models()[name]

@@ -63,11 +63,20 @@ def reduced_factor(S: Tensor) -> Tensor:
     exceeds C * eps(dtype) * max(lam) for at least one sample (the others are zero up to rounding). For
     softmax cross-entropy the all-ones vector is always null (diag(p) - p p^T) 1 = 0, so R' = C - 1; the
     exact diagonal and the dense matrix then need one backward pass / factor row fewer per sample.
-    Returns S itself when nothing can be dropped.
+    Returns S itself when nothing can be dropped, and also when ``eigh`` fails to converge in S's dtype and
+    in float64 (LAPACK can on the near-zero, repeated eigenvalues of saturated softmax outputs): dropping
+    directions is only a saving, so S is always a correct answer.
     """
     if S.dim() != 3 or S.shape[1] < 2:
         return S
-    lam, U = torch.linalg.eigh(S @ S.transpose(-1, -2))
+    M = S @ S.transpose(-1, -2)
+    try:
+        lam, U = torch.linalg.eigh(M)
+    except RuntimeError:  # torch.linalg.LinAlgError
+        try:
+            lam, U = (t.to(S.dtype) for t in torch.linalg.eigh(M.double()))
+        except RuntimeError:
+            return S
     tol = S.shape[1] * torch.finfo(S.dtype).eps * lam[:, -1:].clamp_min(0)
     keep = (lam > tol).any(0)
     if int(keep.sum()) >= S.shape[2]:
