@@ -22,8 +22,8 @@ from curvkit.continual import (
     RunnerConfig,
     TaskStream,
 )
-from curvkit.continual._laplace_sequence import SequenceConfig, train_task_sequence
 from curvkit.continual.laplace import LaplacePenalty, LRDecayLearner, MultiHead, decayed_lr
+from curvkit.continual.task_sequence import SequenceConfig, train_task_sequence
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.likelihoods import CrossEntropy, Gaussian
 from curvkit.models import mlp

@@ -11,6 +11,7 @@ A NaN or an infinity is never a valid hyperparameter unless a check says so (``a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "check_damping",
     "finite_tensor",
     "integer",
+    "iter_batches",
     "nonnegative",
     "positive",
     "unit_interval",
@@ -96,3 +98,40 @@ def finite_tensor(name: str, t: Tensor) -> Tensor:
         raise ValueError(f"{name} contains NaN or inf ({bad} of {t.numel()} entries)"
                          if bad else f"{name} has entries too large to sum in {t.dtype}")
     return t
+
+
+def iter_batches(data: Any, device: torch.device | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    """Validated ``(X, y)`` pairs from a single pair or an iterable of pairs (a list, a generator, a
+    ``DataLoader``), one at a time (nothing is materialised).
+
+    A tuple whose first element is a tensor is read as ONE pair; anything else is iterated, and every
+    element must be a pair of tensors with the same positive leading (batch) size. Tensors are moved to
+    ``device`` (their dtypes are left alone). Raises ValueError for data without any batch.
+    """
+    if isinstance(data, Tensor):
+        raise TypeError("data must be an (X, y) pair of tensors or an iterable of such pairs, got one tensor; "
+                        "pass the targets too")
+    if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
+        items: Iterable[Any] = [data]
+    else:
+        try:
+            items = iter(data)
+        except TypeError:
+            raise TypeError(f"data must be an (X, y) pair or an iterable of pairs, got {type(data).__name__}") \
+                from None
+    count = 0
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2
+                and isinstance(item[0], Tensor) and isinstance(item[1], Tensor)):
+            raise TypeError(f"batch {i} of data is not an (X, y) pair of tensors (got {type(item).__name__}); "
+                            "pass (X, y) or an iterable of (X, y) pairs")
+        X, y = item
+        if X.dim() == 0 or y.dim() == 0 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+            raise ValueError(f"batch {i}: X and y must share a positive leading batch size, got shapes "
+                             f"{tuple(X.shape)} and {tuple(y.shape)}")
+        if device is not None:
+            X, y = X.to(device), y.to(device)
+        count += 1
+        yield X, y
+    if count == 0:
+        raise ValueError("data is empty: pass an (X, y) pair or a non-empty iterable of pairs")

@@ -48,7 +48,6 @@ from typing import Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature._functional import iter_batches
 from curvkit.curvature.capture import LayerCapture, output_rows, with_bias_column
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.likelihoods import BernoulliBCE, Gaussian, Likelihood
@@ -56,7 +55,7 @@ from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.structure import UnsupportedModelError, read_model
-from curvkit.validation import integer, unit_interval
+from curvkit.validation import integer, iter_batches, unit_interval
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator"]
 

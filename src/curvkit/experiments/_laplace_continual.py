@@ -18,10 +18,10 @@ from typing import Any
 from torch import nn
 
 from curvkit import checkpoint
-from curvkit.continual._laplace_sequence import SequenceConfig, describe, task_batches, train_task_sequence
 from curvkit.continual.laplace import LaplacePenalty
 from curvkit.continual.penalties import Penalty, SynapticIntelligence
 from curvkit.continual.streams import TaskSet
+from curvkit.continual.task_sequence import SequenceConfig, describe, task_batches, train_task_sequence
 
 
 @dataclass(frozen=True)

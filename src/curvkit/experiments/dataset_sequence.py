@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from curvkit.continual._laplace_sequence import SequenceConfig
 from curvkit.continual.laplace import MultiHead
 from curvkit.continual.streams import DatasetSequence
+from curvkit.continual.task_sequence import SequenceConfig
 from curvkit.data.task_sequence import SEQUENCE, available_tasks, load_task, synthetic_vision_tasks
 from curvkit.experiments._laplace_continual import Method, run_method
 from curvkit.experiments._laplace_threads import single_threaded

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from curvkit.continual._laplace_sequence import SequenceConfig
 from curvkit.continual.streams import SplitTasks
+from curvkit.continual.task_sequence import SequenceConfig
 from curvkit.data import mnist
 from curvkit.experiments._laplace_continual import Method, run_method
 from curvkit.experiments._laplace_threads import single_threaded

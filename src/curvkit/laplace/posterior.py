@@ -50,7 +50,6 @@ from typing import Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature._functional import iter_batches
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
 from curvkit.laplace._curvature import (
     ELEMENT_METHODS,
@@ -65,7 +64,7 @@ from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
 from curvkit.structure import LayerInfo, read_model, refuse
-from curvkit.validation import integer, positive
+from curvkit.validation import integer, iter_batches, positive
 
 __all__ = ["Laplace", "log_likelihood"]
 

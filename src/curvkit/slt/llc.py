@@ -180,7 +180,7 @@ def _criterion(loss: str | Criterion | Any) -> tuple[Criterion, LossKind]:
 
 def _dataset(data: Any, device: torch.device) -> tuple[Tensor, Tensor]:
     """(X, y) on ``device`` from one pair or an iterable of pairs (read once, concatenated in order)."""
-    from curvkit.curvature._functional import iter_batches
+    from curvkit.validation import iter_batches
 
     if isinstance(data, list) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
         data = (data[0], data[1])  # [X, y], accepted before iterables were
