@@ -44,7 +44,14 @@ from torch import Tensor, nn
 
 from curvkit import checkpoint
 from curvkit.curvature.estimators import KroneckerEstimator
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, to_jsonable
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    to_jsonable,
+    torch_threads,
+)
 from curvkit.experiments._second_order import _Batches, glorot_, load_mnist
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import BernoulliBCE, Likelihood
@@ -161,13 +168,8 @@ def align_point(model: nn.Module, likelihood: Likelihood, X: Tensor, y: Tensor, 
           paper="002 Botev thesis, Figs. 4.2-4.3")
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = SETTINGS[scale]
-    old = torch.get_num_threads()
-    if st["threads"]:
-        torch.set_num_threads(st["threads"])
-    try:
+    with torch_threads(st["threads"] or None):
         return _run(scale, st, Path(out), seed)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:

@@ -34,7 +34,14 @@ import torch
 from torch import Tensor
 
 from curvkit.checkpoint import write_text
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, to_jsonable
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    to_jsonable,
+    torch_threads,
+)
 from curvkit.experiments._second_order import (
     RunSpec,
     Task,
@@ -167,13 +174,8 @@ def _figure(dataset: str, gn: dict[str, dict[str, Any]], adam: dict[str, dict[st
           paper="002 Botev thesis, Fig. 4.1")
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = SETTINGS[scale]
-    old_threads = torch.get_num_threads()
-    if st["threads"]:
-        torch.set_num_threads(st["threads"])
-    try:
+    with torch_threads(st["threads"] or None):
         return _run(scale, st, Path(out), seed)
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:

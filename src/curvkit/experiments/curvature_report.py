@@ -71,6 +71,7 @@ from curvkit.experiments._report import (
     new_figure,
     progress,
     save_figure,
+    torch_threads,
     write_json,
 )
 from curvkit.experiments.registry import register
@@ -454,13 +455,8 @@ def run_config(cfg: CurvatureConfig, out: Path | str, seed: int = 0, scale: str 
     cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    previous_threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         return _run(cfg, out, seed, scale)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run(cfg: CurvatureConfig, out: Path, seed: int, scale: str) -> dict[str, Any]:

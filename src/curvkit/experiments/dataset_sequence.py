@@ -34,8 +34,14 @@ from curvkit.continual.streams import DatasetSequence
 from curvkit.continual.task_sequence import SequenceConfig
 from curvkit.data.task_sequence import SEQUENCE, available_tasks, load_task, synthetic_vision_tasks
 from curvkit.experiments._laplace_continual import Method, run_method
-from curvkit.experiments._laplace_threads import single_threaded
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    single_threaded,
+    write_json,
+)
 from curvkit.experiments.registry import register
 
 THESIS = {  # Table 5.3 (accuracies; the thesis's header says "Test Error")

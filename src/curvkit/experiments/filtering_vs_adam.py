@@ -54,6 +54,7 @@ from curvkit.experiments._report import (
     new_figure,
     save_figure,
     to_jsonable,
+    torch_threads,
     write_json,
 )
 from curvkit.experiments.registry import register
@@ -324,12 +325,8 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
         raise ValueError(f"filtering-vs-adam has scales {tuple(SCALES)}, got {scale!r}")
     cfg = SCALES[scale]
     threads = torch.get_num_threads() if cfg["threads"] is None else cfg["threads"]
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _run(scale, cfg, Path(out), seed, threads)
-    finally:
-        torch.set_num_threads(saved_threads)
 
 
 def _run(scale: str, cfg: dict[str, Any], out: Path, seed: int, threads: int) -> dict[str, Any]:

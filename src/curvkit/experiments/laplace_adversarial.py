@@ -22,8 +22,14 @@ from typing import Any
 import torch
 
 from curvkit.experiments._laplace_mnist import binarise, entropy, fit_laplace, load, predictors, train_models
-from curvkit.experiments._laplace_threads import single_threaded
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    single_threaded,
+    write_json,
+)
 from curvkit.experiments.laplace_ood import SETUPS
 from curvkit.experiments.registry import register
 

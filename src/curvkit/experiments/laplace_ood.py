@@ -35,8 +35,14 @@ from curvkit.experiments._laplace_mnist import (
     predictors,
     train_models,
 )
-from curvkit.experiments._laplace_threads import single_threaded
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    single_threaded,
+    write_json,
+)
 from curvkit.experiments.registry import register
 
 THESIS_ACC = {"FFG": 98.88, "Deterministic": 98.86, "MC Dropout": 98.85, "Diag Laplace": 98.85, "KF Laplace": 98.80}

@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from curvkit.experiments._laplace_hmc import hmc
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 from curvkit.experiments.registry import register
 from curvkit.laplace import Laplace, grid_search
 from curvkit.likelihoods import Gaussian
@@ -107,12 +114,8 @@ def _w2(m1: np.ndarray, s1: np.ndarray, m2: np.ndarray, s2: np.ndarray) -> float
           paper="002 Botev thesis, Fig. 5.1")
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = SETTINGS[scale]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 78 parameters: a second thread only spins
-    try:
+    with torch_threads(1):  # 78 parameters: a second thread only spins
         return _run(scale, out, seed, st)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(scale: str, out: Path, seed: int, st: dict[str, Any]) -> dict[str, Any]:

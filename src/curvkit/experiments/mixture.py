@@ -33,7 +33,14 @@ import torch
 from torch import Tensor
 
 from curvkit.checkpoint import write_text
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, to_jsonable
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    to_jsonable,
+    torch_threads,
+)
 from curvkit.experiments._second_order import (
     RunSpec,
     Task,
@@ -85,13 +92,8 @@ def make_task(st: dict[str, Any], seed: int) -> Task:
           paper="002 Botev thesis, Fig. 4.4")
 def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     st = SETTINGS[scale]
-    old = torch.get_num_threads()
-    if st["threads"]:
-        torch.set_num_threads(st["threads"])
-    try:
+    with torch_threads(st["threads"] or None):
         return _run(scale, st, Path(out), seed)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:

@@ -26,8 +26,14 @@ from curvkit.continual.streams import PermutedTasks
 from curvkit.continual.task_sequence import SequenceConfig
 from curvkit.data import mnist
 from curvkit.experiments._laplace_continual import Method, run_method
-from curvkit.experiments._laplace_threads import single_threaded
-from curvkit.experiments._report import machine_info, markdown_table, new_figure, save_figure, write_json
+from curvkit.experiments._report import (
+    machine_info,
+    markdown_table,
+    new_figure,
+    save_figure,
+    single_threaded,
+    write_json,
+)
 from curvkit.experiments.registry import register
 from curvkit.models import mlp
 
