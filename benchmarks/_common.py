@@ -48,16 +48,17 @@ def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[
 
 
 def time_and_peak(fn: Callable[[], Any], repeats: int, slow_s: float = 30.0) -> dict[str, Any]:
-    """Peak memory of one call of ``fn`` (:func:`peak_rss_delta`), which also serves as the warm-up, then the
-    median time of ``repeats`` further calls; a first call slower than ``slow_s`` seconds is the only one
-    (its time is reported, ``runs`` = 1): slow arms of a comparison cost one call instead of
-    ``repeats + 2``."""
+    """A timed warm-up call, then the peak memory of one call (:func:`peak_rss_delta`) and the median time of
+    ``repeats`` calls. A warm-up slower than ``slow_s`` seconds is the only call, measured for both time and
+    peak memory (``runs`` = 1; its peak then includes one-time allocations): slow arms of a comparison cost
+    one call instead of ``repeats + 2``."""
     gc.collect()
     t0 = time.perf_counter()
     mem = peak_rss_delta(fn)
     first = time.perf_counter() - t0
     if first > slow_s:
         return {"median_s": first, "min_s": first, "samples_s": [first], "runs": 1, **mem}
+    mem = peak_rss_delta(fn)
     return {**time_call(fn, repeats=repeats, warmup=0), "runs": repeats, **mem}
 
 

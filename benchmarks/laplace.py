@@ -9,9 +9,9 @@ laplace-torch's default CurvlinopsGGN KFAC with the type-2 Fisher) with the exac
 (``prior_form='exact'``, laplace-torch's form), and the exact GGN diagonal (curvkit ``diag`` + ``ggn``;
 laplace-torch's ``diag``). Prior precision 1, N = the number of fitted images on both sides.
 
-Every measurement runs in a fresh process (:func:`_common.run_worker`): the peak RSS increase during a first
-call, which is also the warm-up, then the median wall time over ``--repeats`` calls; an arm whose first call
-takes over 30 s is timed by that call alone (laplace-torch's diagonal fit and GLM predictive here). The table
+Every measurement runs in a fresh process (:func:`_common.run_worker`): a warm-up call, the peak RSS increase
+during one call, then the median wall time over ``--repeats`` calls; an arm whose warm-up takes over 30 s is
+measured by that call alone, time and peak memory (laplace-torch's diagonal fit and GLM predictive here). The table
 is rewritten after every row, so an interrupted run keeps what it finished. Agreement: mean absolute difference of the
 two libraries' GLM probabilities, and of their MC probabilities compared with the Monte Carlo standard error
 of a difference of two independent K-sample averages.
@@ -205,8 +205,8 @@ def _write(args: Any, rows: list[list[Any]], results: dict[str, Any], final: boo
     lines = [f"Laplace benchmark ({datetime.date.today()}): 784-{args.hidden}-{args.hidden}-10 MLP, fit on "
              f"{args.fit} MNIST images, MC predictive on {args.test} and GLM predictive on {args.glm_test} test images, "
              f"{args.samples} MC samples, "
-             f"{args.threads} torch threads, median of {args.repeats} after a warm-up call that also gives the peak "
-             f"memory (an arm slower than 30 s: that one call); load average {os.getloadavg()[0]:.1f}"
+             f"{args.threads} torch threads, median of {args.repeats} after a warm-up call and a peak-memory call "
+             f"(an arm whose warm-up takes over 30 s: that one call); load average {os.getloadavg()[0]:.1f}"
              + ("." if final else " (partial: the run is not finished)."), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
