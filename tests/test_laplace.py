@@ -138,6 +138,46 @@ def test_kron_factored_precision_is_eq_5_14_and_its_algebra_is_consistent():
     torch.testing.assert_close(post.log_det_precision(), torch.linalg.slogdet(P)[1])
 
 
+def test_kron_eigendecompositions_are_computed_on_first_use_and_survive_an_eigh_failure(monkeypatch):
+    """The factored form samples and predicts through Cholesky factors: fit, sample and the GLM predictive never
+    eigendecompose; the log-determinant does, once per block, and a LAPACK failure in the factor's dtype is
+    retried in float64 (``psd_eigh``) instead of ending the fit."""
+    from curvkit.laplace import _blocks
+
+    net, (X, y) = _net(), _data()
+    calls: list[int] = []
+    real = _blocks.psd_eigh
+
+    def counted(C, previous=None):
+        calls.append(C.shape[0])
+        return real(C, previous)
+
+    monkeypatch.setattr(_blocks, "psd_eigh", counted)
+    post = Laplace(net, CrossEntropy(), "kron", "kflr", prior_precision=0.5).fit((X, y))
+    post.sample(3, generator=torch.Generator().manual_seed(0))
+    post.predict(X[:4], method="glm")
+    assert calls == []
+    ref = torch.linalg.slogdet(post.precision().to_dense())[1]
+    torch.testing.assert_close(post.log_det_precision(), ref)
+    assert len(calls) == 2 * len(post.blocks)
+    post.log_det_precision()
+    assert len(calls) == 2 * len(post.blocks)  # cached
+
+    real_eigh = torch.linalg.eigh
+
+    def fails_in_float32(M):
+        if M.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return real_eigh(M)
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails_in_float32)
+    net32 = _net().float()
+    post32 = Laplace(net32, CrossEntropy(), "kron", "kflr", prior_form="exact").fit((X.float(), y))
+    dense = post32.precision().to_dense().double()
+    torch.testing.assert_close(post32.log_det_precision().double(), torch.linalg.slogdet(dense)[1], rtol=1e-4,
+                               atol=1e-4)
+
+
 def test_kron_exact_prior_equals_n_kron_plus_identity_and_one_datum_equals_the_exact_block():
     net, (X, y) = _net(), _data(n=1)
     post = Laplace(net, CrossEntropy(), "kron", "kflr", prior_form="exact", prior_precision=0.2).fit((X, y))

@@ -15,6 +15,7 @@ covariance, log-determinant, samples and its share of the linearised (GLM) predi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from curvkit.linalg.kron import KroneckerBlock as KFactors
-from curvkit.linalg.kron import KroneckerOperator
+from curvkit.linalg.kron import KroneckerOperator, psd_eigh
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DenseOperator, DiagonalOperator
@@ -132,9 +133,32 @@ class KroneckerBlock(PosteriorBlock):
             tG, tA = float(G.trace()) / self.out, float(A.trace()) / self.in_aug
             if tG > 0 and tA > 0:
                 self.pi = math.sqrt(tA / tG)
-        lG, QG = torch.linalg.eigh(G)
-        lA, QA = torch.linalg.eigh(A)
-        self.lG, self.QG, self.lA, self.QA = lG.clamp_min(0), QG, lA.clamp_min(0), QA
+
+    @functools.cached_property
+    def _eigen(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(lG, QG, lA, QA)``: the eigendecompositions of G and A (eigenvalues clamped at 0), computed on first
+        use - the exact form and the factored form's log-determinant need them, the factored form's sampling
+        and predictives do not. :func:`curvkit.linalg.kron.psd_eigh` retries in float64 where LAPACK fails on
+        the repeated zero eigenvalues of a rank-deficient factor (MNIST's always-zero border pixels in A)."""
+        lG, QG = psd_eigh(self.G)
+        lA, QA = psd_eigh(self.A)
+        return lG, QG, lA, QA
+
+    @property
+    def lG(self) -> Tensor:
+        return self._eigen[0]
+
+    @property
+    def QG(self) -> Tensor:
+        return self._eigen[1]
+
+    @property
+    def lA(self) -> Tensor:
+        return self._eigen[2]
+
+    @property
+    def QA(self) -> Tensor:
+        return self._eigen[3]
 
     def _eye(self, n: int) -> Tensor:
         return torch.eye(n, dtype=self.dtype, device=self.device)
