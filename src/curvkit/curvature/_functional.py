@@ -1,6 +1,7 @@
 """Functional-call machinery shared by the exact curvature operators.
 
-* :func:`as_batches` (:func:`curvkit.validation.iter_batches` in a list) turns ``data`` (an ``(X, y)`` pair or an iterable of pairs) into a list of pairs.
+* :func:`as_batches` turns ``data`` (an ``(X, y)`` pair or an iterable of pairs) into a list of validated
+  pairs (:func:`curvkit.validation.iter_batches`, materialised).
 * :class:`FunctionalModel` snapshots a module's parameters and buffers and evaluates the module as a pure
   function ``f(params, X)`` of a tuple of trainable-parameter tensors (``torch.func.functional_call``),
   which is what ``torch.func.jvp`` / ``vjp`` / ``grad`` / ``vmap`` need.
