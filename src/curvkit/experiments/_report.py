@@ -36,7 +36,7 @@ from curvkit.checkpoint import write_text
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------- markdown
+# --------------------------------------------------------------------------- threads
 @contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
     """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None), restoring the previous
@@ -63,6 +63,7 @@ def single_threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# --------------------------------------------------------------------------- markdown
 def format_number(x: Any, digits: int = 3) -> str:
     """A compact, readable rendering: ints as ints, floats with ``digits`` significant digits."""
     if x is None:
