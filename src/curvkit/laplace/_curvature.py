@@ -47,8 +47,13 @@ class KroneckerSource:
                                                 mc_samples=mc_samples, seed=seed)
         self.layers: list[LayerInfo] = list(self.estimator.layers)
 
-    def update(self, X: Tensor, y: Tensor) -> None:
-        self.estimator.update((X, y))
+    def update(self, X: Tensor, y: Tensor) -> Tensor:
+        """Add the batch's statistics; returns the model's (detached) output of the forward pass they used."""
+        est = self.estimator
+        with est.capture() as cap, torch.enable_grad():
+            f = est.model(X)
+        est.accumulate(cap, f, y)
+        return f.detach()
 
     def factors(self) -> list[tuple[LayerInfo, Tensor, Tensor]]:
         """(layer, G mean, A mean) per layer: the per-datum curvature block is ``G (x) A``."""
