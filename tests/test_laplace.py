@@ -91,6 +91,17 @@ def _data(n=9, seed=0):
     return torch.randn(n, 4, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
 
 
+def test_mc_predictive_is_the_average_over_the_draws_whatever_the_sample_groups():
+    net, (X, y) = _net(), _data()
+    post = Laplace(net, CrossEntropy(), "kron", "kflr", prior_precision=1.0).fit((X, y))
+    S = post.sample(7, generator=torch.Generator().manual_seed(2))
+    ref = torch.stack([functional_call(net, post.sample_params(s), (X,)).softmax(-1) for s in S]).mean(0)
+    for group, batch in [(1, 5), (3, 64), (10, 2)]:
+        torch.testing.assert_close(post.predict(X, "mc", samples=S, sample_batch=group, batch_size=batch), ref)
+    with pytest.raises(ValueError, match="flat parameter draws"):
+        post.predict(X, "mc", samples=S[:, :-1])
+
+
 @pytest.mark.parametrize("structure", ["diag", "full"])
 def test_diag_and_full_ggn_posteriors_equal_the_dense_reference(structure):
     net, (X, y) = _net(), _data()

@@ -74,35 +74,45 @@ def predictive_function(post: Any, samples: Tensor, batch_size: int | None = Non
 
 
 def mc_predictive(post: Any, X: Tensor, num_samples: int = 100, generator: torch.Generator | None = None,
-                  samples: Tensor | None = None, batch_size: int = 1024) -> Any:
+                  samples: Tensor | None = None, batch_size: int = 1024, sample_batch: int = 10) -> Any:
     """Thesis Eq. 5.9 (module docstring). ``samples`` (K, d) overrides ``num_samples``/``generator``.
-    Returns probabilities (B, C) for classification, ``(mean, variance)`` for regression."""
+    Returns probabilities (B, C) for classification, ``(mean, variance)`` for regression.
+
+    Memory: posterior samples are drawn ``sample_batch`` at a time (each group of (sample_batch, d) is used
+    on every input chunk, then dropped) and the inputs are evaluated ``batch_size`` rows at a time, so the
+    peak is about ``sample_batch x d`` floats plus one chunk's activations, whatever ``num_samples`` and
+    ``len(X)``. The draws depend on ``sample_batch`` (the generator is read group by group)."""
     X = _check_inputs(post, X)
+    group = integer("sample_batch", sample_batch)
     if samples is None:
-        samples = post.sample(num_samples, generator)
+        K = integer("num_samples", num_samples)
+        groups: Any = (post.sample(min(group, K - i), generator) for i in range(0, K, group))
+    else:
+        if not (isinstance(samples, Tensor) and samples.dim() == 2 and samples.shape[0] > 0
+                and samples.shape[1] == post.layout.dim):
+            raise ValueError(f"samples must be a (K, {post.layout.dim}) tensor of flat parameter draws with K >= 1 "
+                             f"(post.sample(K)), got {tuple(samples.shape) if isinstance(samples, Tensor) else samples!r}")
+        K = int(samples.shape[0])
+        groups = (samples[i:i + group] for i in range(0, K, group))
     structure = read_model(post.model)
     regression = isinstance(post.likelihood, Gaussian)
-    outs: list[Any] = []
+    chunks = _chunks(X, batch_size)
+    acc: list[Any] = [0.0] * len(chunks)
+    sq: list[Any] = [0.0] * len(chunks)
     with torch.no_grad():
-        params = [post.sample_params(s) for s in samples]
-        for xb in _chunks(X, batch_size):
-            acc = sq = None
-            for p in params:
-                y = _link(post, structure.functional_call(p, (xb,), post.buffers))
-                acc = y if acc is None else acc + y
-                if regression:
-                    sq = y * y if sq is None else sq + y * y
-            assert acc is not None
-            mean = acc / len(params)
-            if regression:
-                assert sq is not None
-                var = (sq / len(params) - mean**2).clamp_min(0) + post.likelihood.sigma**2
-                outs.append((mean, var))
-            else:
-                outs.append(mean)
+        for thetas in groups:
+            for theta in thetas:
+                p = post.sample_params(theta)
+                for j, xb in enumerate(chunks):
+                    y = _link(post, structure.functional_call(p, (xb,), post.buffers))
+                    acc[j] = acc[j] + y
+                    if regression:
+                        sq[j] = sq[j] + y * y
+    mean = torch.cat([a / K for a in acc])
     if regression:
-        return torch.cat([m for m, _ in outs]), torch.cat([v for _, v in outs])
-    return torch.cat(outs)
+        second = torch.cat([q / K for q in sq])
+        return mean, (second - mean**2).clamp_min(0) + post.likelihood.sigma**2
+    return mean
 
 
 def functional_variance(post: Any, X: Tensor, batch_size: int = 256) -> tuple[Tensor, Tensor]:
