@@ -179,6 +179,13 @@ def test_reduced_output_factor_falls_back_when_eigh_fails(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", always_fails)
     assert output_space.reduced_factor(S) is S
 
+    def returns_nan(M):  # LAPACK can also return NaN without raising
+        lam, U = real_eigh(M)
+        return lam, torch.full_like(U, float("nan"))
+
+    monkeypatch.setattr(torch.linalg, "eigh", returns_nan)
+    assert output_space.reduced_factor(S) is S
+
 
 @pytest.mark.parametrize("name", ["mlp", "leaky-nobias-nested", "cnn2d-plain"])
 def test_diagonal_from_the_cached_forward_pass(name):

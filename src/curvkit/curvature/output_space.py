@@ -63,20 +63,23 @@ def reduced_factor(S: Tensor) -> Tensor:
     exceeds C * eps(dtype) * max(lam) for at least one sample (the others are zero up to rounding). For
     softmax cross-entropy the all-ones vector is always null (diag(p) - p p^T) 1 = 0, so R' = C - 1; the
     exact diagonal and the dense matrix then need one backward pass / factor row fewer per sample.
-    Returns S itself when nothing can be dropped, and also when ``eigh`` fails to converge in S's dtype and
-    in float64 (LAPACK can on the near-zero, repeated eigenvalues of saturated softmax outputs): dropping
+    Returns S itself when nothing can be dropped, and also when ``eigh`` fails or returns NaN/inf in S's dtype
+    and in float64 (LAPACK can, on the near-zero, repeated eigenvalues of saturated softmax outputs): dropping
     directions is only a saving, so S is always a correct answer.
     """
     if S.dim() != 3 or S.shape[1] < 2:
         return S
     M = S @ S.transpose(-1, -2)
-    try:
-        lam, U = torch.linalg.eigh(M)
-    except RuntimeError:  # torch.linalg.LinAlgError
+    for dtype in dict.fromkeys((S.dtype, torch.float64)):
         try:
-            lam, U = (t.to(S.dtype) for t in torch.linalg.eigh(M.double()))
-        except RuntimeError:
-            return S
+            lam, U = torch.linalg.eigh(M.to(dtype))
+        except RuntimeError:  # torch.linalg.LinAlgError
+            continue
+        if bool(torch.isfinite(lam).all()) and bool(torch.isfinite(U).all()):
+            lam, U = lam.to(S.dtype), U.to(S.dtype)
+            break
+    else:
+        return S
     tol = S.shape[1] * torch.finfo(S.dtype).eps * lam[:, -1:].clamp_min(0)
     keep = (lam > tol).any(0)
     if int(keep.sum()) >= S.shape[2]:
