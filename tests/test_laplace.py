@@ -100,6 +100,8 @@ def test_mc_predictive_is_the_average_over_the_draws_whatever_the_sample_groups(
         torch.testing.assert_close(post.predict(X, "mc", samples=S, sample_batch=group, batch_size=batch), ref)
     with pytest.raises(ValueError, match="flat parameter draws"):
         post.predict(X, "mc", samples=S[:, :-1])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        post.predict(X, "mc", samples=torch.full_like(S, float("nan")))
 
 
 @pytest.mark.parametrize("structure", ["diag", "full"])

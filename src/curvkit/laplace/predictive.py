@@ -28,7 +28,7 @@ from torch import Tensor
 from curvkit.laplace._jacobians import generic_jacobian, layer_jacobians
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.structure import read_model
-from curvkit.validation import integer
+from curvkit.validation import finite_tensor, integer
 
 __all__ = ["functional_variance", "glm_predictive", "mc_predictive", "predictive_function", "predictive_nll"]
 
@@ -92,6 +92,7 @@ def mc_predictive(post: Any, X: Tensor, num_samples: int = 100, generator: torch
                 and samples.shape[1] == post.layout.dim):
             raise ValueError(f"samples must be a (K, {post.layout.dim}) tensor of flat parameter draws with K >= 1 "
                              f"(post.sample(K)), got {tuple(samples.shape) if isinstance(samples, Tensor) else samples!r}")
+        finite_tensor("samples", samples)
         K = int(samples.shape[0])
         groups = (samples[i:i + group] for i in range(0, K, group))
     structure = read_model(post.model)
