@@ -6,10 +6,17 @@ test_online_laplace.py, test_laplace_hmc.py, test_data_vision_sets.py).
 """
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
 
+from curvkit.continual import DatasetSequence
+from curvkit.continual.laplace import MultiHead
+from curvkit.continual.task_sequence import SequenceConfig
 from curvkit.experiments import registry
+from curvkit.experiments._laplace_continual import Method, run_method
 
 
 @pytest.mark.slow
@@ -68,3 +75,38 @@ def test_laplace_adversarial_smoke(tmp_path):
         assert curve["accuracy"][-1] < curve["accuracy"][0], name  # FGSM lowers every method's accuracy
     for name, tr in res["targeted"].items():
         assert tr["target"][-1] > tr["target"][0], name  # the targeted attack moves predictions to class 0
+
+
+def test_a_run_whose_network_dies_is_restarted_with_a_larger_lr_decay(tmp_path):
+    # The first model handed out has a dead trunk (all ReLUs off), the way momentum SGD left the LeNet at the
+    # fourth dataset-sequence task; the run must not be reported, but retried with k = 1 (thesis Sec. 5.4.1 tunes
+    # k "to prevent the objective from diverging").
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(2):
+        X = torch.randn(300, 8, generator=g)
+        y = (X @ torch.randn(8, 3, generator=g)).argmax(1)
+        data.append((X[:200], y[:200], X[200:], y[200:]))
+    made = []
+
+    def model_fn(seed):
+        torch.manual_seed(seed)
+        model = MultiHead(nn.Sequential(nn.Linear(8, 10), nn.ReLU()), [nn.Linear(10, 3) for _ in range(2)])
+        if not made:
+            with torch.no_grad():
+                model.trunk[0].bias.fill_(-1e3)
+        made.append(model)
+        return model
+
+    cfg = SequenceConfig(lr=0.1, momentum=0.9, batch_size=16, min_epochs=2, max_epochs=4, patience=1, val_size=20,
+                         multi_head=True)
+    res = run_method(Method("online", "diag", 3.0), model_fn, DatasetSequence(data), cfg, tmp_path, seed=0,
+                     params_fn=lambda m: m.shared_parameters())
+    assert len(made) == 2 and res["lr_retries"] == 1 and res["lr_decay_k"] == 1.0
+    assert res["lr"] == pytest.approx([0.1, 0.05]) and min(res["acc"][-1]) > 0.5
+    # read back only under the protocol it was asked with (the restart is part of the result, not of the request)
+    again = run_method(Method("online", "diag", 3.0), model_fn, DatasetSequence(data), cfg, tmp_path, seed=0)
+    assert again["config"] == res["config"] and again["lr"] == res["lr"] and len(made) == 2
+    with pytest.raises(ValueError, match=r"another protocol .*lr_decay_k"):
+        run_method(Method("online", "diag", 3.0), model_fn, DatasetSequence(data), replace(cfg, lr_decay_k=0.5),
+                   tmp_path, seed=0)

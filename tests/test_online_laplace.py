@@ -6,7 +6,7 @@
 * Online Laplace with lam = 1 on linear-Gaussian tasks (where the Laplace approximation is exact) gives the
   joint posterior: mean and precision of all tasks' data at once.
 * Checkpoint/resume: the continual runner and the task-sequence trainer resume to the same results as an
-  uninterrupted run.
+  uninterrupted run; a task that ends with a dead network raises instead of being reported as forgetting.
 """
 
 import numpy as np
@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from curvkit import checkpoint
 from curvkit.continual import (
     AbruptSchedule,
     ContinualRunner,
@@ -23,7 +24,7 @@ from curvkit.continual import (
     TaskStream,
 )
 from curvkit.continual.laplace import LaplacePenalty, LRDecayLearner, MultiHead, decayed_lr
-from curvkit.continual.task_sequence import SequenceConfig, train_task_sequence
+from curvkit.continual.task_sequence import SequenceConfig, TrainingCollapsed, train_task_sequence
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.likelihoods import CrossEntropy, Gaussian
 from curvkit.models import mlp
@@ -250,6 +251,37 @@ def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path):
     assert set(pen.store) == {"trunk.0.weight", "trunk.0.bias"}
     model.set_task(0)
     assert model.task == 0
+
+
+def _two_head_tasks():
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(2):
+        X = torch.randn(300, 8, generator=g)
+        y = (X @ torch.randn(8, 3, generator=g)).argmax(1)
+        data.append((X[:200], y[:200], X[200:], y[200:]))
+    return DatasetSequence(data)
+
+
+def test_a_task_ending_with_a_dead_network_raises_and_keeps_the_finished_tasks(tmp_path):
+    # A trunk whose ReLUs are all off makes every output the head's bias: one class for all inputs. Training
+    # cannot revive it (no gradient reaches the trunk), so the trainer must refuse to report the task as learnt.
+    def model():
+        torch.manual_seed(0)
+        return MultiHead(nn.Sequential(nn.Linear(8, 10), nn.ReLU()), [nn.Linear(10, 3) for _ in range(2)])
+
+    tasks, cfg = _two_head_tasks(), _cfg(multi_head=True)
+    first = train_task_sequence(model(), tasks, None, cfg, tmp_path, max_tasks=1)
+    y_test = tasks.test_data(0)[1]
+    assert first.acc[0][0] > float(y_test.bincount().max()) / len(y_test) + 0.1  # a healthy network learns task 0
+    state = checkpoint.load(tmp_path / "sequence.pt")
+    state["model"]["trunk.0.bias"].fill_(-1e3)  # the ReLUs die between the tasks
+    checkpoint.save(state, tmp_path / "sequence.pt")
+    with pytest.raises(TrainingCollapsed, match=r"task 1: .* same output for every validation input"):
+        train_task_sequence(model(), tasks, None, cfg, tmp_path)
+    kept = checkpoint.load(tmp_path / "sequence.pt")
+    assert kept["task"] == 1 and kept["result"]["acc"][0][0] == first.acc[0][0]  # the finished task is kept
+    assert issubclass(TrainingCollapsed, FloatingPointError)  # retried like a divergence by the experiments
 
 
 @pytest.mark.parametrize("curvature", ["kron", "diag"])

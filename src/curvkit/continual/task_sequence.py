@@ -11,6 +11,10 @@ per task and never tells a learner the task, which early stopping and multi-head
 is the task-aware protocol. It checkpoints after every task (model, penalty, results; atomically through
 :mod:`curvkit.checkpoint`) and resumes from the last finished task: every batch order is a function of
 (seed, task, epoch), so a resumed run equals an uninterrupted one.
+
+A task that ends with a network whose output is the same for every validation input of that task raises
+:class:`TrainingCollapsed` instead of being consolidated and reported: such a network has stopped learning
+(dead units), and its accuracies would read as catastrophic forgetting.
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ from curvkit.continual.penalties import Penalty
 from curvkit.continual.streams import TaskSet
 from curvkit.validation import integer, nonnegative, positive
 
-__all__ = ["SequenceConfig", "SequenceResult", "task_batches", "train_task_sequence"]
+__all__ = ["SequenceConfig", "SequenceResult", "TrainingCollapsed", "task_batches", "train_task_sequence"]
+
+
+class TrainingCollapsed(FloatingPointError):
+    """The network stopped depending on its input while a task was trained: at the best validation epoch its
+    output is the same for every validation input of that task (whose labels are not all one class). The
+    usual cause is a dead ReLU layer after too large steps at the task's start (a fresh head on a trained
+    trunk gives large gradients); a smaller learning rate or a larger ``lr_decay_k`` avoids it. A subclass of
+    ``FloatingPointError`` because it is a divergence of the optimisation without a NaN, and callers that
+    retry diverged runs (the thesis tunes k "to prevent the objective from diverging") treat both alike."""
 
 
 @dataclass
@@ -105,12 +118,32 @@ def task_batches(tasks: TaskSet, task: int, batch_size: int = 1000, val_size: in
         yield tasks.train_batch(task, train[i:i + batch_size])
 
 
-def _accuracy(model: nn.Module, X: Tensor, y: Tensor, device: torch.device) -> float:
-    correct = 0
+def _outputs(model: nn.Module, X: Tensor, device: torch.device) -> Tensor:
     with torch.no_grad():
-        for i in range(0, X.shape[0], 2000):
-            correct += int((model(X[i:i + 2000].to(device)).argmax(-1) == y[i:i + 2000].to(device)).sum())
-    return correct / max(1, X.shape[0])
+        return torch.cat([model(X[i:i + 2000].to(device)).cpu() for i in range(0, X.shape[0], 2000)])
+
+
+def _accuracy(model: nn.Module, X: Tensor, y: Tensor, device: torch.device) -> float:
+    if X.shape[0] == 0:
+        return 0.0
+    return float((_outputs(model, X, device).argmax(-1) == y.cpu()).float().mean())
+
+
+def _check_not_collapsed(model: nn.Module, tasks: TaskSet, task: int, val: Tensor, best_err: float,
+                         device: torch.device) -> None:
+    """Raise :class:`TrainingCollapsed` when the model's output is the same for every validation input of
+    ``task`` (to float rounding: a relative spread of at most 1e-5) although their labels differ."""
+    X, y = tasks.train_batch(task, val)
+    if X.shape[0] < 2 or int(y.unique().numel()) < 2:
+        return
+    out = _outputs(model, X, device).double()
+    spread = float((out - out[0]).abs().max())
+    if spread <= 1e-5 * max(1.0, float(out.abs().max())):
+        raise TrainingCollapsed(
+            f"task {task}: the trained network gives the same output for every validation input (largest "
+            f"difference {spread:.1e}; best validation error {best_err:.3f}): it no longer depends on the input, "
+            "typically dead ReLUs after too large steps at the task's start; lower the learning rate or raise "
+            "lr_decay_k (the checkpoint keeps the tasks finished before this one)")
 
 
 def _optimizer(params: list[Tensor], cfg: SequenceConfig, lr: float) -> torch.optim.Optimizer:
@@ -159,7 +192,11 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
                         out_dir: Path | str | None = None, max_tasks: int | None = None,
                         progress: bool = False) -> SequenceResult:
     """Train ``model`` on the tasks in order (module docstring); resume from ``out_dir/sequence.pt`` when it
-    exists. ``max_tasks`` stops after that many tasks in total (for interrupting and resuming)."""
+    exists. ``max_tasks`` stops after that many tasks in total (for interrupting and resuming).
+
+    Raises ``FloatingPointError`` when the training loss becomes NaN/inf and :class:`TrainingCollapsed` when
+    a trained task ends with a network whose output is the same for all its validation inputs; both leave
+    the checkpoint of the last finished task untouched."""
     cfg = config
     device = next(model.parameters()).device
     ckpt = None if out_dir is None else Path(out_dir) / "sequence.pt"
@@ -211,6 +248,7 @@ def train_task_sequence(model: nn.Module, tasks: TaskSet, penalty: Penalty | Non
                 break
         model.load_state_dict(best_state)
         model.eval()
+        _check_not_collapsed(model, tasks, t, splits[t][1], best_err, device)
         if penalty is not None:
             data = task_batches(tasks, t, cfg.curvature_batch, cfg.val_size)
             consolidate = getattr(penalty, "consolidate", None)

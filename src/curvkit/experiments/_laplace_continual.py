@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,21 @@ def make_penalty(m: Method, tasks: TaskSet, cfg: SequenceConfig, params: list[st
                           params=params, task_data=provider, seed=seed)
 
 
+def _check_same_protocol(res: dict[str, Any], requested: dict[str, Any], path: Path) -> None:
+    """A finished run is read back only when it was made with the protocol asked for now (summaries written
+    before the configuration was recorded are checked on their learning rate and decay when not restarted)."""
+    if "config" in res:
+        differ = sorted(k for k in requested if res["config"].get(k) != requested[k])
+    elif res.get("lr_retries", 0) == 0:
+        differ = [k for k, v in (("lr", res.get("lr0")), ("lr_decay_k", res.get("lr_decay_k")))
+                  if v is not None and v != requested[k]]
+    else:
+        differ = []
+    if differ:
+        raise ValueError(f"{path} was written with another protocol ({', '.join(differ)} differ from this run's "
+                         "settings): use a fresh --out directory or delete that run's directory")
+
+
 def run_method(m: Method, model_fn: Callable[[int], nn.Module], tasks: TaskSet, cfg: SequenceConfig, out: Path,
                seed: int, prior_precision: float = 1e-2, params_fn: Callable[[nn.Module], list[str]] | None = None,
                progress: bool = False) -> dict[str, Any]:
@@ -64,13 +79,17 @@ def run_method(m: Method, model_fn: Callable[[int], nn.Module], tasks: TaskSet, 
     slug = m.label.replace(" ", "_").replace("=", "")
     run_dir = out / "runs" / f"{slug}_seed{seed}"
     done = run_dir / "summary.json"
-    if done.exists():
-        return json.loads(done.read_text())  # type: ignore[no-any-return]
     cfg = replace(cfg, seed=seed, joint=m.family == "joint")
     if m.family == "si":  # thesis Sec. 5.4.1: SI did best with Adam (lr 1e-3)
         cfg = replace(cfg, optimizer="adam", lr=1e-3, lr_decay_k=0.0, step_decay_every=None)
+    requested = json.loads(json.dumps(asdict(cfg)))
+    if done.exists():
+        res = json.loads(done.read_text())
+        _check_same_protocol(res, requested, done)
+        return res  # type: ignore[no-any-return]
     # The thesis tunes the per-task lr decay k of lr0 / (1 + k t) "to prevent the objective from diverging towards
-    # the end of training" (Sec. 5.4.1); here a run whose loss becomes non-finite is restarted from scratch with a
+    # the end of training" (Sec. 5.4.1); here a run that diverges (its loss becomes non-finite, or a task ends with
+    # a network whose output no longer depends on the input: TrainingCollapsed) is restarted from scratch with a
     # 10x larger k (1 if k was 0), which keeps the first task's lr; after 3 such restarts the initial lr is cut.
     retries = 0
     while True:
@@ -91,6 +110,7 @@ def run_method(m: Method, model_fn: Callable[[int], nn.Module], tasks: TaskSet, 
                 cfg = replace(cfg, lr=cfg.lr / 10)
     res["method"] = m.label
     res["lr0"], res["lr_decay_k"], res["lr_retries"] = cfg.lr, cfg.lr_decay_k, retries
+    res["config"] = requested
     if isinstance(pen, LaplacePenalty):
         res["stored_scalars"] = pen.memory_numel()
     checkpoint.write_text(done, json.dumps(res) + "\n")
