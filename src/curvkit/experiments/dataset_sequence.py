@@ -143,7 +143,8 @@ def run(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     md = [f"# dataset-sequence ({scale})", "", "Tasks that ran: " + ", ".join(names) + ".", "",
           f"Multi-head LeNet (conv{st['net'][0][0]}-pool-conv{st['net'][0][1]}-pool-fc{st['net'][1]}, one head per task), "
           f"{st['epochs'][0]}-{st['epochs'][1]} "
-          f"epochs per task, {st['opt']} lr {st['lr']:g} (smoke: Adam so that 2 epochs learn); penalty on the shared trunk. Final test accuracy (%):", "",
+          f"epochs per task, {st['opt']} lr {st['lr']:g} / (1 + {st['k']:g} t) for task t = 0, 1, ... (smoke: Adam so that "
+          "3 epochs learn; SI: Adam 1e-3); penalty on the shared trunk. Final test accuracy (%):", "",
           markdown_table(["method", *[n.split(" ")[0] for n in names], "avg", "thesis avg", "k (restarts)"], rows), "",
           "k: the per-task lr decay lr0 / (1 + k t) the run finished with; restarts: runs abandoned because the loss "
           "became non-finite or a task ended with a dead network (TrainingCollapsed).", "",
