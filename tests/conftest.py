@@ -80,3 +80,23 @@ def make_batch():
         return torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g)
 
     return make
+
+
+@pytest.fixture
+def make_linear_tasks():
+    """Factory of learnable classification tasks for continual-learning tests: ``make_linear_tasks(num=2,
+    n_train=200, n_test=100, d=8, classes=3, uniform=False)`` returns ``num`` tuples (X_train, y_train, X_test,
+    y_test), float32 inputs (standard normal, or uniform on [0, 1)) labelled by the argmax of a random linear
+    map, one seeded generator for all tasks."""
+
+    def make(num=2, n_train=200, n_test=100, d=8, classes=3, uniform=False):
+        g = torch.Generator().manual_seed(0)
+        tasks = []
+        for _ in range(num):
+            n = n_train + n_test
+            X = torch.rand(n, d, generator=g) if uniform else torch.randn(n, d, generator=g)
+            y = (X @ torch.randn(d, classes, generator=g)).argmax(1)
+            tasks.append((X[:n_train], y[:n_train], X[n_train:], y[n_train:]))
+        return tasks
+
+    return make

@@ -77,16 +77,11 @@ def test_laplace_adversarial_smoke(tmp_path):
         assert tr["target"][-1] > tr["target"][0], name  # the targeted attack moves predictions to class 0
 
 
-def test_a_run_whose_network_dies_is_restarted_with_a_larger_lr_decay(tmp_path):
+def test_a_run_whose_network_dies_is_restarted_with_a_larger_lr_decay(tmp_path, make_linear_tasks):
     # The first model handed out has a dead trunk (all ReLUs off), the way momentum SGD left the LeNet at the
     # fourth dataset-sequence task; the run must not be reported, but retried with k = 1 (thesis Sec. 5.4.1 tunes
     # k "to prevent the objective from diverging").
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(2):
-        X = torch.randn(300, 8, generator=g)
-        y = (X @ torch.randn(8, 3, generator=g)).argmax(1)
-        data.append((X[:200], y[:200], X[200:], y[200:]))
+    data = make_linear_tasks()
     made = []
 
     def model_fn(seed):

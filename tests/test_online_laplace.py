@@ -236,13 +236,8 @@ def test_sequence_trainer_resumes_to_the_same_results_single_head(tmp_path):
     assert full.mean_seen()[0] > 0.5  # the first task is learnt (chance is 1/3)
 
 
-def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(2):
-        X = torch.rand(100, 8, generator=g)
-        y = (X @ torch.randn(8, 3, generator=g)).argmax(1)
-        data.append((X[:80], y[:80], X[80:], y[80:]))
+def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path, make_linear_tasks):
+    data = make_linear_tasks(n_train=80, n_test=20, uniform=True)
     torch.manual_seed(0)
     model = MultiHead(nn.Sequential(nn.Linear(8, 10), nn.ReLU()), [nn.Linear(10, 3) for _ in range(2)])
     pen = LaplacePenalty(curvature="diag", lam=10.0, task_size=1, params=model.shared_parameters())
@@ -253,24 +248,15 @@ def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path):
     assert model.task == 0
 
 
-def _two_head_tasks():
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(2):
-        X = torch.randn(300, 8, generator=g)
-        y = (X @ torch.randn(8, 3, generator=g)).argmax(1)
-        data.append((X[:200], y[:200], X[200:], y[200:]))
-    return DatasetSequence(data)
 
-
-def test_a_task_ending_with_a_dead_network_raises_and_keeps_the_finished_tasks(tmp_path):
+def test_a_task_ending_with_a_dead_network_raises_and_keeps_the_finished_tasks(tmp_path, make_linear_tasks):
     # A trunk whose ReLUs are all off makes every output the head's bias: one class for all inputs. Training
     # cannot revive it (no gradient reaches the trunk), so the trainer must refuse to report the task as learnt.
     def model():
         torch.manual_seed(0)
         return MultiHead(nn.Sequential(nn.Linear(8, 10), nn.ReLU()), [nn.Linear(10, 3) for _ in range(2)])
 
-    tasks, cfg = _two_head_tasks(), _cfg(multi_head=True)
+    tasks, cfg = DatasetSequence(make_linear_tasks()), _cfg(multi_head=True)
     first = train_task_sequence(model(), tasks, None, cfg, tmp_path, max_tasks=1)
     y_test = tasks.test_data(0)[1]
     assert first.acc[0][0] > float(y_test.bincount().max()) / len(y_test) + 0.1  # a healthy network learns task 0
