@@ -100,3 +100,29 @@ def make_linear_tasks():
         return tasks
 
     return make
+
+
+@pytest.fixture
+def failing_eigh(monkeypatch):
+    """Make ``torch.linalg.eigh`` fail the way LAPACK does on rank-deficient or saturated matrices:
+    ``failing_eigh("float32")`` raises ``LinAlgError`` for float32 inputs only (a float64 retry succeeds),
+    ``"always"`` for every input, ``"nan"`` returns NaN eigenvectors without raising. Returns the list of
+    dtypes eigh was called with (for tests that check the retry order)."""
+    real = torch.linalg.eigh
+
+    def install(mode):
+        if mode not in ("float32", "always", "nan"):
+            raise ValueError(f"unknown failure mode {mode!r}")
+        calls = []
+
+        def eigh(M, *args, **kwargs):
+            calls.append(M.dtype)
+            if mode == "always" or (mode == "float32" and M.dtype == torch.float32):
+                raise torch.linalg.LinAlgError("simulated: failed to converge")
+            lam, U = real(M, *args, **kwargs)
+            return (lam, torch.full_like(U, float("nan"))) if mode == "nan" else (lam, U)
+
+        monkeypatch.setattr(torch.linalg, "eigh", eigh)
+        return calls
+
+    return install

@@ -152,38 +152,22 @@ def test_reduced_output_factor_drops_only_common_null_directions():
     assert reduced_factor(S2).shape == (6, 4, 4)
 
 
-def test_reduced_output_factor_falls_back_when_eigh_fails(monkeypatch):
+def test_reduced_output_factor_falls_back_when_eigh_fails(failing_eigh):
     """LAPACK's eigh can fail on saturated softmax outputs (seen on a LeNet in dataset-sequence): float32
     failures are retried in float64, and if that fails too the unreduced factor is returned (still exact)."""
     from curvkit.curvature import output_space
 
     f = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     S = CrossEntropy("sum").output_hessian_sqrt(f)
-    real_eigh = torch.linalg.eigh
-    calls: list[torch.dtype] = []
-
-    def float32_fails(M):
-        calls.append(M.dtype)
-        if M.dtype == torch.float32:
-            raise torch.linalg.LinAlgError("failed to converge")
-        return real_eigh(M)
-
-    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    calls = failing_eigh("float32")
     R = output_space.reduced_factor(S)
     assert calls == [torch.float32, torch.float64] and R.dtype == S.dtype and R.shape == (5, 4, 3)
     torch.testing.assert_close(R @ R.mT, S @ S.mT, atol=1e-6, rtol=1e-5)
 
-    def always_fails(M):
-        raise torch.linalg.LinAlgError("failed to converge")
-
-    monkeypatch.setattr(torch.linalg, "eigh", always_fails)
+    failing_eigh("always")
     assert output_space.reduced_factor(S) is S
 
-    def returns_nan(M):  # LAPACK can also return NaN without raising
-        lam, U = real_eigh(M)
-        return lam, torch.full_like(U, float("nan"))
-
-    monkeypatch.setattr(torch.linalg, "eigh", returns_nan)
+    failing_eigh("nan")  # LAPACK can also return NaN without raising
     assert output_space.reduced_factor(S) is S
 
 

@@ -440,28 +440,18 @@ def test_kronecker_effective_lr_and_regime_diagnostics():
         torch.testing.assert_close(flat, torch.diagonal(Sigma) * 8, rtol=1e-8, atol=0)
 
 
-def test_robust_eigh_falls_back_when_lapack_fails(monkeypatch):
+def test_robust_eigh_falls_back_when_lapack_fails(failing_eigh):
     """float32 eigh of a rank-deficient 785 x 785 factor failed to converge inside the 784-512-512-10 run;
     the factor's eigendecomposition then retries in float64, then keeps the previous basis."""
     gen = torch.Generator().manual_seed(13)
     A = torch.randn(6, 3, generator=gen)
     C = A @ A.T                                    # float32, rank 3: a repeated zero eigenvalue
-    real = torch.linalg.eigh
-
-    def fail_f32(M):
-        if M.dtype == torch.float32:
-            raise torch.linalg.LinAlgError("simulated: failed to converge")
-        return real(M)
-
-    monkeypatch.setattr(torch.linalg, "eigh", fail_f32)
+    failing_eigh("float32")
     w, V = robust_eigh(C)
     assert w.dtype == V.dtype == torch.float32 and bool((w >= 0).all())
     torch.testing.assert_close((V * w) @ V.T, C, atol=1e-5, rtol=0)
 
-    def fail_all(M):
-        raise torch.linalg.LinAlgError("simulated: failed to converge")
-
-    monkeypatch.setattr(torch.linalg, "eigh", fail_all)
+    failing_eigh("always")
     Vprev = torch.linalg.qr(torch.randn(6, 6, generator=gen))[0]
     d, Vk = robust_eigh(C, Vprev)
     assert Vk is Vprev

@@ -151,7 +151,7 @@ def test_kron_factored_precision_is_eq_5_14_and_its_algebra_is_consistent():
     torch.testing.assert_close(post.log_det_precision(), torch.linalg.slogdet(P)[1])
 
 
-def test_kron_eigendecompositions_are_computed_on_first_use_and_survive_an_eigh_failure(monkeypatch):
+def test_kron_eigendecompositions_are_computed_on_first_use_and_survive_an_eigh_failure(monkeypatch, failing_eigh):
     """The factored form samples and predicts through Cholesky factors: fit, sample and the GLM predictive never
     eigendecompose; the log-determinant does, once per block, and a LAPACK failure in the factor's dtype is
     retried in float64 (``psd_eigh``) instead of ending the fit."""
@@ -176,14 +176,7 @@ def test_kron_eigendecompositions_are_computed_on_first_use_and_survive_an_eigh_
     post.log_det_precision()
     assert len(calls) == 2 * len(post.blocks)  # cached
 
-    real_eigh = torch.linalg.eigh
-
-    def fails_in_float32(M):
-        if M.dtype == torch.float32:
-            raise torch.linalg.LinAlgError("failed to converge")
-        return real_eigh(M)
-
-    monkeypatch.setattr(torch.linalg, "eigh", fails_in_float32)
+    failing_eigh("float32")
     net32 = _net().float()
     post32 = Laplace(net32, CrossEntropy(), "kron", "kflr", prior_form="exact").fit((X.float(), y))
     dense = post32.precision().to_dense().double()
