@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "curvkit"
 # package (first component under curvkit) -> layer; a module may import its own layer or any lower one
 LAYERS = {
     "structure": 0, "validation": 0, "checkpoint": 0,
-    "data": 1, "models": 1, "likelihoods": 1,
+    "data": 1, "models": 1, "architectures": 1, "likelihoods": 1,
     "linalg": 2, "distributed": 2,
     "curvature": 3,
     "posterior": 4,

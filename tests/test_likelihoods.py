@@ -108,3 +108,112 @@ def test_validation_errors():
         CrossEntropy(reduction="avg")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown likelihood"):
         get_likelihood("poisson")
+
+
+# ------------------------------------------------------------------ positions (sequence outputs) and padding
+T = 5
+
+
+def _seq_data(lik, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(B, T, C, generator=g)
+    if isinstance(lik, CrossEntropy):
+        y = torch.randint(0, C, (B, T), generator=g)
+    elif isinstance(lik, BernoulliBCE):
+        y = torch.rand(B, T, C, generator=g).round()
+    else:
+        y = torch.randn(B, T, C, generator=g)
+    return f, y
+
+
+SEQ_LIKS = [CrossEntropy(), CrossEntropy("sum"), BernoulliBCE(), Gaussian(sigma=0.7), Gaussian(reduction="sum")]
+
+
+@pytest.mark.parametrize("lik", SEQ_LIKS, ids=repr)
+def test_sequence_outputs_equal_the_token_flattened_loss(lik):
+    """(B, T, C) logits with (B, T) targets: every per-position quantity equals the (B*T, C) one, the loss is
+    the flattened loss (mean over all B*T terms), and nll_per_sample sums each sequence's tokens."""
+    f, y = _seq_data(lik)
+    ff, yf = f.reshape(B * T, C), y.reshape(B * T, *y.shape[2:])
+    torch.testing.assert_close(lik.nll(f, y), lik.nll(ff, yf))
+    torch.testing.assert_close(lik.nll_per_sample(f, y), lik.nll_per_sample(ff, yf).reshape(B, T).sum(1))
+    assert lik.num_terms(f, y) == B * T
+    for name in ("output_hessian", "output_hessian_sqrt", "output_hessian_diagonal"):
+        torch.testing.assert_close(getattr(lik, name)(f), getattr(lik, name)(ff).reshape(B, T, *getattr(lik, name)(ff).shape[1:]))
+    torch.testing.assert_close(lik.output_grad(f, y), lik.output_grad(ff, yf).reshape(B, T, C))
+    if isinstance(lik, CrossEntropy):
+        torch.testing.assert_close(CrossEntropy(lik.reduction).nll(f, y),
+                                   torch.nn.functional.cross_entropy(ff, yf, reduction=lik.reduction))
+
+
+@pytest.mark.parametrize("lik", SEQ_LIKS, ids=repr)
+def test_structured_hessian_products_and_sqrt_columns_match_the_dense_hessian(lik):
+    f, _ = _seq_data(lik)
+    H = lik.output_hessian(f)  # (B, T, C, C)
+    V = torch.randn(3, B, T, C, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lik.output_hessian_matvec(f, V), torch.einsum("btij,kbtj->kbti", H, V))
+    S = lik.output_hessian_sqrt(f)
+    torch.testing.assert_close(S @ S.transpose(-1, -2), H)
+    assert lik.sqrt_rank(f) == S.shape[-1]
+    torch.testing.assert_close(torch.cat([lik.output_hessian_sqrt_columns(f, slice(0, 1)),
+                                          lik.output_hessian_sqrt_columns(f, slice(1, None))], -1), S)
+
+
+def test_cross_entropy_padding_drops_the_terms_everywhere():
+    """ignore_index: the loss equals torch's with the same ignore_index, padded positions have zero gradient,
+    zero Hessian (every form), and samples copy the padding; the mean is over the counted tokens."""
+    lik = CrossEntropy(ignore_index=-100)
+    f, y = _seq_data(lik)
+    y[0, 3:] = -100
+    y[2, 1] = -100
+    keep = y != -100
+    torch.testing.assert_close(lik.nll(f, y), torch.nn.functional.cross_entropy(f.reshape(-1, C), y.reshape(-1)))
+    assert lik.num_terms(f, y) == int(keep.sum())
+    per_sequence = torch.stack([lik.nll_per_sample(f[b][keep[b]], y[b][keep[b]]).sum() for b in range(B)])
+    torch.testing.assert_close(lik.nll_per_sample(f, y), per_sequence)
+    assert (lik.output_grad(f, y)[~keep] == 0).all()
+    assert (lik.output_hessian(f, y)[~keep] == 0).all()
+    assert (lik.output_hessian_sqrt(f, y)[~keep] == 0).all()
+    assert (lik.output_hessian_diagonal(f, y)[~keep] == 0).all()
+    V = torch.randn(2, B, T, C)
+    assert (lik.output_hessian_matvec(f, V, y)[:, ~keep] == 0).all()
+    torch.testing.assert_close(lik.output_hessian(f, y)[keep], lik.output_hessian(f)[keep])
+    ys = lik.sample(f, torch.Generator().manual_seed(0), y)
+    assert (ys[~keep] == -100).all() and (ys[keep] >= 0).all()
+    assert (lik.output_grad(f, ys)[~keep] == 0).all()
+
+
+def test_gaussian_padding_by_value():
+    lik = Gaussian(reduction="sum", ignore_value=-7.0)
+    f, y = _seq_data(lik)
+    y[1, 2:] = -7.0
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 2:] = False
+    torch.testing.assert_close(lik.nll(f, y), Gaussian(reduction="sum").nll(f[keep], y[keep]))
+    assert lik.num_terms(f, y) == B * T - 3
+    assert (lik.output_hessian_diagonal(f, y)[~keep] == 0).all()
+    with pytest.raises(ValueError, match="ignore_value must be a finite"):
+        Gaussian(ignore_value=float("nan"))
+
+
+def test_sequence_target_errors_never_reread_the_shape():
+    ce = CrossEntropy()
+    f = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\).*LAST dimension"):
+        ce.nll(f.movedim(-1, 1), torch.randint(0, 4, (2, 3)))  # torch's (B, C, T) layout
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        ce.nll(f, torch.randint(0, 4, (2, 3, 1)))
+    with pytest.raises(ValueError, match=r"padding is not enabled.*ignore_index"):
+        ce.nll(f, torch.full((2, 3), -100))
+    with pytest.raises(ValueError, match="targets must have the output"):
+        Gaussian().nll(f, torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("lik", [CrossEntropy(), BernoulliBCE(), Gaussian()], ids=repr)
+def test_empty_batch_and_all_padding_are_clear_errors(lik):
+    f = torch.randn(0, C)
+    y = torch.zeros(0, dtype=torch.long) if isinstance(lik, CrossEntropy) else torch.zeros(0, C)
+    with pytest.raises(ValueError, match="batch is empty"):
+        lik.nll(f, y)
+    with pytest.raises(ValueError, match="mean over 0 loss terms"):
+        CrossEntropy(ignore_index=-1).nll(torch.randn(2, C), torch.full((2,), -1))

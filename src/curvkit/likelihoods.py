@@ -1,20 +1,41 @@
 """Likelihood heads: the loss on a network's output and its output-space curvature.
 
-A likelihood turns network outputs ``f`` of shape (B, C) (the natural parameters h_L of thesis Eq. 3.10:
-logits, or the Gaussian mean) and targets into the negative log-likelihood, and supplies everything the
-curvature engine needs in output space (thesis Secs. 3.4.1 and 3.5):
+A likelihood turns network outputs ``f`` (the natural parameters h_L of thesis Eq. 3.10: logits, or the
+Gaussian mean) and targets into the negative log-likelihood, and supplies everything the curvature engine
+needs in output space (thesis Secs. 3.4.1 and 3.5).
 
-* ``nll(f, y)``            - reduced NLL (``reduction='sum'`` or ``'mean'`` over the batch; explicit);
-* ``nll_per_sample(f, y)`` - (B,) per-sample NLL L^n;
-* ``output_grad(f, y)``    - (B, C) per-sample gradient dL^n/df^n;
-* ``output_hessian(f)``    - (B, C, C) per-sample Hessian H_L = d^2 L^n / df^2 (independent of y for
-  these exponential-family heads, so it is also the output-space Fisher F_L, thesis Eqs. 3.36-3.38);
-* ``output_hessian_sqrt(f)`` - (B, C, R) with S S^T = H_L (used for exact GGN/Fisher diagonals and KFLR);
-* ``sample(f, generator)``  - labels drawn from the model p(y | f) (MC Fisher, KFAC).
+Shapes: samples and positions. ``f`` is (B, C) - one loss term per sample - or (B, *P, C) with position
+dimensions P (tokens of a sequence, pixels of a segmentation map): one loss term per (sample, position),
+as ``nn.CrossEntropyLoss`` on logits flattened to (B * T, C). The outputs (classes) are always the LAST
+dimension (as Hugging Face models return them; move torch's (B, C, T) layout with ``f.movedim(1, -1)``).
+Targets must match the leading dimensions exactly - (B, *P) class indices, or f's shape for BCE/Gaussian -
+and anything else is an error, never a re-read. The SAMPLE stays the unit of batching, sampling,
+data-parallel splitting and ``num_data``; the POSITION is the unit of the loss.
 
-Reduction convention: ``sum`` means L = sum_n L^n; ``mean`` means L = (1/B) sum_n L^n over the batch
-(never over output dimensions). Per-sample quantities never include the reduction factor; the curvature
-engine applies it (``scale(B)``).
+Padding. A position can be left out of the loss and of every curvature: ``CrossEntropy(ignore_index=-100)``
+(torch's convention) and ``Gaussian/BernoulliBCE(ignore_value=v)`` (a position whose targets all equal v).
+:meth:`Likelihood.mask` gives the (B, *P) mask of counted positions.
+
+Per-position quantities (f (..., C); every curvature method takes the targets ``y`` optionally: with y,
+padded positions get exactly zero, and heads whose Hessian depends on the label use it):
+
+* ``output_grad(f, y)``          - dL/df per position, f's shape (zero at padded positions);
+* ``output_hessian(f, y)``       - (..., C, C) H_L = d^2 L / df^2 (for the exponential-family heads
+  independent of the label, hence also the output-space Fisher F_L, thesis Eqs. 3.36-3.38);
+* ``output_hessian_matvec(f, V, y)`` - H_L V per position for V (*K, ..., C) broadcasting against f, in
+  O(C) per position (softmax: p * V - p (p^T V)); never forms a (C, C) matrix;
+* ``output_hessian_sqrt(f, y)``  - (..., C, R) with S S^T = H_L, and ``output_hessian_sqrt_columns(f, cols,
+  y)`` - the columns ``cols`` of it only (for C in the thousands, chunk the columns: the full factor of a
+  50,000-class head is 50,000^2 numbers per position);
+* ``output_hessian_diagonal(f, y)`` - (..., C);
+* ``sample(f, generator, y)``    - targets drawn from the model p(y | f), padded positions copied from y
+  (so their gradient stays zero).
+
+Per-sample and reduced: ``nll_per_sample(f, y)`` (B,) sums each sample's counted positions;
+``nll(f, y)`` is the reduced loss. Reduction convention: ``sum`` means L = sum over counted positions;
+``mean`` divides by their number (``num_terms``; = B for (B, C) outputs without padding), never by the
+output dimension C. Per-position quantities never include the reduction factor; the curvature engine applies
+it (``scale(num_terms)``).
 """
 
 from __future__ import annotations
@@ -31,44 +52,145 @@ Reduction = Literal["sum", "mean"]
 
 
 class Likelihood:
-    """Base class. Subclasses define the per-sample quantities; reduction is handled here."""
+    """Base class. Subclasses define the per-position quantities; masking and reduction are handled here.
+
+    A subclass implements ``_nll_terms(f, y)`` (per position, unmasked), ``_output_grad``,
+    ``_hessian_diagonal`` or ``_hessian`` (and may override ``_hessian_matvec`` / ``_sqrt_columns`` with
+    structured forms), ``_sample`` and ``_target_check``; ``_padding(y)`` marks padded positions.
+    """
 
     name = "likelihood"
+    #: the output Hessian depends on the label (e.g. the Bernoulli mixture), so y is required
+    hessian_needs_target = False
 
     def __init__(self, reduction: Reduction = "mean"):
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.reduction: Reduction = reduction
 
-    # -- per-sample quantities (subclasses) ---------------------------------------------------------
-    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+    # -- what subclasses define -------------------------------------------------------------------
+    def _nll_terms(self, f: Tensor, y: Tensor) -> Tensor:
+        """(...,) NLL of every position, padding not yet removed."""
         raise NotImplementedError
 
+    def _output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _hessian(self, f: Tensor) -> Tensor:
+        """(..., C, C) H_L per position."""
+        return torch.diag_embed(self._hessian_diagonal(f))
+
+    def _hessian_diagonal(self, f: Tensor) -> Tensor:
+        return self._hessian(f).diagonal(dim1=-2, dim2=-1)
+
+    def _hessian_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        """H_L V per position; V (*K, ..., C) broadcasts against f (..., C). Diagonal heads by default."""
+        return self._hessian_diagonal(f) * V
+
+    def _sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """(..., C, r) columns ``cols`` of S with S S^T = H_L. Diagonal heads by default."""
+        d = self._hessian_diagonal(f).sqrt()
+        C = f.shape[-1]
+        idx = torch.arange(C, device=f.device)[cols]
+        return d[..., :, None] * (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)
+
+    def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
+        raise NotImplementedError
+
+    def _padding(self, y: Tensor) -> Tensor | None:
+        """(B, *P) bool, True at padded positions; None when the head has no padding convention set."""
+        return None
+
+    def _target_check(self, f: Tensor, y: Tensor) -> None:
+        """Raise ValueError when y does not fit f (shape, dtype, range)."""
+
+    # -- masking --------------------------------------------------------------------------------------
+    def mask(self, y: Tensor) -> Tensor | None:
+        """(B, *P) bool mask of the positions that count (None: all of them)."""
+        return None if y is None else self._padding(y)
+
+    def num_terms(self, f: Tensor, y: Tensor | None = None) -> int:
+        """Number of loss terms (counted positions) of a batch: B * prod(P) minus the padded ones."""
+        total = math.prod(f.shape[:-1])
+        pad = None if y is None else self._padding(y)
+        return total if pad is None else total - int(pad.sum())
+
+    def _masked(self, out: Tensor, y: Tensor | None) -> Tensor:
+        """Zero ``out`` (..., C[, R]) at padded positions of y (broadcast over leading K dims)."""
+        pad = None if y is None else self._padding(y)
+        if pad is None:
+            return out
+        keep = (~pad).to(out.dtype)
+        extra = out.dim() - keep.dim()
+        return out * keep.reshape(keep.shape + (1,) * extra) if extra > 0 else out * keep
+
+    def _masked_last(self, out: Tensor, f: Tensor, y: Tensor | None) -> Tensor:
+        """Zero ``out`` (*K, ..., C) at padded positions, with f (..., C) fixing where positions sit."""
+        pad = None if y is None else self._padding(y)
+        if pad is None:
+            return out
+        return out * (~pad).to(out.dtype)[..., None]
+
+    # -- per-position quantities ----------------------------------------------------------------------
     def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
-        raise NotImplementedError
+        """dL/df per position (f's shape); zero at padded positions."""
+        return self._masked_last(self._output_grad(f, y), f, y)
 
-    def output_hessian(self, f: Tensor) -> Tensor:
-        raise NotImplementedError
+    def output_hessian(self, f: Tensor, y: Tensor | None = None) -> Tensor:
+        """(..., C, C) per-position H_L; zero at padded positions of y (if given)."""
+        return self._masked(self._hessian(f), y)
 
-    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        raise NotImplementedError
+    def output_hessian_diagonal(self, f: Tensor, y: Tensor | None = None) -> Tensor:
+        """(..., C) diagonal of H_L; zero at padded positions of y (if given)."""
+        return self._masked_last(self._hessian_diagonal(f), f, y)
 
-    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
-        """(B, C) diagonal of H_L."""
-        return self.output_hessian(f).diagonal(dim1=-2, dim2=-1)
+    def output_hessian_matvec(self, f: Tensor, V: Tensor, y: Tensor | None = None) -> Tensor:
+        """H_L V per position in O(C) each (never a (C, C) matrix); V (*K, ..., C) broadcasts against
+        f (..., C); zero at padded positions of y (if given)."""
+        return self._masked_last(self._hessian_matvec(f, V), f, y)
 
-    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        raise NotImplementedError
+    def output_hessian_sqrt(self, f: Tensor, y: Tensor | None = None) -> Tensor:
+        """(..., C, R) with S S^T = H_L per position (R = C for the built-in heads); zero at padded positions.
 
+        Holds C x R numbers per position: for large C use :meth:`output_hessian_sqrt_columns` in chunks."""
+        return self.output_hessian_sqrt_columns(f, slice(None), y)
+
+    def output_hessian_sqrt_columns(self, f: Tensor, cols: slice, y: Tensor | None = None) -> Tensor:
+        """(..., C, r) the columns ``cols`` (a slice of range(R)) of :meth:`output_hessian_sqrt`."""
+        return self._masked(self._sqrt_columns(f, cols), y)
+
+    def sqrt_rank(self, f: Tensor) -> int:
+        """R, the number of columns of :meth:`output_hessian_sqrt`."""
+        return int(f.shape[-1])
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None, y: Tensor | None = None) -> Tensor:
+        """Targets drawn from the model p(y | f), shaped like the data targets; with ``y``, padded positions
+        are copied from y (so their gradient, and hence their curvature, stays zero)."""
+        out = self._sample(f, generator)
+        pad = None if y is None else self._padding(y)
+        if y is not None and pad is not None:
+            out = torch.where(pad.reshape(pad.shape + (1,) * (out.dim() - pad.dim())), y.to(out.dtype), out)
+        return out
+
+    # -- validation -----------------------------------------------------------------------------------
     def check(self, f: Tensor, y: Tensor | None = None) -> None:
         """Validate shapes and finiteness; raises ValueError saying what is wrong."""
-        if f.dim() != 2:
-            raise ValueError(f"{self.name}: model output must have shape (batch, outputs), got {tuple(f.shape)}")
+        if not isinstance(f, Tensor) or f.dim() < 2:
+            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            raise ValueError(f"{self.name}: model output must have shape (batch, outputs) or (batch, positions..., "
+                             f"outputs), got {shape}")
+        if f.shape[0] == 0:
+            raise ValueError(f"{self.name}: the batch is empty (model output of shape {tuple(f.shape)}); pass at "
+                             "least one sample")
         if not torch.isfinite(f).all():
             raise ValueError(
                 f"{self.name}: the model output contains NaN or inf ({int((~torch.isfinite(f)).sum())} entries); "
                 "check the inputs, the weights and the learning rate"
             )
+        if y is not None:
+            if not isinstance(y, Tensor):
+                raise TypeError(f"{self.name}: targets must be a torch.Tensor, got {type(y).__name__}")
+            self._target_check(f, y)
 
     # -- reduction ----------------------------------------------------------------------------------
     def with_reduction(self, reduction: Reduction) -> Likelihood:
@@ -79,15 +201,27 @@ class Likelihood:
         out.reduction = reduction
         return out
 
-    def scale(self, batch_size: int) -> float:
-        """Factor that turns a sum over a batch of ``batch_size`` per-sample terms into this reduction."""
-        return 1.0 if self.reduction == "sum" else 1.0 / batch_size
+    def scale(self, num_terms: int) -> float:
+        """Factor that turns a sum over ``num_terms`` loss terms into this reduction (1 or 1 / num_terms)."""
+        if self.reduction == "sum":
+            return 1.0
+        if num_terms <= 0:
+            raise ValueError(f"{self.name}: the mean over {num_terms} loss terms is undefined (every position "
+                             "is padding or the data are empty)")
+        return 1.0 / num_terms
+
+    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+        """(B,) NLL of each sample: the sum over its counted positions."""
+        terms = self._nll_terms(f, y)
+        pad = self._padding(y)
+        if pad is not None:
+            terms = terms.masked_fill(pad, 0.0)
+        return terms.reshape(terms.shape[0], -1).sum(1) if terms.dim() > 1 else terms
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
-        """Reduced NLL over the batch."""
+        """Reduced NLL over the batch (mean over counted positions, or their sum)."""
         self.check(f, y)
-        per = self.nll_per_sample(f, y)
-        return per.sum() * self.scale(f.shape[0])
+        return self.nll_per_sample(f, y).sum() * self.scale(self.num_terms(f, y))
 
     __call__ = nll
 
@@ -100,127 +234,185 @@ def _check_finite_targets(name: str, y: Tensor) -> None:
         raise ValueError(f"{name}: the targets contain NaN or inf ({int((~torch.isfinite(y)).sum())} entries)")
 
 
+def _check_same_shape(name: str, f: Tensor, y: Tensor) -> None:
+    if y.shape != f.shape:
+        raise ValueError(f"{name}: targets must have the output's shape {tuple(f.shape)}, got {tuple(y.shape)}")
+
+
+class _ValuePadding:
+    """Padding by a target value: a position whose targets all equal ``ignore_value`` is left out."""
+
+    ignore_value: float | None = None
+
+    def _padding(self, y: Tensor) -> Tensor | None:
+        if self.ignore_value is None:
+            return None
+        return (y == self.ignore_value).all(-1)
+
+
+def _ignore_value(value: float | None) -> float | None:
+    if value is None:
+        return None
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"ignore_value must be a finite number (NaN targets are refused as bad data), got {value}")
+    return v
+
+
 class CrossEntropy(Likelihood):
-    """Softmax cross-entropy; f are logits (B, K), y class indices (B,). H_L = diag(p) - p p^T (rank K-1)."""
+    """Softmax cross-entropy; f are logits (B, K) or (B, *P, K), y class indices (B,) or (B, *P).
+
+    H_L = diag(p) - p p^T (rank K-1). ``ignore_index``: targets equal to it are padding, left out of the
+    loss, of ``num_terms`` and of every curvature. The default None has no padding, so a target outside
+    [0, K-1] is an error (also torch's -100: pass ``ignore_index=-100`` to treat it as ``nn.CrossEntropyLoss``
+    and Hugging Face do; curvkit never drops terms unasked).
+    """
 
     name = "softmax cross-entropy"
 
-    def check(self, f: Tensor, y: Tensor | None = None) -> None:
-        super().check(f, y)
-        if y is not None:
-            if y.shape != f.shape[:1] or y.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16):
-                raise ValueError(f"{self.name}: targets must be integer class indices of shape ({f.shape[0]},), "
-                                 f"got dtype {y.dtype} shape {tuple(y.shape)}")
-            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= f.shape[1]):
-                raise ValueError(f"{self.name}: targets must lie in [0, {f.shape[1] - 1}]")
+    def __init__(self, reduction: Reduction = "mean", ignore_index: int | None = None):
+        super().__init__(reduction)
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
+        self.ignore_index = None if ignore_index is None else int(ignore_index)
 
-    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(f, y.long(), reduction="none")
+    def _target_check(self, f: Tensor, y: Tensor) -> None:
+        if y.shape != f.shape[:-1] or y.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16):
+            raise ValueError(
+                f"{self.name}: targets must be integer class indices of shape {tuple(f.shape[:-1])} (the logits' "
+                f"shape {tuple(f.shape)} without its last, class dimension), got dtype {y.dtype} shape "
+                f"{tuple(y.shape)}; classes must be the LAST dimension of the logits (torch's (B, C, T) layout: "
+                "pass logits.movedim(1, -1))")
+        if y.numel():
+            counted = y if self.ignore_index is None else y[y != self.ignore_index]
+            if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= f.shape[-1]):
+                pad = ("padding is not enabled: for padded positions pass CrossEntropy(ignore_index=...)"
+                       if self.ignore_index is None else f"or equal ignore_index={self.ignore_index} for padding")
+                raise ValueError(f"{self.name}: targets must lie in [0, {f.shape[-1] - 1}] ({pad}), got values in "
+                                 f"[{int(counted.min())}, {int(counted.max())}]")
 
-    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
-        return f.softmax(-1) - F.one_hot(y.long(), f.shape[-1]).to(f.dtype)
+    def _padding(self, y: Tensor) -> Tensor | None:
+        if self.ignore_index is None:
+            return None
+        return y == self.ignore_index  # a tensor even when nothing is padded: no data-dependent branch (vmap)
 
-    def output_hessian(self, f: Tensor) -> Tensor:
+    def _safe(self, y: Tensor) -> Tensor:
+        """Targets with padding replaced by class 0 (its terms are masked afterwards)."""
+        return y.long() if self.ignore_index is None else y.long().masked_fill(y == self.ignore_index, 0)
+
+    def _nll_terms(self, f: Tensor, y: Tensor) -> Tensor:
+        return -torch.gather(f.log_softmax(-1), -1, self._safe(y)[..., None])[..., 0]
+
+    def _output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        return f.softmax(-1) - F.one_hot(self._safe(y), f.shape[-1]).to(f.dtype)
+
+    def _hessian(self, f: Tensor) -> Tensor:
         p = f.softmax(-1)
-        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        return torch.diag_embed(p) - p[..., :, None] * p[..., None, :]
 
-    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+    def _hessian_diagonal(self, f: Tensor) -> Tensor:
         p = f.softmax(-1)
         return p - p**2
 
-    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        """S = diag(sqrt p) - p sqrt(p)^T, (B, K, K): S S^T = diag(p) - p p^T (the factor KFLR propagates,
-        thesis Sec. 4.3.1)."""
+    def _hessian_matvec(self, f: Tensor, V: Tensor) -> Tensor:
         p = f.softmax(-1)
-        sp = p.sqrt()
-        return torch.diag_embed(sp) - p[:, :, None] * sp[:, None, :]
+        pV = p * V
+        return pV - p * pV.sum(-1, keepdim=True)
 
-    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.multinomial(f.softmax(-1), 1, generator=generator)[:, 0]
+    def _sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """Columns of S = diag(sqrt p) - p sqrt(p)^T (S S^T = diag(p) - p p^T; the factor KFLR propagates,
+        thesis Sec. 4.3.1): column c is sqrt(p_c) (e_c - p)."""
+        p = f.softmax(-1)
+        C = f.shape[-1]
+        idx = torch.arange(C, device=f.device)[cols]
+        sp = p[..., idx].sqrt()  # (..., r)
+        onehot = (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)  # (C, r)
+        return (onehot - p[..., :, None]) * sp[..., None, :]
+
+    def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
+        flat = f.reshape(-1, f.shape[-1]).softmax(-1)
+        return torch.multinomial(flat, 1, generator=generator)[:, 0].reshape(f.shape[:-1])
+
+    def __repr__(self) -> str:
+        extra = "" if self.ignore_index is None else f", ignore_index={self.ignore_index}"
+        return f"CrossEntropy(reduction={self.reduction!r}{extra})"
 
 
-class BernoulliBCE(Likelihood):
-    """Independent sigmoid Bernoulli outputs; f logits (B, C), y in [0, 1] (B, C). H_L = diag(s(1-s))."""
+class BernoulliBCE(_ValuePadding, Likelihood):
+    """Independent sigmoid Bernoulli outputs; f logits (..., C), y in [0, 1] of f's shape.
+    H_L = diag(s(1-s)). ``ignore_value``: a position whose C targets all equal it is padding."""
 
     name = "sigmoid binary cross-entropy"
 
-    def check(self, f: Tensor, y: Tensor | None = None) -> None:
-        super().check(f, y)
-        if y is not None and y.shape != f.shape:
-            raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
-                             f"got {tuple(y.shape)}")
-        if y is not None and y.numel():
+    def __init__(self, reduction: Reduction = "mean", ignore_value: float | None = None):
+        super().__init__(reduction)
+        self.ignore_value = _ignore_value(ignore_value)
+
+    def _target_check(self, f: Tensor, y: Tensor) -> None:
+        _check_same_shape(self.name, f, y)
+        if y.numel():
             _check_finite_targets(self.name, y)
-            if bool((y < 0).any()) or bool((y > 1).any()):
+            pad = self._padding(y)
+            counted = y if pad is None else y[~pad]
+            if counted.numel() and (bool((counted < 0).any()) or bool((counted > 1).any())):
                 raise ValueError(f"{self.name}: targets must be probabilities in [0, 1], got values in "
-                                 f"[{float(y.min()):.3g}, {float(y.max()):.3g}]")
+                                 f"[{float(counted.min()):.3g}, {float(counted.max()):.3g}]")
 
-    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
-        return F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").sum(-1)
+    def _nll_terms(self, f: Tensor, y: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(f, y.to(f.dtype).clamp(0, 1), reduction="none").sum(-1)
 
-    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+    def _output_grad(self, f: Tensor, y: Tensor) -> Tensor:
         return torch.sigmoid(f) - y.to(f.dtype)
 
-    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+    def _hessian_diagonal(self, f: Tensor) -> Tensor:
         s = torch.sigmoid(f)
         return s * (1 - s)
 
-    def output_hessian(self, f: Tensor) -> Tensor:
-        return torch.diag_embed(self.output_hessian_diagonal(f))
-
-    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        return torch.diag_embed(self.output_hessian_diagonal(f).sqrt())
-
-    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         return torch.bernoulli(torch.sigmoid(f), generator=generator)
 
 
-class Gaussian(Likelihood):
-    """Gaussian with fixed noise std ``sigma``: L^n = ||f - y||^2 / (2 sigma^2) (+ log-normaliser if asked).
+class Gaussian(_ValuePadding, Likelihood):
+    """Gaussian with fixed noise std ``sigma``: L = ||f - y||^2 / (2 sigma^2) (+ log-normaliser if asked)
+    per position (f and y of shape (B, C) or (B, *P, C)).
 
     ``sigma=1`` is the thesis's squared error (1/2)||h - y||^2. H_L = I / sigma^2, square root I / sigma.
     Note ``torch.nn.MSELoss(reduction='mean')`` also divides by the output dimension and has no 1/2;
-    use ``reduction='sum'`` here and rescale if you need to match it.
+    use ``reduction='sum'`` here and rescale if you need to match it. ``ignore_value``: a position whose C
+    targets all equal it is padding.
     """
 
     name = "Gaussian"
 
-    def __init__(self, reduction: Reduction = "mean", sigma: float = 1.0, include_normaliser: bool = False):
+    def __init__(self, reduction: Reduction = "mean", sigma: float = 1.0, include_normaliser: bool = False,
+                 ignore_value: float | None = None):
         super().__init__(reduction)
         if not sigma > 0 or not math.isfinite(sigma):
             raise ValueError(f"Gaussian noise std sigma must be positive and finite, got {sigma}")
         self.sigma = float(sigma)
         self.include_normaliser = include_normaliser
+        self.ignore_value = _ignore_value(ignore_value)
 
-    def check(self, f: Tensor, y: Tensor | None = None) -> None:
-        super().check(f, y)
-        if y is not None and y.shape != f.shape:
-            raise ValueError(f"{self.name}: targets must have the output's shape {tuple(f.shape)}, "
-                             f"got {tuple(y.shape)}")
-        if y is not None:
-            _check_finite_targets(self.name, y)
+    def _target_check(self, f: Tensor, y: Tensor) -> None:
+        _check_same_shape(self.name, f, y)
+        _check_finite_targets(self.name, y)
 
-    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+    def _nll_terms(self, f: Tensor, y: Tensor) -> Tensor:
         out = 0.5 * ((f - y.to(f.dtype)) ** 2).sum(-1) / self.sigma**2
         if self.include_normaliser:
             out = out + 0.5 * f.shape[-1] * math.log(2 * math.pi * self.sigma**2)
         return out
 
-    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+    def _output_grad(self, f: Tensor, y: Tensor) -> Tensor:
         return (f - y.to(f.dtype)) / self.sigma**2
 
-    def output_hessian_diagonal(self, f: Tensor) -> Tensor:
+    def _hessian_diagonal(self, f: Tensor) -> Tensor:
         return torch.full_like(f, 1.0 / self.sigma**2)
 
-    def output_hessian(self, f: Tensor) -> Tensor:
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        return eye.expand(f.shape[0], -1, -1) / self.sigma**2
+    def _hessian_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        return V / self.sigma**2
 
-    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        return eye.expand(f.shape[0], -1, -1) / self.sigma
-
-    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         eps = torch.randn(f.shape, dtype=f.dtype, device=f.device, generator=generator)
         return f.detach() + self.sigma * eps
 
@@ -281,14 +473,15 @@ class BernoulliMixture(Likelihood):
 
     def check(self, f: Tensor, y: Tensor | None = None) -> None:
         super().check(f, y)
-        if f.shape[1] != 3:
+        if f.dim() != 2 or f.shape[1] != 3:
             raise ValueError(f"{self.name}: the model must have 3 outputs (h_1 mixing logit, h_2 and h_3 "
-                             f"component logits), got {f.shape[1]}")
-        if y is not None:
-            if y.shape != f.shape[:1]:
-                raise ValueError(f"{self.name}: targets must have shape ({f.shape[0]},), got {tuple(y.shape)}")
-            if y.numel() and not bool(((y == 0) | (y == 1)).all()):
-                raise ValueError(f"{self.name}: targets must be 0 or 1")
+                             f"component logits) per sample, output shape (batch, 3); got {tuple(f.shape)}")
+
+    def _target_check(self, f: Tensor, y: Tensor) -> None:
+        if y.shape != f.shape[:1]:
+            raise ValueError(f"{self.name}: targets must have shape ({f.shape[0]},), got {tuple(y.shape)}")
+        if y.numel() and not bool(((y == 0) | (y == 1)).all()):
+            raise ValueError(f"{self.name}: targets must be 0 or 1")
 
     def _terms(self, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(u (B, 2), r (B, 2), grad u_1 (B, 3), grad u_2 (B, 3), s = sigmoid(f) (B, 3))."""
@@ -304,11 +497,11 @@ class BernoulliMixture(Likelihood):
         g2 = torch.stack([-s[:, 0], zero, y - s[:, 2]], dim=-1)
         return u, r, g1, g2, s
 
-    def nll_per_sample(self, f: Tensor, y: Tensor) -> Tensor:
+    def _nll_terms(self, f: Tensor, y: Tensor) -> Tensor:
         u = self._terms(f, y)[0]
         return -torch.logsumexp(u, dim=-1)
 
-    def output_grad(self, f: Tensor, y: Tensor) -> Tensor:
+    def _output_grad(self, f: Tensor, y: Tensor) -> Tensor:
         _, r, g1, g2, _ = self._terms(f, y)
         return -(r[:, :1] * g1 + r[:, 1:] * g2)
 
@@ -334,25 +527,28 @@ class BernoulliMixture(Likelihood):
         self.evaluations += int(f.shape[0])
         return lam.clamp_min(0), U
 
-    def output_hessian(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def output_hessian(self, f: Tensor, y: Tensor | None = None) -> Tensor:
         """(B, 3, 3) PSD projection of the exact output Hessian at the labels y (class docstring)."""
         lam, U = self._projected(f, y)
         return (U * lam[:, None, :]) @ U.transpose(-1, -2)
 
-    def output_hessian_sqrt(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
-        """(B, 3, 3) S = U diag(sqrt(lam_+)) with S S^T = the projected Hessian."""
+    def output_hessian_sqrt_columns(self, f: Tensor, cols: slice, y: Tensor | None = None) -> Tensor:
+        """(B, 3, r) columns of S = U diag(sqrt(lam_+)) with S S^T = the projected Hessian."""
         lam, U = self._projected(f, y)
-        return U * lam.sqrt()[:, None, :]
+        return (U * lam.sqrt()[:, None, :])[:, :, cols]
 
-    def output_hessian_diagonal(self, f: Tensor, y: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def output_hessian_diagonal(self, f: Tensor, y: Tensor | None = None) -> Tensor:
         return self.output_hessian(f, y).diagonal(dim1=-2, dim2=-1)
+
+    def output_hessian_matvec(self, f: Tensor, V: Tensor, y: Tensor | None = None) -> Tensor:
+        return torch.einsum("bij,...bj->...bi", self.output_hessian(f, y), V)
 
     def prob_one(self, f: Tensor) -> Tensor:
         """(B,) p(y = 1 | h) = s(h_1) s(h_2) + (1 - s(h_1)) s(h_3)."""
         s = torch.sigmoid(f)
         return s[:, 0] * s[:, 1] + (1 - s[:, 0]) * s[:, 2]
 
-    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         return torch.bernoulli(self.prob_one(f), generator=generator)
 
     def output_fisher_sqrt(self, f: Tensor) -> Tensor:

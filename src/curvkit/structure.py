@@ -52,9 +52,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call as _torch_functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "AFFINE",
@@ -65,6 +67,7 @@ __all__ = [
     "UnsupportedModelError",
     "conv_forward",
     "conv_patches",
+    "curvature_kernels",
     "read_model",
 ]
 
@@ -88,6 +91,28 @@ DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d,
                                          nn.AlphaDropout, nn.FeatureAlphaDropout)
 NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
                                       nn.modules.instancenorm._InstanceNorm)
+
+
+@contextmanager
+def curvature_kernels() -> Iterator[None]:
+    """Run a model with kernels that have every derivative curvature needs, and restore the user's settings.
+
+    PyTorch's fused attention (the flash/efficient ``scaled_dot_product_attention`` kernels on CPU and CUDA)
+    has no forward-mode derivative and no double backward, and the eval-mode fast path of
+    ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` runs one fused kernel that also skips any
+    Python-level change to the layer's submodules (a LoRA adapter on ``linear1`` is silently ignored). Inside
+    this context the math attention backend is the only one enabled and the fast path is off, so the model
+    computes exactly the function its modules describe, with every derivative. The previous backend
+    selection and fast-path flag are restored on exit (also on error). Every model evaluation of the
+    curvature engine (:meth:`ModelStructure.functional_call` and the estimators' forward passes) runs in it.
+    """
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 class UnsupportedModelError(ValueError):
@@ -443,7 +468,7 @@ class ModelStructure:
                     state[slot] = buffers[cname]
         if not isinstance(args, tuple):
             args = (args,)
-        with self._restored():
+        with self._restored(), curvature_kernels():
             return _torch_functional_call(self.model, state, args, tie_weights=False, strict=False)
 
     @contextmanager

@@ -27,18 +27,18 @@ from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 
 
 def output_fisher_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
-    """(B, C, R) factor S of the per-sample output Fisher F_L = E_{y~model}[g g^T] (see module doc)."""
+    """(..., C, R) factor S of the per-position output Fisher F_L = E_{y~model}[g g^T] (see module doc)."""
     if isinstance(likelihood, CrossEntropy):
-        p = f.softmax(-1)  # (B, K)
+        p = f.softmax(-1)  # (..., K)
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        grads = p[:, :, None] - eye[None]  # column c: g(f, c) = p - e_c
-        return grads * p.sqrt()[:, None, :]
+        grads = p[..., :, None] - eye  # column c: g(f, c) = p - e_c
+        return grads * p.sqrt()[..., None, :]
     if isinstance(likelihood, BernoulliBCE):
         s = torch.sigmoid(f)
         return torch.diag_embed((s * (1 - s)).sqrt())
     if isinstance(likelihood, Gaussian):
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        return eye.expand(f.shape[0], -1, -1) / likelihood.sigma
+        return eye.expand(*f.shape, f.shape[-1]) / likelihood.sigma
     custom = getattr(likelihood, "output_fisher_sqrt", None)
     if callable(custom):
         out: Tensor = custom(f)
