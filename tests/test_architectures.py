@@ -56,7 +56,7 @@ def test_add_lora_copies_freezes_and_starts_at_the_base():
     torch.testing.assert_close(adapted(ids), base(ids))  # lora_B starts at zero
     nonzero = add_lora(base, rank=2, init_b="normal")
     assert not torch.allclose(nonzero(ids), base(ids))
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
         add_lora(base, rank=2, targets=lambda name, m: False)
 
 
