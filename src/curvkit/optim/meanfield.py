@@ -105,7 +105,8 @@ class MeanFieldOptimizer(CurvatureOptimizer):
     Args:
         params: parameters (or param-group dicts) of ``model`` to treat as Bayesian; None means all its
             trainable parameters. Parameters of ``model`` left out stay deterministic (never sampled,
-            never updated).
+            never updated); so do frozen ones (``requires_grad=False``), which are dropped from the groups
+            (``model.parameters()`` of a model with a frozen base is fine: :mod:`curvkit.optim.base`).
         defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``, ``sigma_min``,
             ``max_ratio``).
         model: the module whose parameters are the posterior means mu (required: the vectorised step
@@ -163,7 +164,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self._init_names(model)
-        first = self.param_groups[0]["params"][0]
+        first = self.first_param()
         if generator is None:
             generator = torch.Generator(device=first.device)
             generator.manual_seed(int(seed))
@@ -321,6 +322,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
                 raise ValueError("pass either batch= or inputs=/targets=, not both")
             batch = (inputs, targets)
         check_step_extras(type(self).__name__, extras, ())
+        self._check_still_trainable()
         given = sum(x is not None for x in (closure, batch, grads))
         if given != 1:
             raise ValueError("pass exactly one of: closure, batch=(X, y), or grads=")
@@ -385,6 +387,15 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         self._diagnostics["steps_large_sigma_grad"] += int(any_large)
         self._diagnostics["steps_nonpositive_sigma"] += int(any_nonpos)
         return loss.detach()
+
+    def _check_still_trainable(self) -> None:
+        """Refuse to step when a Bayesian parameter was frozen after construction: the rule would move it
+        (MESU samples and updates every parameter it holds, whatever its ``requires_grad``)."""
+        frozen = [n for n, p, _ in self._bayes_params() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"{type(self).__name__}: parameter(s) {frozen} were frozen (requires_grad=False) after "
+                             "the optimiser was built, and a frozen parameter is never changed; build a new "
+                             "optimiser over the trainable parameters (frozen ones are left out automatically)")
 
     def _reduce_grads(self, grads: MCGradients, batch_size: int | None, synced: bool) -> MCGradients:
         """All-reduce one step's MC estimates over the ranks (``distributed`` in the class docstring)."""
