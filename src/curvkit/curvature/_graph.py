@@ -17,6 +17,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Collection, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -75,7 +76,8 @@ def warn_unused(what: str, model: nn.Module, names: Sequence[str], tensors: Sequ
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside curvkit (the user's call), seen from ``warn_unused``."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
         frame, level = frame.f_back, level + 1
     return level
