@@ -39,6 +39,11 @@ Eq. 5.14, the ICLR paper's tau); ``N`` defaults to the number of data seen by :m
 ``num_data`` there when the batches hold augmented copies of a smaller data set).
 
 BatchNorm must be in eval mode (running statistics; thesis Sec. 5.2.4), Dropout too (``model.eval()``).
+
+Input checks: a covered parameter the output does not depend on is named in an
+:class:`~curvkit.curvature._graph.UnusedParameterWarning` at :meth:`Laplace.fit`; ``num_data`` and prior
+precisions are checked wherever they are passed (tensors that require grad included, their graph kept);
+predictions check the inputs against the dtype and shape of those :meth:`Laplace.fit` saw.
 """
 
 from __future__ import annotations
@@ -113,7 +118,10 @@ class Laplace:
         structure: ``'kron'`` | ``'diag'`` | ``'full'``.
         curvature: the curvature source (module docstring); default ``'kflr'`` for ``kron``,
             ``'mc_fisher'`` otherwise.
-        subset: ``'all'`` | ``'last_layer'`` | module labels and/or parameter names.
+        subset: ``'all'`` | ``'last_layer'`` | module labels and/or parameter names (frozen parameters are
+            never covered). ``'last_layer'`` is the module that produces the output, found from the forward
+            pass of the first batch :meth:`fit` sees (:mod:`curvkit.laplace._subset`; an error lists the
+            candidates when there is none); :attr:`names` says which parameters were chosen.
         prior_precision: scalar, per-layer sequence or dict (changeable after fitting).
         mc_samples: sampled labels per datum for ``kfac``/``mc_fisher`` (random projections for
             ``projection``).
@@ -312,6 +320,8 @@ class Laplace:
         """One forward pass of the first batch with its graph: resolves ``subset='last_layer'`` from it and
         warns (once) about covered parameters the output does not depend on."""
         f, calls = traced_forward(self.model, X, record=self._selection is None)
+        if not isinstance(f, Tensor):
+            raise TypeError(f"the model must return one tensor of shape (batch, outputs), got {type(f).__name__}")
         if self._selection is None:
             self._select(last_layer_names(self.model, f, calls))
         named = dict(self.model.named_parameters())
