@@ -129,6 +129,21 @@ def test_param_groups_keep_their_indices_when_a_group_is_all_frozen():
     assert opt.layout().dim == num_trainable(model)
 
 
+def test_unfreezing_later_means_unfreeze_then_add_param_group():
+    model = module_lora()
+    base = list(model[2].base.parameters())
+    opt = BFRMSProp(_trainable(model), lr=1e-2, batch_size=8)
+    with pytest.raises(ValueError, match=r"every parameter of the group is frozen.*requires_grad_\(True\) on "
+                                         r"them first"):
+        opt.add_param_group({"params": base})             # the wrong order is refused, not dropped silently
+    for p in base:
+        p.requires_grad_(True)
+    opt.add_param_group({"params": base})
+    assert opt.param_groups[-1]["params"] == base
+    _train(model, opt, _batches(1))
+    assert opt.curvature().shape == (num_trainable(model),) * 2
+
+
 # ------------------------------------------------------------------------------------------ filters
 FACTORISED = {
     "natgrad": lambda ps: BFNatGrad(ps, batch_size=8),
@@ -300,4 +315,4 @@ def test_laplace_penalty_covers_only_trainable_parameters_and_refuses_frozen_nam
     bad = LaplacePenalty(curvature="diag", lam=1.0, reduction="sum", params=["0.base.weight", "0.lora_A.weight"])
     with pytest.raises(ValueError, match=r"\['0.base.weight'\] are frozen"):
         bad.on_task_end(model, (X, y))
-    assert math.isfinite(float(pen.loss(model)))
+    assert math.isfinite(float(pen.loss(model).detach()))

@@ -9,7 +9,8 @@
   groups (:func:`trainable_params`), so ``model.parameters()`` of a model with a frozen base is accepted
   and, as in ``torch.optim``, a frozen parameter is never changed, holds no state, gets no curvature and
   is not counted in any dimension. A group left empty stays (group indices keep their meaning); an
-  optimiser with no trainable parameter at all is refused.
+  optimiser with no trainable parameter at all is refused. The same holds for ``add_param_group`` later
+  (unfreeze first, then add: a group added after construction whose parameters are all frozen is refused).
 * **Stepping**: ``step(closure=None, *, batch=None, **extras)``. ``closure()`` re-evaluates the loss and
   calls ``backward()`` (torch.optim semantics); ``batch=(X, y)`` is how an optimiser that computes its
   own curvature or Monte Carlo gradients receives the minibatch; optimiser-specific per-step inputs are
@@ -64,20 +65,21 @@ def trainable_params(params: Iterable[Any]) -> list[Any]:
     return [e for e in params if not _is_frozen(e)]
 
 
-def _trainable_group(param_group: dict[str, Any]) -> dict[str, Any]:
-    """``param_group`` without its frozen entries (explicit ``param_names`` filtered alongside)."""
+def _trainable_group(param_group: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """(``param_group`` without its frozen entries (explicit ``param_names`` filtered alongside), the number
+    of entries dropped)."""
     params = param_group.get("params")
     if isinstance(params, Tensor):
         params = [params]
     elif params is None or isinstance(params, set):  # torch.optim refuses these with its own message
-        return param_group
+        return param_group, 0
     params = list(params)
     keep = [i for i, e in enumerate(params) if not _is_frozen(e)]
     out = dict(param_group, params=[params[i] for i in keep])
     names = param_group.get("param_names")
     if isinstance(names, (list, tuple)) and len(names) == len(params):
         out["param_names"] = [names[i] for i in keep]
-    return out
+    return out, len(params) - len(keep)
 
 
 class CurvatureOptimizer(Optimizer):
@@ -97,12 +99,17 @@ class CurvatureOptimizer(Optimizer):
             raise ValueError(f"{type(self).__name__}: none of the given parameters is trainable (every one has "
                              "requires_grad=False), so there is nothing to optimise; unfreeze the parameters to "
                              "train with requires_grad_(True)")
+        self._built = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch.optim's ``add_param_group`` for the trainable entries of ``param_group`` only (frozen
         parameters are dropped: module docstring), then the per-group hyperparameter checks."""
         if isinstance(param_group, dict):
-            param_group = _trainable_group(param_group)
+            param_group, dropped = _trainable_group(param_group)
+            if getattr(self, "_built", False) and dropped and not param_group["params"]:
+                raise ValueError(f"{type(self).__name__}.add_param_group: every parameter of the group is frozen "
+                                 "(requires_grad=False) and a frozen parameter is never optimised; call "
+                                 "requires_grad_(True) on them first, then add the group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for name, check in self.group_checks.items():
