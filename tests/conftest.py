@@ -31,6 +31,23 @@ def _one_torch_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True)
+def _checkpoints_load_weights_only(monkeypatch):
+    """Every checkpoint a test writes through ``curvkit.checkpoint.save`` must load back with
+    ``torch.load(weights_only=True)``, as ``curvkit.checkpoint.load`` does on resume: a checkpoint that holds
+    other objects (a dataclass, a numpy array, a curvkit operator) fails the test that writes it, not the
+    user's resumed run."""
+    from curvkit import checkpoint
+
+    save = checkpoint.save
+
+    def save_and_check(obj, path):
+        save(obj, path)
+        torch.load(path, weights_only=True)
+
+    monkeypatch.setattr(checkpoint, "save", save_and_check)
+
+
 # ------------------------------------------------------------------------------ shared tiny models and data
 _ACTS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
 

@@ -164,6 +164,16 @@ def _meanfield_checks(rank, world, red):
             _close(p2, p1, f"MESU ({loss}) mu of {n}")
         for (n, s1), s2 in zip(ref.sigma_dict().items(), dst.sigma_dict().values()):
             _close(s2, s1, f"MESU ({loss}) sigma of {n}")
+    # BatchNorm in training mode: each rank normalises its shard and the running statistics are averaged
+    # over the ranks (weighted by shard size), so the replicas keep identical buffers
+    torch.manual_seed(0)
+    bn_net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 3)).double()
+    bn_opt = MESU(bn_net.parameters(), model=bn_net, mc_samples=2, seed=5, distributed=red)
+    for X, y in batches:
+        bn_opt.step(batch=(_shard(X, rank, world), _shard(y, rank, world)))
+    assert int(bn_net[1].num_batches_tracked) == len(batches)
+    red.check_same([b.tolist() for b in bn_net.buffers()], "BatchNorm running statistics")
     # BGD through closures (a summed loss per shard)
     ref_net, dst_net = _net(), _net()
     ref = BGD(ref_net.parameters(), model=ref_net, mc_samples=2, seed=1)

@@ -3,15 +3,20 @@
 * :func:`save` writes with ``torch.save`` to a temporary file in the same directory, flushes it to disk
   and renames it over the target (``os.replace`` is atomic on POSIX and Windows), so an interrupted
   write leaves the previous checkpoint intact and never a truncated one.
-* :func:`load` reads one back; a file that cannot be read (truncated, corrupt, not a checkpoint) raises
-  :class:`CheckpointError` naming the file and saying how to recover (delete it: the run then redoes
-  only the stage it covered).
+* :func:`load` reads one back with ``torch.load(weights_only=True)``: tensors, numbers, strings, ``None``,
+  torch dtypes/sizes and plain containers (dict, list, tuple, set, OrderedDict) only, so loading a file
+  never runs code (output directories get shared, copied and downloaded; a pickle can execute whatever it
+  says). Every checkpoint curvkit writes holds only such values. A file that does not load that way (one
+  holding other objects, e.g. crafted or written by older code) or cannot be read at all (truncated,
+  corrupt, not a checkpoint) raises :class:`CheckpointError` naming the file and saying how to recover
+  (delete it: the run then redoes only the stage it covered); nothing in it is executed.
 * :func:`write_text` is the same atomic write for text (JSON results, reports).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,7 @@ __all__ = ["CheckpointError", "load", "save", "write_text"]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file exists but cannot be read."""
+    """A checkpoint file exists but cannot be read, or holds objects a weights-only load refuses."""
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -51,20 +56,35 @@ def write_text(path: str | Path, text: str) -> None:
     _atomic_write(Path(path), lambda fh: fh.write(text.encode("utf-8")))
 
 
-def load(path: str | Path, map_location: Any = "cpu", weights_only: bool = False) -> Any:
-    """``torch.load`` with a clear error for an unreadable file.
-
-    ``weights_only=False`` (the default here) unpickles arbitrary objects: load only checkpoints this
-    library or you wrote.
-    """
+def load(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)`` with a clear :class:`CheckpointError` for a file that holds
+    anything but tensors and plain containers (refused before any of it runs) or cannot be read."""
     path = Path(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
-    except Exception as err:  # zip reader, unpickling, EOF: all mean the file is unusable
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():
+            raise _unreadable(path, err) from err
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); it is probably truncated by an "
-            f"interrupted write or corrupt. Delete it to redo the stage it covers (other finished stages are "
-            f"kept), or restore it from a backup"
-        ) from err
+            f"checkpoint {path} holds objects other than tensors and plain containers, so curvkit refuses to "
+            "load it (unpickling such objects can run arbitrary code; nothing in the file was executed). "
+            "curvkit's own checkpoints never hold such objects: the file was written by other or older code, or "
+            "crafted. Delete it to redo the stage it covers (other finished stages are kept), or restore it "
+            f"from a trusted copy. ({_first_line(err)})") from None
+    except Exception as err:  # zip reader, EOF: the file is unusable
+        raise _unreadable(path, err) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("WeightsUnpickler", "Unsupported"))]
+    return lines[0] if lines else text.splitlines()[0] if text else type(err).__name__
+
+
+def _unreadable(path: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); it is probably truncated by an "
+        f"interrupted write or corrupt. Delete it to redo the stage it covers (other finished stages are "
+        f"kept), or restore it from a backup")

@@ -216,6 +216,10 @@ class LaplacePenalty(Penalty):
         missing = [n for n in self.params if n not in own]
         if missing:
             raise ValueError(f"penalised parameter(s) {missing} are not parameters of the model")
+        frozen = [n for n in self.params if not own[n].requires_grad]
+        if frozen:
+            raise ValueError(f"penalised parameter(s) {frozen} are frozen (requires_grad=False); a frozen parameter "
+                             "gets no curvature and no penalty: leave it out of params")
         return self.params
 
     def layers(self, model: nn.Module) -> list[LayerInfo]:

@@ -126,6 +126,19 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def _numpy_state() -> dict[str, Any]:
+    """numpy's global RNG state as a tensor and plain values (a checkpoint holds nothing else:
+    :mod:`curvkit.checkpoint`)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # noqa: NPY002
+    return {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _set_numpy_state(state: dict[str, Any]) -> None:
+    keys = state["keys"].numpy().astype(np.uint32)
+    np.random.set_state((state["name"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"]))  # noqa: NPY002
+
+
 def _eval_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(int(np.random.SeedSequence([seed, 7, index]).generate_state(1)[0]))
@@ -181,8 +194,7 @@ class ContinualRunner:
             "learner": self.learner.state_dict(),
             "result": self.result.to_json(),
             "loss_acc": (self._loss_sum, self._loss_count, self._acc_ema),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},  # noqa: NPY002
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()},
         }
         checkpoint.save(state, path)
         self.write_results()
@@ -203,7 +215,7 @@ class ContinualRunner:
         self.result = RunResult(**res)
         self._loss_sum, self._loss_count, self._acc_ema = state["loss_acc"]
         torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])  # noqa: NPY002
+        _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         return True
 

@@ -87,6 +87,7 @@ from curvkit.curvature._functional import (
     params_to_cols,
     params_to_rows,
 )
+from curvkit.curvature._graph import warn_unused_functional
 from curvkit.curvature._layerwise import (
     LayerSpec,
     Unsupported,
@@ -133,6 +134,7 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
         self._setup([self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)])
+        warn_unused_functional(type(self).__name__, self.fmodel, self.batches[0][0])
 
     def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
         """The validated output (B, C) of one batch at construction (subclasses may keep its graph)."""

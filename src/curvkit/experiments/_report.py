@@ -32,6 +32,9 @@ import torch
 
 from curvkit import checkpoint
 from curvkit.checkpoint import write_text
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
+from curvkit.linalg.layout import ParamLayout
+from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 
 T = TypeVar("T")
 
@@ -146,18 +149,44 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cached_stage(path: Path | str, key: Any, compute: Callable[[], T]) -> T:
+def cached_stage(path: Path | str, key: Any, compute: Callable[[], T],
+                 encode: Callable[[T], Any] | None = None, decode: Callable[[Any], T] | None = None) -> T:
     """``compute()`` once per ``key``: the value is kept in ``path`` (an atomic checkpoint, so an
     interrupted run loses no finished stage) and returned from there while the saved key matches.
-    ``key`` must be comparable with ``==`` after a save/load round trip (strings, numbers, dicts of them)."""
+    ``key`` must be comparable with ``==`` after a save/load round trip (strings, numbers, dicts of them).
+    A checkpoint holds only tensors and plain containers (:mod:`curvkit.checkpoint`): a value of other
+    types is stored as ``encode(value)`` and read back with ``decode``."""
     path = Path(path)
     if path.exists():
         saved = checkpoint.load(path)
         if isinstance(saved, dict) and saved.get("key") == key:
-            return saved["value"]  # type: ignore[no-any-return]
+            return saved["value"] if decode is None else decode(saved["value"])  # type: ignore[no-any-return]
     value = compute()
-    checkpoint.save({"key": key, "value": value}, path)
+    checkpoint.save({"key": key, "value": value if encode is None else encode(value)}, path)
     return value
+
+
+def operator_state(op: CurvatureOperator) -> dict[str, Any]:
+    """A diagonal or Kronecker curvature operator as tensors and plain values (:func:`operator_from_state`
+    rebuilds it), for checkpoints."""
+    layout = {"names": list(op.layout.names), "shapes": [list(s) for s in op.layout.shapes]}
+    if isinstance(op, DiagonalOperator):
+        return {"type": "diagonal", "layout": layout, "tensors": list(op.tensors)}
+    if isinstance(op, KroneckerOperator):
+        return {"type": "kronecker", "layout": layout, "damping": float(op.damping),
+                "blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name} for b in op.blocks]}
+    raise TypeError(f"operator_state: no plain form for {type(op).__name__} (diagonal and Kronecker operators only)")
+
+
+def operator_from_state(state: dict[str, Any]) -> CurvatureOperator:
+    """The operator :func:`operator_state` describes."""
+    layout = ParamLayout(tuple(state["layout"]["names"]), tuple(torch.Size(s) for s in state["layout"]["shapes"]))
+    if state["type"] == "diagonal":
+        return DiagonalOperator(layout, list(state["tensors"]))
+    if state["type"] == "kronecker":
+        blocks = [KroneckerBlock(b["G"], b["A"], b["weight"], b["bias"]) for b in state["blocks"]]
+        return KroneckerOperator(layout, blocks, damping=state["damping"])
+    raise ValueError(f"unknown operator state type {state.get('type')!r}")
 
 
 # --------------------------------------------------------------------------- timings

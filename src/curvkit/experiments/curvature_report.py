@@ -69,6 +69,8 @@ from curvkit.experiments._report import (
     machine_markdown,
     markdown_table,
     new_figure,
+    operator_from_state,
+    operator_state,
     progress,
     save_figure,
     torch_threads,
@@ -297,12 +299,18 @@ def evaluate(model: nn.Module, X: Tensor, y: Tensor, cfg: CurvatureConfig, seed:
     data = (X, y)
     key = {"config": config_hash(cfg), "seed": seed, "n": int(X.shape[0])}
 
-    def stage(name: str, fn: Callable[[], Any]) -> Any:
+    def stage(name: str, fn: Callable[[], Any], encode: Any = None, decode: Any = None) -> Any:
         if stages is None:
             return fn()
-        return cached_stage(stages / f"{name.replace(' ', '_')}.pt", key, fn)
+        return cached_stage(stages / f"{name.replace(' ', '_')}.pt", key, fn, encode, decode)
 
-    comp = stage("estimators", lambda: compute_estimators(model, lik, data, cfg, seed, timer, tick))
+    def encode(comp: dict[str, Any]) -> dict[str, Any]:  # checkpoints hold tensors and plain containers only
+        return {**comp, "estimators": {n: operator_state(op) for n, op in comp["estimators"].items()}}
+
+    def decode(comp: dict[str, Any]) -> dict[str, Any]:
+        return {**comp, "estimators": {n: operator_from_state(st) for n, st in comp["estimators"].items()}}
+
+    comp = stage("estimators", lambda: compute_estimators(model, lik, data, cfg, seed, timer, tick), encode, decode)
     G = GGNOperator(model, lik, data)
     ests: dict[str, CurvatureOperator] = comp["estimators"]
     d = G.layout.dim

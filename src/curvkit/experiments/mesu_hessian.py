@@ -99,7 +99,7 @@ PROTOCOLS = {
 def _pretrain(X: torch.Tensor, y: torch.Tensor, epochs: int, seed: int, path: Path, show: bool) -> nn.Module:
     model = kaiming_uniform_mlp([784, 100, 10], seed)
     if path.exists():
-        model.load_state_dict(checkpoint.load(path, weights_only=True))
+        model.load_state_dict(checkpoint.load(path))
         return model
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(seed + 1)

@@ -39,17 +39,24 @@ Eq. 5.14, the ICLR paper's tau); ``N`` defaults to the number of data seen by :m
 ``num_data`` there when the batches hold augmented copies of a smaller data set).
 
 BatchNorm must be in eval mode (running statistics; thesis Sec. 5.2.4), Dropout too (``model.eval()``).
+
+Input checks: a covered parameter the output does not depend on is named in an
+:class:`~curvkit.curvature._graph.UnusedParameterWarning` at :meth:`Laplace.fit`; ``num_data`` and prior
+precisions are checked wherever they are passed (tensors that require grad included, their graph kept);
+predictions check the inputs against the dtype and shape of those :meth:`Laplace.fit` saw.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature._graph import warn_unused
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
 from curvkit.laplace._curvature import (
     ELEMENT_METHODS,
@@ -58,7 +65,7 @@ from curvkit.laplace._curvature import (
     DiagonalSource,
     KroneckerSource,
 )
-from curvkit.laplace._subset import resolve_subset, subset_layers
+from curvkit.laplace._subset import last_layer_names, resolve_subset, subset_layers, traced_forward
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.layout import ParamLayout
@@ -70,6 +77,27 @@ __all__ = ["Laplace", "log_likelihood"]
 
 StructureName = Literal["kron", "diag", "full"]
 _NORM_SOURCE = {"kflr": "ggn", "kfra": "ggn", "projection": "ggn", "kfac": "mc_fisher", "empirical": "empirical"}
+
+
+@dataclass
+class _Selection:
+    """The parameters a posterior covers and the layers owning them (``Laplace._select``)."""
+
+    names: list[str]
+    layer_info: list[LayerInfo]
+    layer_names: list[str]
+    layout: ParamLayout
+    layer_of: dict[str, int]
+
+
+def _check_positive_entries(name: str, value: Tensor) -> None:
+    """Raise ValueError naming ``name`` unless every entry of ``value`` is a finite number > 0 (checked on
+    the detached values, so a tensor that requires grad keeps its graph)."""
+    v = value.detach()
+    bad = ~(torch.isfinite(v) & (v > 0))
+    if bool(bad.any()):
+        where = "" if v.dim() == 0 else f" (entry {int(bad.nonzero()[0, 0])} of {v.numel()})"
+        raise ValueError(f"{name} must be a finite number > 0, got {v.tolist()}{where}")
 
 
 def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
@@ -90,7 +118,10 @@ class Laplace:
         structure: ``'kron'`` | ``'diag'`` | ``'full'``.
         curvature: the curvature source (module docstring); default ``'kflr'`` for ``kron``,
             ``'mc_fisher'`` otherwise.
-        subset: ``'all'`` | ``'last_layer'`` | module labels and/or parameter names.
+        subset: ``'all'`` | ``'last_layer'`` | module labels and/or parameter names (frozen parameters are
+            never covered). ``'last_layer'`` is the module that produces the output, found from the forward
+            pass of the first batch :meth:`fit` sees (:mod:`curvkit.laplace._subset`; an error lists the
+            candidates when there is none); :attr:`names` says which parameters were chosen.
         prior_precision: scalar, per-layer sequence or dict (changeable after fitting).
         mc_samples: sampled labels per datum for ``kfac``/``mc_fisher`` (random projections for
             ``projection``).
@@ -127,28 +158,75 @@ class Laplace:
         self.structure, self.curvature = structure, curvature
         self.mc_samples, self.seed = integer("mc_samples", mc_samples), int(seed)
         self.prior_form, self.trace_balance, self.norm_structure = prior_form, bool(trace_balance), norm_structure
-        self.names = resolve_subset(model, subset)
-        self.layer_info: list[LayerInfo] = subset_layers(model, self.names)
-        self.layer_names = [lay.label for lay in self.layer_info]
-        if structure == "kron":
-            for lay in self.layer_info:
-                if lay.kind not in ("linear", "conv2d", "norm"):
-                    raise refuse("Kronecker Laplace", lay.label, lay.module, "has trainable parameters but only "
-                                 "Linear and Conv2d layers have Kronecker factors (and normalisation layers a "
-                                 "per-layer Laplace)", "freeze it, leave it out of the subset, or use "
-                                 "structure='diag'/'full'")
-        shapes = dict(model.named_parameters())
-        self.layout = ParamLayout(tuple(self.names), tuple(shapes[n].shape for n in self.names))
-        p0 = shapes[self.names[0]]
-        self.dtype, self.device = p0.dtype, p0.device
-        self._layer_of = {n: i for i, lay in enumerate(self.layer_info) for n in lay.params}
-        self._prior = self._as_prior(prior_precision)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        self.dtype, self.device = trainable[0].dtype, trainable[0].device
+        self.subset = subset
+        self._selection: _Selection | None = None
+        self._prior_value: Any = prior_precision
+        if subset == "last_layer":  # found from the forward pass of the first batch of fit (laplace._subset)
+            if not isinstance(prior_precision, (Mapping, Sequence, Tensor)):
+                positive("prior_precision", prior_precision)
+        else:
+            self._select(resolve_subset(model, subset))
+        #: (dtype, shape without the batch dimension) of the inputs fit saw first; predictions are checked
+        #: against it
+        self.input_spec: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._num_data: float | None = None
         self.num_seen = 0
         self.loglik = 0.0
         self.blocks: list[PosteriorBlock] = []
         self.params: dict[str, Tensor] = {}
         self.buffers: dict[str, Tensor] = {}
+
+    # ------------------------------------------------------------------ the covered parameters
+    def _select(self, names: list[str]) -> None:
+        """Fix the parameters the posterior covers (``names``, canonical, ``named_parameters()`` order)."""
+        layer_info = subset_layers(self.model, names)
+        if self.structure == "kron":
+            for lay in layer_info:
+                if lay.kind not in ("linear", "conv2d", "norm"):
+                    raise refuse("Kronecker Laplace", lay.label, lay.module, "has trainable parameters but only "
+                                 "Linear and Conv2d layers have Kronecker factors (and normalisation layers a "
+                                 "per-layer Laplace)", "freeze it, leave it out of the subset, or use "
+                                 "structure='diag'/'full'")
+        shapes = dict(self.model.named_parameters())
+        layout = ParamLayout(tuple(names), tuple(shapes[n].shape for n in names))
+        layer_of = {n: i for i, lay in enumerate(layer_info) for n in lay.params}
+        self._selection = _Selection(list(names), layer_info, [lay.label for lay in layer_info], layout, layer_of)
+        self._prior = self._as_prior(self._prior_value)
+
+    def _selected(self) -> _Selection:
+        if self._selection is None:
+            raise ValueError("subset='last_layer' is found from the model's forward pass: the parameters it covers "
+                             "are known once fit(data) has seen the first batch")
+        return self._selection
+
+    @property
+    def names(self) -> list[str]:
+        """Canonical names of the parameters the posterior covers (flat :attr:`layout` order): for
+        ``subset='last_layer'`` the parameters of the layer that produces the output, known after :meth:`fit`."""
+        return self._selected().names
+
+    @property
+    def layer_info(self) -> list[LayerInfo]:
+        """The layers owning :attr:`names` (weights and biases restricted to them)."""
+        return self._selected().layer_info
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Labels of :attr:`layer_info` (the order of per-layer prior precisions)."""
+        return self._selected().layer_names
+
+    @property
+    def layout(self) -> ParamLayout:
+        """The flat layout of the covered parameters (of :meth:`precision`, :meth:`sample`, :attr:`mean`)."""
+        return self._selected().layout
+
+    @property
+    def _layer_of(self) -> dict[str, int]:
+        return self._selected().layer_of
 
     # ------------------------------------------------------------------ hyperparameters
     def _as_prior(self, value: Any) -> Tensor:
@@ -172,11 +250,18 @@ class Laplace:
     @property
     def prior_precision(self) -> Tensor:
         """Per-layer prior precisions (L,), in :attr:`layer_names` order."""
+        self._selected()
         return self._prior.clone()
 
     @prior_precision.setter
     def prior_precision(self, value: Any) -> None:
+        if self._selection is None:
+            if not isinstance(value, (Mapping, Sequence, Tensor)):
+                positive("prior_precision", value)
+            self._prior_value = value
+            return
         self._prior = self._as_prior(value)
+        self._prior_value = value
 
     @property
     def num_data(self) -> float:
@@ -208,9 +293,12 @@ class Laplace:
         structure = read_model(model)
         structure.require_deterministic("Laplace")
         structure.require_independent_samples("Laplace")
-        sources = self._sources()
+        sources: dict[str, Any] | None = None
         count, ll = 0, 0.0
         for X, y in iter_batches(data, self.device):
+            if sources is None:
+                self._inspect(X)
+                sources = self._sources()
             outputs = [src.update(X, y) for src in sources.values()]
             f = next((o for o in outputs if o is not None), None)  # the Kronecker source's forward pass
             with torch.no_grad():
@@ -219,12 +307,26 @@ class Laplace:
                 lik.check(f, y)
                 ll += float(log_likelihood(lik, f, y).sum())
             count += int(X.shape[0])
+        assert sources is not None  # iter_batches refuses data without a batch
         self.num_seen, self.loglik = count, ll
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         self._build(self._statistics(sources))
         self._num_data = float(count) if num_data is None else positive("num_data", num_data)
+        self.input_spec = self._first_input
         return self
+
+    def _inspect(self, X: Tensor) -> None:
+        """One forward pass of the first batch with its graph: resolves ``subset='last_layer'`` from it and
+        warns (once) about covered parameters the output does not depend on."""
+        f, calls = traced_forward(self.model, X, record=self._selection is None)
+        if not isinstance(f, Tensor):
+            raise TypeError(f"the model must return one tensor of shape (batch, outputs), got {type(f).__name__}")
+        if self._selection is None:
+            self._select(last_layer_names(self.model, f, calls))
+        named = dict(self.model.named_parameters())
+        warn_unused("Laplace.fit", self.model, self.names, [named[n] for n in self.names], f)
+        self._first_input = (X.dtype, tuple(X.shape[1:]))
 
     def _sources(self) -> dict[str, Any]:
         m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
@@ -351,7 +453,7 @@ class Laplace:
         """
         self._require_fit()
         lam = self._prior_tensor(prior_precision)
-        N = self._tensor(self.num_data if num_data is None else num_data)
+        N = self._num_data_tensor(num_data)
         sq = torch.zeros(len(self.layer_names), dtype=self.dtype, device=self.device)
         dims = torch.zeros_like(sq)
         for n in self.names:
@@ -360,14 +462,29 @@ class Laplace:
         fit = (N / self.num_seen) * self.loglik
         return fit - 0.5 * (lam * sq).sum() + 0.5 * (dims * lam.log()).sum() - 0.5 * self._logdet(N, lam)
 
-    def _tensor(self, v: Any) -> Tensor:
-        return v if isinstance(v, Tensor) else torch.tensor(float(v), dtype=self.dtype, device=self.device)
+    def _num_data_tensor(self, value: Any) -> Tensor:
+        """N as a tensor: a tensor that requires grad is kept (differentiable) once its value is checked."""
+        if value is None:
+            value = self.num_data
+        elif isinstance(value, Tensor) and value.requires_grad:
+            if value.dim() != 0:
+                raise ValueError(f"num_data must be a scalar, got a tensor of shape {tuple(value.shape)}")
+            _check_positive_entries("num_data", value)
+            return value
+        return torch.tensor(positive("num_data", value), dtype=self.dtype, device=self.device)
 
     def _prior_tensor(self, value: Any) -> Tensor:
+        """The per-layer prior precisions (L,); a tensor that requires grad (prior optimisation) is kept,
+        differentiable, once its shape and values are checked like any other prior precision."""
         if value is None:
             return self._prior
         if isinstance(value, Tensor) and value.requires_grad:
-            return value.expand(len(self.layer_names)) if value.dim() == 0 else value
+            L = len(self.layer_names)
+            if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != L):
+                raise ValueError(f"prior_precision must be a scalar or one value per layer ({L}: "
+                                 f"{', '.join(self.layer_names)}), got a tensor of shape {tuple(value.shape)}")
+            _check_positive_entries("prior_precision", value)
+            return value.expand(L) if value.dim() == 0 else value
         return self._as_prior(value)
 
     # ------------------------------------------------------------------ predictions
@@ -398,7 +515,8 @@ class Laplace:
                 "trace_balance": self.trace_balance, "norm_structure": self.norm_structure,
                 "num_data": self.num_data, "num_seen": self.num_seen, "loglik": self.loglik,
                 "prior_precision": self._prior.clone(), "params": dict(self.params), "buffers": dict(self.buffers),
-                "stats": self._stats}
+                "stats": self._stats,
+                "input": None if self.input_spec is None else [str(self.input_spec[0]), list(self.input_spec[1])]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (built with the same model and settings)."""
@@ -407,6 +525,8 @@ class Laplace:
         for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"state_dict has {key}={state[key]!r}, this posterior {getattr(self, key)!r}")
+        if self._selection is None:  # subset='last_layer' before any fit: the layer the saved posterior found
+            self._select(resolve_subset(self.model, list(state["names"])))
         if list(state["names"]) != list(self.names) or list(state["layer_names"]) != list(self.layer_names):
             raise ValueError("state_dict covers other parameters/layers than this posterior")
         own = dict(self.model.named_parameters())
@@ -419,8 +539,13 @@ class Laplace:
         self._prior = state["prior_precision"].to(device=self.device, dtype=self.dtype)
         self._build(state["stats"])
         self._num_data = float(state["num_data"])
+        spec = state.get("input")
+        self.input_spec = None if spec is None else (getattr(torch, str(spec[0]).removeprefix("torch.")),
+                                                     tuple(int(n) for n in spec[1]))
 
     def __repr__(self) -> str:
         fitted = f"N={self._num_data:g}" if self._num_data is not None else "not fitted"
+        if self._selection is None:
+            return f"Laplace(structure={self.structure!r}, curvature={self.curvature!r}, subset='last_layer', {fitted})"
         return (f"Laplace(structure={self.structure!r}, curvature={self.curvature!r}, d={self.layout.dim}, "
                 f"layers={len(self.layer_names)}, {fitted})")

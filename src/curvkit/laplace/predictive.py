@@ -39,12 +39,37 @@ def _chunks(X: Tensor, batch_size: int) -> list[Tensor]:
 
 
 def _check_inputs(post: Any, X: Tensor) -> Tensor:
-    if not isinstance(X, Tensor) or X.dim() < 1 or X.shape[0] == 0:
-        raise ValueError("X must be a non-empty tensor of inputs (B, ...)")
+    """``X`` on the posterior's device, after checking it against the inputs :meth:`Laplace.fit` saw
+    (``post.input_spec``): the same dtype (any integer dtype for integer inputs such as token ids), the same
+    number of dimensions, and a one-row forward pass of the model that must succeed (so a wrong feature
+    count is named here, with what was expected, not deep inside a matrix product)."""
+    if not isinstance(X, Tensor):
+        raise TypeError(f"X must be a torch.Tensor of inputs (B, ...), got {type(X).__name__}")
+    if X.dim() < 1 or X.shape[0] == 0:
+        raise ValueError(f"X must be a non-empty tensor of inputs (B, ...), got shape {tuple(X.shape)}")
     if X.is_floating_point() and not bool(torch.isfinite(X).all()):
-        raise ValueError("X contains NaN or inf")
+        raise ValueError(f"X contains NaN or inf ({int((~torch.isfinite(X)).sum())} entries)")
     post._require_fit()
-    return X.to(post.device)
+    X = X.to(post.device)
+    spec = post.input_spec
+    if spec is None:
+        return X
+    dtype, shape = spec
+    fitted = f"inputs (B, {', '.join(map(str, shape))}) of dtype {dtype}" if shape else f"inputs (B,) of dtype {dtype}"
+    same_kind = X.dtype == dtype or not (X.is_floating_point() or X.is_complex() or dtype.is_floating_point)
+    if not same_kind:
+        raise ValueError(f"X has dtype {X.dtype}, but the posterior was fitted on {fitted}; convert it with "
+                         f"X.to({dtype})")
+    if X.dim() != len(shape) + 1:
+        raise ValueError(f"X has shape {tuple(X.shape)}, but the posterior was fitted on {fitted}")
+    buffers = {n: b.clone() for n, b in post.buffers.items()}  # a probe never writes the fitted state
+    try:
+        with torch.no_grad():
+            read_model(post.model).functional_call(post.params, (X[:1],), buffers)
+    except (RuntimeError, ValueError, IndexError) as err:
+        raise ValueError(f"X of shape {tuple(X.shape)} does not fit the model: the posterior was fitted on "
+                         f"{fitted} ({type(err).__name__}: {err})") from err
+    return X
 
 
 def _link(post: Any, f: Tensor) -> Tensor:

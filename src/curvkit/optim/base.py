@@ -5,6 +5,12 @@
   group may override. An optimiser that needs the layer structure or evaluates the model functionally
   takes the model through the keyword ``model=`` (and the loss head through ``likelihood=``); every
   optimised parameter must belong to it.
+* **Frozen parameters** (``requires_grad=False`` when the optimiser is built) are dropped from the param
+  groups (:func:`trainable_params`), so ``model.parameters()`` of a model with a frozen base is accepted
+  and, as in ``torch.optim``, a frozen parameter is never changed, holds no state, gets no curvature and
+  is not counted in any dimension. A group left empty stays (group indices keep their meaning); an
+  optimiser with no trainable parameter at all is refused. The same holds for ``add_param_group`` later
+  (unfreeze first, then add: a group added after construction whose parameters are all frozen is refused).
 * **Stepping**: ``step(closure=None, *, batch=None, **extras)``. ``closure()`` re-evaluates the loss and
   calls ``backward()`` (torch.optim semantics); ``batch=(X, y)`` is how an optimiser that computes its
   own curvature or Monte Carlo gradients receives the minibatch; optimiser-specific per-step inputs are
@@ -38,7 +44,42 @@ from curvkit.linalg.layout import ParamLayout
 
 GroupChecks = Mapping[str, Callable[[str, Any], Any]]
 
-__all__ = ["CurvatureOptimizer", "GroupChecks", "check_finite", "check_step_extras", "legacy_model_first"]
+__all__ = ["CurvatureOptimizer", "GroupChecks", "check_finite", "check_step_extras", "legacy_model_first",
+           "trainable_params"]
+
+
+def _tensor_of(entry: Any) -> Any:
+    """The tensor of a ``params`` entry: a tensor or a ``(name, tensor)`` pair (torch.optim's named form)."""
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+
+
+def _is_frozen(entry: Any) -> bool:
+    t = _tensor_of(entry)
+    return isinstance(t, Tensor) and not t.requires_grad
+
+
+def trainable_params(params: Iterable[Any]) -> list[Any]:
+    """The entries of ``params`` (tensors or ``(name, tensor)`` pairs) whose tensor has
+    ``requires_grad=True``: the parameters an optimiser may change. Anything that is not a tensor is kept,
+    for torch.optim to refuse with its own message."""
+    return [e for e in params if not _is_frozen(e)]
+
+
+def _trainable_group(param_group: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """(``param_group`` without its frozen entries (explicit ``param_names`` filtered alongside), the number
+    of entries dropped)."""
+    params = param_group.get("params")
+    if isinstance(params, Tensor):
+        params = [params]
+    elif params is None or isinstance(params, set):  # torch.optim refuses these with its own message
+        return param_group, 0
+    params = list(params)
+    keep = [i for i, e in enumerate(params) if not _is_frozen(e)]
+    out = dict(param_group, params=[params[i] for i in keep])
+    names = param_group.get("param_names")
+    if isinstance(names, (list, tuple)) and len(names) == len(params):
+        out["param_names"] = [names[i] for i in keep]
+    return out, len(params) - len(keep)
 
 
 class CurvatureOptimizer(Optimizer):
@@ -52,7 +93,23 @@ class CurvatureOptimizer(Optimizer):
     #: negative value that the constructor would have refused
     group_checks: ClassVar[GroupChecks] = {}
 
+    def __init__(self, params: Any, defaults: dict[str, Any]):
+        super().__init__(params, defaults)
+        if not any(g["params"] for g in self.param_groups):
+            raise ValueError(f"{type(self).__name__}: none of the given parameters is trainable (every one has "
+                             "requires_grad=False), so there is nothing to optimise; unfreeze the parameters to "
+                             "train with requires_grad_(True)")
+        self._built = True
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's ``add_param_group`` for the trainable entries of ``param_group`` only (frozen
+        parameters are dropped: module docstring), then the per-group hyperparameter checks."""
+        if isinstance(param_group, dict):
+            param_group, dropped = _trainable_group(param_group)
+            if getattr(self, "_built", False) and dropped and not param_group["params"]:
+                raise ValueError(f"{type(self).__name__}.add_param_group: every parameter of the group is frozen "
+                                 "(requires_grad=False) and a frozen parameter is never optimised; call "
+                                 "requires_grad_(True) on them first, then add the group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for name, check in self.group_checks.items():
@@ -73,6 +130,10 @@ class CurvatureOptimizer(Optimizer):
                     raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
                                      f"parameter of the model given as model=; pass model.parameters() (or a "
                                      "subset of them)")
+
+    def first_param(self) -> Tensor:
+        """The first optimised parameter (its device and dtype are the optimiser's); groups may be empty."""
+        return next(p for g in self.param_groups for p in g["params"])
 
     def param_names(self) -> list[str]:
         """Names of the optimised parameters in the model's ``named_parameters`` order (group order

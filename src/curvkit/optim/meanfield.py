@@ -19,6 +19,13 @@ Three ways to feed a step (exactly one per call):
   turn, calls the closure K times, accumulates the gradients and restores mu (K sequential passes);
 * ``opt.step(grads=MCGradients(...))`` - apply precomputed estimates (tests, custom estimators).
 
+Inputs may have any shape and dtype the model takes ((B, T, F) token features, integer token ids for an
+``nn.Embedding``, images); a model may return one output row per input or flatten tokens into rows
+((B*T, C) logits with (B*T,) targets). BatchNorm in training mode: on the ``batch=`` path every weight
+sample normalises with the batch statistics and the running statistics are updated once per step, with the
+statistics averaged over the K samples (:mod:`curvkit.posterior.sampling`), written together with mu and
+sigma; the closure path runs the module itself K times, so its running statistics move K times per step.
+
 (``step(inputs=X, targets=y)`` is the deprecated spelling of ``batch=``.) A step checks the new mu and
 sigma before writing them: a NaN or inf gradient raises FloatingPointError and changes nothing.
 
@@ -64,7 +71,15 @@ from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import DiagonalOperator
 from curvkit.optim.base import CurvatureOptimizer, check_finite, check_step_extras, legacy_model_first
 from curvkit.posterior.predict import predict_map, predict_mc
-from curvkit.posterior.sampling import LossFn, MCGradients, likelihood_loss, mc_gradients, sample_eps
+from curvkit.posterior.sampling import (
+    LossFn,
+    MCGradients,
+    likelihood_loss,
+    mc_gradients,
+    sample_buffers,
+    sample_eps,
+)
+from curvkit.structure import read_model
 from curvkit.validation import integer, positive
 
 _DIAG_KEYS = (
@@ -105,7 +120,8 @@ class MeanFieldOptimizer(CurvatureOptimizer):
     Args:
         params: parameters (or param-group dicts) of ``model`` to treat as Bayesian; None means all its
             trainable parameters. Parameters of ``model`` left out stay deterministic (never sampled,
-            never updated).
+            never updated); so do frozen ones (``requires_grad=False``), which are dropped from the groups
+            (``model.parameters()`` of a model with a frozen base is fine: :mod:`curvkit.optim.base`).
         defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``, ``sigma_min``,
             ``max_ratio``).
         model: the module whose parameters are the posterior means mu (required: the vectorised step
@@ -163,7 +179,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self._init_names(model)
-        first = self.param_groups[0]["params"][0]
+        first = self.first_param()
         if generator is None:
             generator = torch.Generator(device=first.device)
             generator.manual_seed(int(seed))
@@ -287,15 +303,35 @@ class MeanFieldOptimizer(CurvatureOptimizer):
     def mc_gradients(self, inputs: Tensor, targets: Tensor) -> MCGradients:
         """Vectorised MC estimates (Eq. 1) at the current (mu, sigma) with the optimiser's noise generator
         (advances it). ``inputs``: (B, ...) minibatch; ``targets``: what ``loss_fn`` expects."""
-        if not torch.is_floating_point(inputs) or not bool(torch.isfinite(inputs).all()):
-            raise ValueError("inputs must be a finite floating-point tensor (convert uint8 images with to_unit)")
-        if isinstance(self.loss_fn, Likelihood):  # validate targets once, outside vmap (cheap: one row)
-            with torch.no_grad():
-                f1 = self.model(inputs[:1])
-                self.loss_fn.check(f1.expand(inputs.shape[0], *f1.shape[1:]), targets)
+        self._check_batch(inputs, targets)
         mu, sigma = self.mu_dict(), self.sigma_dict()
         return mc_gradients(self.model, self._loss, inputs, targets, mu, sigma, self.mc_samples,
                             eps=self._draw_eps(mu), chunk_size=self.chunk_size)
+
+    def _check_batch(self, inputs: Tensor, targets: Tensor) -> None:
+        """Validate a minibatch outside ``vmap``: inputs of any dtype (integer token ids included) with a
+        batch dimension and, if floating point, finite; for a curvkit likelihood, targets that fit the
+        model's output. The output is evaluated at mu on the first two rows (one output row per input row:
+        the batch's output shape follows), else on the whole batch (e.g. tokens flattened to (B*T, C)),
+        functionally and with private copies of any running statistics, so the module is not changed."""
+        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] == 0:
+            shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+            raise ValueError(f"inputs must be a tensor with a non-empty batch dimension (B, ...), got {shape}")
+        if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
+            raise ValueError(f"inputs must be finite; they contain NaN or inf ({int((~torch.isfinite(inputs)).sum())} entries)")
+        if not isinstance(self.loss_fn, Likelihood):
+            return
+        structure = read_model(self.model)
+        B, n = int(inputs.shape[0]), min(2, int(inputs.shape[0]))
+
+        def output(x: Tensor) -> Tensor:
+            own = {name: b[0] for name, b in sample_buffers(self.model, 1).items()}
+            return structure.functional_call({}, (x,), own)  # type: ignore[no-any-return]
+
+        with torch.no_grad():
+            f = output(inputs[:n])
+            f = f[:1].expand(B, *f.shape[1:]) if f.shape[0] == n else output(inputs)
+        self.loss_fn.check(f, targets)
 
     # -- the step -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -321,6 +357,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
                 raise ValueError("pass either batch= or inputs=/targets=, not both")
             batch = (inputs, targets)
         check_step_extras(type(self).__name__, extras, ())
+        self._check_still_trainable()
         given = sum(x is not None for x in (closure, batch, grads))
         if given != 1:
             raise ValueError("pass exactly one of: closure, batch=(X, y), or grads=")
@@ -371,12 +408,19 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             updates.append((name, p, d_mu, new_sigma, g_sig / s))
         check_finite(self._step + 1, [(f"mu of {n}", d) for n, _, d, _, _ in updates]
                      + [(f"sigma of {n}", ns) for n, _, _, ns, _ in updates], type(self).__name__)
+        if grads.buffers:
+            check_finite(self._step + 1, [(f"buffer {n}", b) for n, b in grads.buffers.items()],
+                         type(self).__name__)
         for _name, p, d_mu, new_sigma, stein in updates:
             st = self.state[p]
             # Lemma 1 estimate with the sigma the gradients were taken at (pre-step); 0/0 -> nan.
             st["stein"] = stein.detach()
             p.add_(d_mu)
             st["sigma"].copy_(new_sigma)
+        if grads.buffers:  # the running statistics, updated once per step (curvkit.posterior.sampling)
+            own = dict(self.model.named_buffers())
+            for n, b in grads.buffers.items():
+                own[n].copy_(b)
         self._diagnostics["sigma_sign_flips"] += counts["flips"]
         self._diagnostics["weights_large_sigma_grad"] += counts["large"]
         self._diagnostics["weights_nonpositive_sigma"] += counts["nonpos"]
@@ -385,6 +429,15 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         self._diagnostics["steps_large_sigma_grad"] += int(any_large)
         self._diagnostics["steps_nonpositive_sigma"] += int(any_nonpos)
         return loss.detach()
+
+    def _check_still_trainable(self) -> None:
+        """Refuse to step when a Bayesian parameter was frozen after construction: the rule would move it
+        (MESU samples and updates every parameter it holds, whatever its ``requires_grad``)."""
+        frozen = [n for n, p, _ in self._bayes_params() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"{type(self).__name__}: parameter(s) {frozen} were frozen (requires_grad=False) after "
+                             "the optimiser was built, and a frozen parameter is never changed; build a new "
+                             "optimiser over the trainable parameters (frozen ones are left out automatically)")
 
     def _reduce_grads(self, grads: MCGradients, batch_size: int | None, synced: bool) -> MCGradients:
         """All-reduce one step's MC estimates over the ranks (``distributed`` in the class docstring)."""
@@ -397,10 +450,16 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             parts, _ = red.weighted_mean(parts, batch_size)
         else:
             parts = red.sum(parts, "all_reduce of Monte Carlo gradients")
+        buffers = grads.buffers
+        if buffers and batch_size is not None:  # running statistics: the mean over the ranks, weighted by shard
+            floats = [n for n, b in buffers.items() if b.is_floating_point()]
+            means, _ = red.weighted_mean([buffers[n] for n in floats], batch_size)
+            buffers = {**buffers, **dict(zip(floats, means))}
         if synced:
-            return MCGradients(grads.g_mu, grads.g_sigma, parts[0], grads.eps)
+            return MCGradients(grads.g_mu, grads.g_sigma, parts[0], grads.eps, buffers)
         k = len(names)
-        return MCGradients(dict(zip(names, parts[:k])), dict(zip(names, parts[k:2 * k])), parts[-1], grads.eps)
+        return MCGradients(dict(zip(names, parts[:k])), dict(zip(names, parts[k:2 * k])), parts[-1], grads.eps,
+                           buffers)
 
     def _check_grads(self, grads: MCGradients, mu: dict[str, Tensor]) -> None:
         if not isinstance(grads, MCGradients):

@@ -56,8 +56,8 @@ class MESU(MeanFieldOptimizer):
     a mean reduction). torch.optim-compatible (param groups, ``state_dict``, ``step(closure)``).
 
     Args:
-        params: the Bayesian parameters or param groups (default: all trainable parameters of ``model``);
-            groups may override ``sigma_prior``, ``sigma_res``, ``sigma_init``, ``sigma_min``, ``max_ratio``.
+        params: the Bayesian parameters or param groups (default: all trainable parameters of ``model``;
+            frozen parameters, ``requires_grad=False``, are left out and never change); groups may override ``sigma_prior``, ``sigma_res``, ``sigma_init``, ``sigma_min``, ``max_ratio``.
         model: module whose parameters are the means mu (updated in place); required.
         sigma_prior: sigma_p > 0, the value sigma is pulled toward (default 0.04).
         sigma_res: sigma_res > 0, sets the strength of the pull, 1/sigma_res^2 (default 10).

@@ -7,7 +7,9 @@
 MAP prediction is provided as well.)
 
 One eps per weight per sample, shared across all inputs (as in training). Inputs are processed in
-chunks of ``batch_size`` rows to bound memory; the same K weight samples are used for every chunk.
+chunks of ``batch_size`` rows to bound memory; the same K weight samples are used for every chunk. The
+module is never changed: a BatchNorm in training mode normalises with the chunk's statistics and updates
+only private copies of its running statistics, which are discarded.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from curvkit.posterior.sampling import _check_posterior, _fixed_tensors, sample_eps, sample_weights
+from curvkit.posterior.sampling import (
+    _check_posterior,
+    _fixed_tensors,
+    sample_buffers,
+    sample_eps,
+    sample_weights,
+)
 from curvkit.structure import read_model
 
 
@@ -45,15 +53,17 @@ def predict_mc(
 
     structure = read_model(model)
 
-    def probs(w: dict[str, Tensor], x: Tensor) -> Tensor:
-        return structure.functional_call({**fixed, **w}, (x,)).softmax(-1)
+    def probs(w: dict[str, Tensor], b: dict[str, Tensor], x: Tensor) -> Tensor:
+        return structure.functional_call({**fixed, **w}, (x,), b).softmax(-1)
 
-    batched = vmap(probs, in_dims=(0, None), randomness="different")
+    batched = vmap(probs, in_dims=(0, 0, None), randomness="different")
+    K = next(iter(eps.values())).shape[0]
     n = inputs.shape[0]
     step = n if batch_size is None else int(batch_size)
     if step < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-    return torch.cat([batched(weights, inputs[i:i + step]).mean(0) for i in range(0, n, step)], dim=0)
+    return torch.cat([batched(weights, sample_buffers(model, K), inputs[i:i + step]).mean(0)
+                      for i in range(0, n, step)], dim=0)
 
 
 @torch.no_grad()

@@ -22,6 +22,15 @@ Gradient estimators (paper Eq. 1, Bayes by Backprop), for C = E_q[L(w)]:
 Shapes: ``mu[name]`` and ``sigma[name]`` have the parameter's shape; ``eps[name]`` has shape
 ``(K, *shape)``; the returned gradients have the parameter's shape; ``losses`` has shape (K,).
 Parameters of the module that are not keys of ``mu`` stay deterministic at their current values.
+Inputs are passed to the module as they are (any shape, e.g. (B, T, F) token features, and any dtype,
+e.g. integer token ids for an ``nn.Embedding``); only ``loss_fn`` interprets the outputs.
+
+Running statistics (BatchNorm in training mode): every weight sample normalises with its own batch
+statistics, as in training, and updates its own copy of the running statistics
+(:func:`running_stat_buffers`); the module's buffers are never written here. :attr:`MCGradients.buffers`
+holds the mean over the K samples of the updated statistics (the integer step counter once), which the
+optimiser writes back once per step (so one step updates them once, with the batch statistics averaged over
+the posterior samples, where ordinary training uses those of its single weight vector).
 """
 
 from __future__ import annotations
@@ -50,12 +59,15 @@ class MCGradients:
         g_sigma: name -> (shape) mean over samples of grad_w L(w_k) * eps_k  (Eq. 1b).
         losses: (K,) loss of each weight sample.
         eps: name -> (K, *shape) the noise that was used.
+        buffers: buffer name -> the running statistics after this batch (module docstring), or None when
+            no module updates running statistics.
     """
 
     g_mu: dict[str, Tensor]
     g_sigma: dict[str, Tensor]
     losses: Tensor
     eps: dict[str, Tensor]
+    buffers: dict[str, Tensor] | None = None
 
     @property
     def loss(self) -> Tensor:
@@ -66,20 +78,28 @@ class MCGradients:
 def likelihood_loss(lik: Likelihood) -> LossFn:
     """A vmap-safe, fast ``loss_fn`` from a :class:`~curvkit.likelihoods.Likelihood`: its reduced NLL
     without the data-dependent validity checks (which cannot run under ``vmap``). For
-    :class:`~curvkit.likelihoods.CrossEntropy` it uses ``log_softmax`` + ``gather``, several times faster
-    under ``vmap`` than ``F.cross_entropy`` (which has no batching rule of its own)."""
-    if isinstance(lik, CrossEntropy):
+    :class:`~curvkit.likelihoods.CrossEntropy` without padding it uses ``log_softmax`` + ``gather`` over the
+    last (class) dimension, several times faster under ``vmap`` than ``F.cross_entropy`` (which has no
+    batching rule of its own); logits (B, *P, C) with targets (B, *P) give one term per position."""
+    if isinstance(lik, CrossEntropy) and getattr(lik, "ignore_index", None) is None:
 
         def ce(f: Tensor, y: Tensor) -> Tensor:
-            nll = -f.log_softmax(-1).gather(-1, y.long()[:, None])
-            return nll.sum() * lik.scale(f.shape[0])
+            nll = -f.log_softmax(-1).gather(-1, y.long().unsqueeze(-1))
+            return nll.sum() * lik.scale(nll.numel())
 
         return ce
 
     def loss(f: Tensor, y: Tensor) -> Tensor:
-        return lik.nll_per_sample(f, y).sum() * lik.scale(f.shape[0])
+        return lik.nll_per_sample(f, y).sum() * lik.scale(_num_terms(lik, f, y))
 
     return loss
+
+
+def _num_terms(lik: Likelihood, f: Tensor, y: Tensor) -> int:
+    """The number of loss terms a ``mean`` reduction divides by: the likelihood's own count where it has one
+    (positions of sequence outputs, padding left out), else the batch size."""
+    count = getattr(lik, "num_terms", None)
+    return int(count(f, y)) if callable(count) else int(f.shape[0])
 
 
 def _check_posterior(mu: Mapping[str, Tensor], sigma: Mapping[str, Tensor]) -> None:
@@ -119,11 +139,37 @@ def _fixed_tensors(model: nn.Module, exclude: Mapping[str, Tensor]) -> dict[str,
     return {n: p.detach() for n, p in model.named_parameters() if n not in exclude}
 
 
+def running_stat_buffers(model: nn.Module) -> list[str]:
+    """Canonical names of the buffers a forward pass writes: the running statistics (``running_mean``,
+    ``running_var``, ``num_batches_tracked``) of every BatchNorm module in training mode that tracks them."""
+    owner = {id(b): n for n, b in model.named_buffers()}
+    names = []
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training and mod.track_running_stats:
+            names += [owner[id(b)] for b in mod._buffers.values() if b is not None and id(b) in owner]
+    return names
+
+
+def sample_buffers(model: nn.Module, mc_samples: int) -> dict[str, Tensor]:
+    """One private copy per weight sample of every buffer the forward pass writes: name -> (K, *shape)."""
+    own = dict(model.named_buffers())
+    return {n: own[n].detach().unsqueeze(0).expand(int(mc_samples), *own[n].shape).clone()
+            for n in running_stat_buffers(model)}
+
+
+def mean_buffers(buffers: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """The K per-sample buffer copies reduced to one update: floating-point statistics averaged, integer
+    counters (identical across samples) taken once; None when there are none."""
+    if not buffers:
+        return None
+    return {n: b.mean(0) if b.is_floating_point() else b[0] for n, b in buffers.items()}
+
+
 def _loss_of(model: nn.Module, loss_fn: LossFn, fixed: dict[str, Tensor]) -> Callable[..., Tensor]:
     structure = read_model(model)
 
-    def f(weights: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
-        out = structure.functional_call({**fixed, **weights}, (inputs,))
+    def f(weights: dict[str, Tensor], buffers: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+        out = structure.functional_call({**fixed, **weights}, (inputs,), buffers)
         return loss_fn(out, targets)
 
     return f
@@ -146,18 +192,20 @@ def mc_gradients(
     The K samples are evaluated in one ``vmap(grad_and_value(...))`` call (``chunk_size`` limits how
     many are processed at once to bound memory). Pass ``eps`` (name -> (K, *shape)) to reuse given noise;
     otherwise it is drawn with :func:`sample_eps` from ``generator``. ``mu`` defaults to the module's
-    values for those names; the estimate does not build a graph through ``mu``/``sigma``.
+    values for those names; the estimate does not build a graph through ``mu``/``sigma``. The module itself
+    is not changed (running statistics: the module docstring).
     """
     _check_posterior(mu, sigma)
     if eps is None:
         eps = sample_eps(mu, mc_samples, generator)
     weights = sample_weights(mu, sigma, eps)
+    buffers = sample_buffers(model, next(iter(eps.values())).shape[0])
     f = _loss_of(model, loss_fn, _fixed_tensors(model, mu))
-    batched = vmap(grad_and_value(f), in_dims=(0, None, None), chunk_size=chunk_size, randomness="different")
-    grads, losses = batched(weights, inputs, targets)
+    batched = vmap(grad_and_value(f), in_dims=(0, 0, None, None), chunk_size=chunk_size, randomness="different")
+    grads, losses = batched(weights, buffers, inputs, targets)
     g_mu = {n: g.mean(0) for n, g in grads.items()}
     g_sigma = {n: g.mul_(eps[n]).mean(0) for n, g in grads.items()}   # per-sample grads are ours: in place
-    return MCGradients(g_mu, g_sigma, losses.detach(), dict(eps))
+    return MCGradients(g_mu, g_sigma, losses.detach(), dict(eps), mean_buffers(buffers))
 
 
 def mc_gradients_loop(
@@ -182,16 +230,17 @@ def mc_gradients_loop(
     K = next(iter(eps.values())).shape[0]
     fixed = _fixed_tensors(model, mu)
     f = _loss_of(model, loss_fn, fixed)
+    buffers = sample_buffers(model, K)
     names = list(mu)
     g_mu = {n: torch.zeros_like(mu[n]) for n in names}
     g_sigma = {n: torch.zeros_like(mu[n]) for n in names}
     losses = []
     for k in range(K):
         w = {n: (mu[n].detach() + sigma[n].detach() * eps[n][k]).requires_grad_(True) for n in names}
-        loss = f(w, inputs, targets)
+        loss = f(w, {n: b[k] for n, b in buffers.items()}, inputs, targets)
         grads = torch.autograd.grad(loss, [w[n] for n in names])
         for n, g in zip(names, grads):
             g_mu[n] += g / K
             g_sigma[n] += g * eps[n][k] / K
         losses.append(loss.detach())
-    return MCGradients(g_mu, g_sigma, torch.stack(losses), dict(eps))
+    return MCGradients(g_mu, g_sigma, torch.stack(losses), dict(eps), mean_buffers(buffers))

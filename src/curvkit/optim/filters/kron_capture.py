@@ -139,7 +139,8 @@ def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optim
             if lay.bias is not None and id(bias) not in chosen:
                 raise ValueError(f"{optimiser}: layer {lay.label!r} is optimised without its bias; pass both")
         if not layers:
-            raise ValueError(f"{optimiser}: none of the given parameters is a layer weight")
+            raise ValueError(f"{optimiser}: none of the given parameters is the trainable weight of a layer "
+                             "(frozen parameters, requires_grad=False, are left out)")
     capture = LayerCapture(layers, optimiser, output_grads=True, root=model).attach()
     records = []
     for lay, cap in zip(layers, capture.records):

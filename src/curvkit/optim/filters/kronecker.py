@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvkit.optim.base import CurvatureOptimizer, check_step_extras, legacy_model_first
+from curvkit.optim.base import CurvatureOptimizer, check_step_extras, legacy_model_first, trainable_params
 from curvkit.optim.filters._base import LossScale, Reduction, all_finite, check_positive, check_unit_interval
 from curvkit.optim.filters.kron_capture import LayerRecord, check_captured, collect_layers
 from curvkit.optim.filters.kron_math import (
@@ -103,6 +103,8 @@ class _KroneckerBase(CurvatureOptimizer):
         given = None if params is None else list(params)
         if given is not None and any(isinstance(g, dict) for g in given):
             raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
+        if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
+            given = trainable_params(given)
         self.layers, self.capture = collect_layers(model, self.supported, type(self).__name__, given)
         ordered = []
         for rec in self.layers:
@@ -299,8 +301,9 @@ class KFBayes(_KroneckerBase):
     :class:`KFNatGrad`.
 
     Args:
-        params: the parameters to optimise (default: all of ``model``'s); they must be the weights and
-            biases of its ``nn.Linear`` layers.
+        params: the parameters to optimise (default: all of ``model``'s trainable ones); they must be the
+            weights and biases of its ``nn.Linear`` layers. Frozen parameters (``requires_grad=False``) are
+            left out: a frozen layer gets no block and never changes.
         model: the network (required: the filter reads its layer structure and captures each layer's
             input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
@@ -613,7 +616,8 @@ class KFWhiten(_KroneckerBase):
     of lam, which is at most sqrt(1/damping) times the typical gain.
 
     Args:
-        params: the parameters to optimise (default: all of ``model``'s).
+        params: the parameters to optimise (default: all of ``model``'s trainable ones; frozen ones are
+            left out).
         model: network whose trainable parameters sit in ``nn.Linear`` or ``nn.Conv2d`` layers (Conv2d: the
             KFC-style patch statistics, x = unfolded patches, delta per position); required.
         lr: eta (the Adam/RMSProp learning rate of the steady state).
