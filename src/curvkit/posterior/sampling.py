@@ -81,7 +81,7 @@ def likelihood_loss(lik: Likelihood) -> LossFn:
     :class:`~curvkit.likelihoods.CrossEntropy` without padding it uses ``log_softmax`` + ``gather`` over the
     last (class) dimension, several times faster under ``vmap`` than ``F.cross_entropy`` (which has no
     batching rule of its own); logits (B, *P, C) with targets (B, *P) give one term per position."""
-    if isinstance(lik, CrossEntropy) and getattr(lik, "ignore_index", None) is None:
+    if isinstance(lik, CrossEntropy) and lik.ignore_index is None:
 
         def ce(f: Tensor, y: Tensor) -> Tensor:
             nll = -f.log_softmax(-1).gather(-1, y.long().unsqueeze(-1))
@@ -90,16 +90,9 @@ def likelihood_loss(lik: Likelihood) -> LossFn:
         return ce
 
     def loss(f: Tensor, y: Tensor) -> Tensor:
-        return lik.nll_per_sample(f, y).sum() * lik.scale(_num_terms(lik, f, y))
+        return lik.nll_per_sample(f, y).sum() * lik.scale(lik.num_terms(f, y))
 
     return loss
-
-
-def _num_terms(lik: Likelihood, f: Tensor, y: Tensor) -> int:
-    """The number of loss terms a ``mean`` reduction divides by: the likelihood's own count where it has one
-    (positions of sequence outputs, padding left out), else the batch size."""
-    count = getattr(lik, "num_terms", None)
-    return int(count(f, y)) if callable(count) else int(f.shape[0])
 
 
 def _check_posterior(mu: Mapping[str, Tensor], sigma: Mapping[str, Tensor]) -> None:
