@@ -36,6 +36,7 @@ from curvkit.distributed import (
     Reducer,
     ReplicaMismatch,
     communication_device,
+    communication_devices,
     spawn,
 )
 
@@ -286,8 +287,11 @@ def test_every_collective_sends_tensors_on_the_declared_communication_device():
     spawn(meta_device_worker, 2, timeout=60)
 
 
-def test_communication_device_of_a_backend():
+def test_communication_device_of_a_backend(monkeypatch):
     assert communication_device("gloo") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # as after torch.cuda.set_device(1)
+    assert communication_device("nccl") == torch.device("cuda", 1)
+    assert communication_devices("cpu:gloo,cuda:nccl") == (torch.device("cuda", 1), torch.device("cpu"))
     assert communication_device("nccl", "cuda:1") == torch.device("cuda", 1)
     assert communication_device("mpi", "cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match=r"Reducer\(device=\.\.\.\)"):
@@ -342,14 +346,14 @@ def test_collectives_go_only_through_the_entry_point():
 def test_the_distributed_layer_builds_no_tensor_off_the_communication_device():
     """In the modules that talk to the reducer, every tensor factory names its device (the reducer's or the
     data's) unless its value is read back at once, and no code names the CPU except the gloo -> CPU entry
-    of ``communication_device`` and ``load_checkpoint``'s default ``map_location`` (checkpoints load onto
+    of ``communication_devices`` and ``load_checkpoint``'s default ``map_location`` (checkpoints load onto
     the CPU, as torch's ``load_state_dict`` expects; nothing loaded travels)."""
     assert len(DISTRIBUTED_LAYER) >= 10
     offenders = []
     for path in DISTRIBUTED_LAYER:
         tree = ast.parse(path.read_text())
         parent = _parents(tree)
-        allowed = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in ("communication_device", "load_checkpoint")
+        allowed = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in ("communication_devices", "load_checkpoint")
                    for n in ast.walk(f)}
         for node in ast.walk(tree):
             where = f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')}"

@@ -50,8 +50,10 @@ def env_world_size() -> int:
 
 def init(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment (idempotent); returns
-    (rank, world_size). ``backend``: ``'nccl'`` when CUDA is available, else ``'gloo'``. On NCCL the
-    current CUDA device is set to LOCAL_RANK and the communicator is bound to it. ``timeout`` (seconds) is
+    (rank, world_size). ``backend``: by default ``'cpu:gloo,cuda:nccl'`` when CUDA is available (CUDA
+    tensors travel by NCCL, CPU tensors by gloo, so code that computes on the CPU on a GPU machine works
+    too), else ``'gloo'``. With NCCL the current CUDA device is set to LOCAL_RANK and the communicator is
+    bound to it. ``timeout`` (seconds) is
     the process group's: on NCCL its watchdog ends a process whose collective has not completed by then
     (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default); each :class:`~curvkit.distributed.Reducer` has
     its own, usually shorter, timeout (``docs/usage.md``, GPU clusters)."""
@@ -64,9 +66,9 @@ def init(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
         raise RuntimeError(f"curvkit.distributed.init: {', '.join(missing)} not set; launch with "
                            "`torchrun --nproc_per_node=N ...` (or set the torch.distributed environment variables)")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     kwargs: dict[str, Any] = {}
-    if backend == "nccl":
+    if "nccl" in backend:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
@@ -250,7 +252,7 @@ def discard_report(out: Path) -> None:
     """On a rank other than 0, after the experiment: remove the report files it wrote at the top of its
     directory ``out`` (``REPORT_FILES`` and figures), keeping its checkpoints (nothing reads these files
     back: the report is rank 0's)."""
-    if writes_report():
+    if writes_report() or not Path(out).is_dir():
         return
     for path in Path(out).iterdir():
         if path.is_file() and (path.name in REPORT_FILES or path.suffix == ".png"):

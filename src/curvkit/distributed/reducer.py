@@ -8,7 +8,8 @@ n(n+1)/2 numbers instead of n^2), ``broadcast`` from an owner rank, small Python
 tensors, and a byte counter (:attr:`Reducer.stats`) that the benchmark reads.
 
 The communication device. A backend moves tensors of one device: gloo CPU tensors, NCCL CUDA tensors of
-the current device (:func:`communication_device`; ``Reducer(device=...)`` for other backends).
+the current device, the combined ``'cpu:gloo,cuda:nccl'`` both (:func:`communication_devices`;
+``Reducer(device=...)`` for other backends).
 :meth:`Reducer._collective` refuses a tensor on any other device with :class:`CommunicationDeviceError`
 BEFORE anything is sent, so a tensor built on the CPU in a code path that the gloo tests run is caught
 without a GPU (the tests declare another communication device); every tensor the reducer builds itself
@@ -58,7 +59,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "CommStats", "CommunicationDeviceError", "Reducer",
-           "ReplicaMismatch", "communication_device", "derive_seed", "shard_range", "wait_for"]
+           "ReplicaMismatch", "communication_device", "communication_devices", "derive_seed", "shard_range",
+           "wait_for"]
 
 GradMode = Literal["local", "synced"]
 
@@ -97,30 +99,37 @@ def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def communication_device(backend: str, device: torch.device | str | None = None) -> torch.device:
-    """The device whose tensors ``backend`` moves: ``device`` when given; gloo: the CPU; NCCL (or another
-    backend of torch's device-backend map, e.g. xccl): the current device of that type. A combined backend
-    such as ``'cpu:gloo,cuda:nccl'`` uses its accelerator. Raises ValueError for a backend whose device is
+def communication_devices(backend: str, device: torch.device | str | None = None) -> tuple[torch.device, ...]:
+    """The devices whose tensors ``backend`` moves, the first being the one where a reducer builds the
+    tensors it sends itself: ``(device,)`` when given; gloo: the CPU; NCCL (or another backend of torch's
+    device-backend map, e.g. xccl): the current device of that type; a combined backend such as
+    ``'cpu:gloo,cuda:nccl'``: its accelerator, then the CPU. Raises ValueError for a backend whose device is
     unknown (pass ``device=``)."""
     if device is not None:
-        return torch.device(device)
+        return (torch.device(device),)
     by_backend: dict[str, str] = {}
     for dev, name in dist.Backend.default_device_backend_map.items():
         by_backend.setdefault(name, dev)  # gloo -> cpu (listed before mps)
     types = []
     for part in str(backend).split(","):
         dev, _, name = part.rpartition(":")
-        types.append(dev or by_backend.get(name.strip().lower(), ""))
-    accel = [t for t in types if t and t != "cpu"]
-    if accel:
-        kind = accel[0]
-        if kind == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(kind, torch.accelerator.current_device_index())
+        types.append(dev.strip() or by_backend.get(name.strip().lower(), ""))
+    out = []
+    for kind in dict.fromkeys(t for t in types if t and t != "cpu"):
+        index = torch.cuda.current_device() if kind == "cuda" else torch.accelerator.current_device_index()
+        out.append(torch.device(kind, index))
     if "cpu" in types:
-        return torch.device("cpu")
-    raise ValueError(f"curvkit.distributed.Reducer: the communication device of backend {backend!r} is unknown; "
-                     "pass Reducer(device=...) (the device whose tensors this backend moves)")
+        out.append(torch.device("cpu"))
+    if not out:
+        raise ValueError(f"curvkit.distributed.Reducer: the communication device of backend {backend!r} is unknown; "
+                         "pass Reducer(device=...) (the device whose tensors this backend moves)")
+    return tuple(out)
+
+
+def communication_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """The device where a reducer on ``backend`` builds the tensors it sends (the first of
+    :func:`communication_devices`): the CPU for gloo, the current CUDA device for NCCL."""
+    return communication_devices(backend, device)[0]
 
 
 def wait_for(work: Any, timeout: float, what: str, rank: int, blocking: bool = False) -> None:
@@ -224,8 +233,10 @@ class Reducer:
             (the experiments under ``torchrun``). Off by default: each rank passes its own shard.
         timeout: seconds to wait for any one collective before raising :class:`CollectiveTimeout`
             (default 300; tests use a few seconds), on every backend (:func:`wait_for`).
-        device: the communication device (default: the backend's, :func:`communication_device`: the CPU
-            for gloo, the current CUDA device for NCCL). The model and the data must live on it.
+        device: the communication device (default: the backend's, :func:`communication_devices`: the CPU
+            for gloo, the current CUDA device for NCCL, both for ``'cpu:gloo,cuda:nccl'``). The model and the
+            data must live on one of ``reducer.devices``; the reducer builds its own tensors on
+            ``reducer.device`` (the first).
         blocking_wait: whether the backend's ``Work.wait(timeout)`` blocks the host until the collective
             completes or the timeout passes (default: True for gloo only); otherwise the reducer polls
             ``Work.is_completed()`` against its deadline (NCCL: ``wait()`` returns at once without
@@ -262,7 +273,8 @@ class Reducer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.device = communication_device(self.backend, device)
+        self.devices = communication_devices(self.backend, device)
+        self.device = self.devices[0]
         self.blocking_wait = self.backend == "gloo" if blocking_wait is None else bool(blocking_wait)
         self.stats = CommStats()
         self._subgroups: dict[tuple[int, ...], Any] = {}
@@ -306,11 +318,11 @@ class Reducer:
 
     def _check_device(self, tensors: Iterable[Tensor], what: str) -> None:
         for t in tensors:
-            if t.device != self.device:
+            if t.device not in self.devices:
                 raise CommunicationDeviceError(
                     f"rank {self.rank}: {what}: a {tuple(t.shape)} {t.dtype} tensor on {t.device}, but the "
-                    f"{self.backend!r} process group communicates {self.device} tensors; create it on the "
-                    "reducer's device (reducer.device), or move the model and the data there")
+                    f"{self.backend!r} process group communicates {' and '.join(map(str, self.devices))} tensors; "
+                    "create it on the reducer's device (reducer.device), or move the model and the data there")
 
     def tensor(self, values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> Tensor:
         """A 1-D tensor of ``values`` on the communication device (for counts and scalars that travel)."""
@@ -405,7 +417,7 @@ class Reducer:
         g = self.group if group is None else group
         self._collective("broadcast", what, [flat],
                          lambda: dist.broadcast(flat, src=self.global_rank(src), group=g, async_op=True),
-                         _nbytes([flat]) if self.rank == src else 0)
+                         _nbytes([flat]) if self.rank == src else None)  # counted by the sender
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int, what: str = "broadcast", group: Any = None) -> list[Tensor]:
         """Overwrite ``tensors`` on every rank with ``src``'s values (one message per dtype/device);
