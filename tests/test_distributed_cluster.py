@@ -68,6 +68,11 @@ def _light_run(rank: int, world: int) -> None:
         opt.step(batch=(X[rows], y[rows]))
     red.check_identical(net.parameters())
     red.check_same(len(opt.history), "number of steps")
+    a = torch.zeros(4, dtype=torch.float64)  # check_identical sees a one-ulp difference on one rank
+    if rank == 1:
+        a[2] = 2.0 ** -60
+    with pytest.raises(ReplicaMismatch, match=r"rank\(s\) \[1\] differ"):
+        red.check_identical([a], "a")
 
 
 def teardown_crash_worker(rank: int, world: int) -> None:
@@ -407,14 +412,14 @@ def test_the_timeout_holds_when_wait_does_not_block_the_host():
 
 def stalled_peer_worker(rank: int, world: int, result: str) -> None:
     """Rank 0 runs the object collectives, a barrier and a subgroup creation while ranks 1 and 2 never
-    arrive (they wait for rank 0's result file); each must give up after the reducer's 1.5 s, not after the
+    arrive (they wait for rank 0's result file); each must give up after the reducer's 1 s, not after the
     process group's 60 s."""
     done = Path(result)
     if rank != 0:
         while not done.exists():
             time.sleep(0.05)
         os._exit(0)
-    red = Reducer(timeout=1.5)
+    red = Reducer(timeout=1.0)
     times = {}
     for name, call in {"all_gather_object": lambda: red.all_gather_object({"a": 1}),
                        "broadcast_object": lambda: red.broadcast_object(3),
@@ -437,7 +442,7 @@ def test_object_collectives_and_subgroups_keep_the_reducer_timeout(tmp_path):
     spawn(stalled_peer_worker, 3, (str(result),), timeout=300, collective_timeout=60)
     times = json.loads(result.read_text())
     for name, got in times.items():
-        assert isinstance(got, list) and 1.4 <= got[0] < 8 and "within 1.5 s" in got[1], (name, got)
+        assert isinstance(got, list) and 0.95 <= got[0] < 8 and "within 1 s" in got[1], (name, got)
 
 
 def closed_peer_worker(rank: int, world: int, result: str) -> None:
@@ -461,20 +466,6 @@ def test_a_closed_peer_is_reported_as_a_failure_not_a_timeout(tmp_path):
     msg, elapsed = json.loads(result.read_text())
     assert msg.startswith("CollectiveError: rank 0: all_reduce failed after"), msg
     assert "timed out" not in msg and "within" not in msg and elapsed < 20, (msg, elapsed)
-
-
-def mismatch_worker(rank: int, world: int) -> None:
-    red = Reducer(timeout=30)
-    a = torch.zeros(4, dtype=torch.float64)
-    red.check_identical([a])
-    if rank == 1:
-        a[2] = 2.0 ** -60  # one ulp-sized difference
-    with pytest.raises(ReplicaMismatch, match=r"rank\(s\) \[1\] differ"):
-        red.check_identical([a], "a")
-
-
-def test_check_identical_finds_a_one_bit_difference():
-    spawn(mismatch_worker, 2, timeout=60)
 
 
 # ============================================================================ item 5: orphan checkpoint files

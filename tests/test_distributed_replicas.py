@@ -3,7 +3,7 @@
 the optimiser's state are compared bit for bit across the ranks
 (:meth:`curvkit.distributed.Reducer.check_identical`, one SHA-256 digest per rank) after steps 1, 2, 3,
 every 25th and the last (a difference, once there, does not go away). The default suite runs 2 ranks for
-60 steps, half of the optimisers with the polling wait that NCCL uses; ``-m slow`` runs 3 ranks (sums of
+40 steps, half of the optimisers with the polling wait that NCCL uses; ``-m slow`` runs 3 ranks (sums of
 three terms round differently in different orders) for 300 steps, and GaussNewton's mem-opt placement.
 
 Causes this guards against (each found drifting before): KFRA's reduced statistics rescaled by each rank's
@@ -21,7 +21,7 @@ import torch
 
 from curvkit.distributed import Reducer, spawn
 
-STEPS, SLOW_STEPS = 60, 300
+STEPS, SLOW_STEPS = 40, 300
 
 
 def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:

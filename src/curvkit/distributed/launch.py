@@ -205,15 +205,18 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, ba
         for r, p in enumerate(procs):
             stopped_by_us = grace is not None and p.exitcode == -signal.SIGTERM and not errors[r].exists()
             if p.exitcode != 0 and not stopped_by_us:
-                failed.append((errors[r].stat().st_mtime if errors[r].exists() else seen.get(r, float("inf")), r))
+                when = errors[r].stat().st_mtime if errors[r].exists() else seen.get(r, float("inf"))
+                # on a tie, a traceback or a signal before a bare exit code 1 (finish after a peer's failure)
+                follower = p.exitcode == 1 and not errors[r].exists()
+                failed.append((when, follower, r))
         if not failed:
             return
         failed.sort()
-        excs = [_failure(r, int(procs[r].exitcode or 0), procs[r].pid, errors[r]) for _, r in failed]
+        excs = [_failure(r, int(procs[r].exitcode or 0), procs[r].pid, errors[r]) for _, _, r in failed]
         first = excs[0]
-        if len(excs) > 1 and isinstance(first, ProcessRaisedException):
-            first.msg += "".join(getattr(e, "msg", str(e)) for e in excs[1:] if isinstance(e, ProcessRaisedException))
-            first.args = (first.msg,)
+        if len(excs) > 1:  # every failed rank's story, the first to fail first
+            first.msg = "".join([first.msg] + ["\n\n" + e.msg.lstrip("\n") for e in excs[1:]])  # type: ignore[attr-defined]
+            first.args = (first.msg,)  # type: ignore[attr-defined]
         raise first
 
 

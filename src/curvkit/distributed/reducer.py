@@ -544,7 +544,7 @@ class Reducer:
                 self._subgroups[key] = dist.new_group([self.global_rank(r) for r in key],
                                                       timeout=datetime.timedelta(seconds=self.timeout))
             except RuntimeError as err:  # the store wait of a member that never arrives
-                late = time.monotonic() - t0 >= self.timeout
+                late = time.monotonic() - t0 >= 0.99 * self.timeout
                 cls = CollectiveTimeout if late else CollectiveError
                 raise cls(f"rank {self.rank}: creating the subgroup {list(key)} "
                           + (f"did not complete within {self.timeout:g} s" if late else
