@@ -13,11 +13,18 @@ How numbers are measured (and why they can be trusted):
   run with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation >= 64 KiB is its own ``mmap`` and goes back
   to the OS when freed) and ``malloc_trim(0)`` is called before the baseline is read.
 * **Isolation**: :func:`run_worker` runs each measurement in a fresh Python process, so caches,
-  allocator state or hooks left by one library cannot affect another library's numbers.
+  allocator state or hooks left by one library cannot affect another library's numbers. A worker that
+  fails gives a table cell with its error (the exception line), never pieces of a traceback.
+* **Libraries**: before anything is measured, :func:`require_library` imports each compared library in a
+  fresh interpreter; one that is installed but fails to import (PyPI's torchvision beside the CPU torch
+  build: "operator torchvision::nms does not exist") stops the benchmark with that error, so no table is
+  made of a broken environment. ``bash scripts/bench.sh`` builds the environment in which they all import;
+  ``python benchmarks/_common.py`` checks it.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -26,6 +33,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,13 +117,60 @@ def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) 
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        return {"error": " | ".join(tail) or f"exit code {proc.returncode}"}
+        return {"error": error_line(proc.stderr or proc.stdout) or f"exit code {proc.returncode}"}
     last = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
     if not last:
         return {"error": f"worker printed no result: {proc.stdout[-300:]!r}"}
     result: dict[str, Any] = json.loads(last[-1])
     return result
+
+
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)|[A-Za-z_][\w.]*\.\w+)(:.*)?$")
+
+
+def error_line(output: str) -> str:
+    """The exception line of a traceback in ``output`` (``"RuntimeError: ..."``, the last one), else its
+    last non-empty line: one line for a table cell."""
+    lines = [line.rstrip() for line in output.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if not line.startswith((" ", "\t")) and _EXCEPTION.match(line):
+            return line
+    return lines[-1] if lines else ""
+
+
+# the compared libraries of the bench extra: import name -> distribution (pyproject.toml's bench extra)
+BENCH_LIBRARIES = {"curvlinops": "curvlinops-for-pytorch", "backpack": "backpack-for-pytorch",
+                   "pyhessian": "pyhessian", "laplace": "laplace-torch", "asdl": "asdfghjkl"}
+_NOT_INSTALLED = 3
+
+
+def import_failure(module: str) -> str | None:
+    """None when ``import module`` works in a fresh interpreter (run outside benchmarks/, whose
+    ``laplace.py`` would shadow laplace-torch), ``"not installed"`` when there is no such module, else the
+    error the import raises."""
+    code = (f"import importlib.util, sys\nif importlib.util.find_spec({module!r}) is None: "
+            f"sys.exit({_NOT_INSTALLED})\nimport {module}")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == _NOT_INSTALLED:
+        return "not installed"
+    return error_line(proc.stderr) or f"exit code {proc.returncode}"
+
+
+def require_library(arm: str, module: str, script: str, optional: bool = False) -> bool:
+    """Whether the arm ``arm`` (library ``module``) can run. A library that fails to import stops the
+    benchmark (``SystemExit`` naming the arm and the error); one that is not installed does too, unless
+    ``optional`` (then False: the caller skips the arm and says so)."""
+    err = import_failure(module)
+    if err is None:
+        return True
+    if err == "not installed" and optional:
+        return False
+    raise SystemExit(f"{script}: the {arm} arm cannot run: `import {module}` failed: {err}\n"
+                     "Set up the benchmark environment with `bash scripts/bench.sh` (it installs the bench extra "
+                     "with torch pinned by constraints.txt and removes what cannot load beside it).")
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -134,3 +189,21 @@ def fmt_ratio(r: float | None) -> str:
 
 def fmt_mib(m: float | None) -> str:
     return "-" if m is None else f"{m:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/_common.py``: check that every library of the bench extra imports."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
+    failed = 0
+    for module, dist in BENCH_LIBRARIES.items():
+        err = import_failure(module)
+        print(f"{dist:24s} import {module:11s} {'ok' if err is None else 'FAILED: ' + err}")
+        failed += err is not None
+    if failed:
+        print(f"{failed} benchmark librar{'y' if failed == 1 else 'ies'} cannot be imported; run `bash scripts/bench.sh`",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_call
+from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, require_library, run_worker, time_call
 
 MODELS = {"mlp": {"batch": 512}, "cnn": {"batch": 128}}
 QUANTITIES = ("grad", "ggnvp", "hvp", "diag_ggn", "kfac", "trace_hessian", "trace_hessian_hvp", "trace_ggn")
@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown names {bad}; models {list(MODELS)}, libs {list(OFFERS)}, quantities {QUANTITIES}")
     if "grad" not in quantities:
         quantities = ["grad", *quantities]
+    for lib in libs:  # a compared library that does not import stops the run before anything is measured
+        if lib not in ("torch", "curvkit"):
+            require_library(lib, lib, "benchmarks/curvature.py")
     results: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = prepare_data(Path(tmp))

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from _common import require_library
+
 LAYERS = [784, 256, 128, 10]
 
 
@@ -90,14 +92,6 @@ def _worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
         with open(out, "w") as fh:
             json.dump({"time_s": statistics.median(times), "allreduce_bytes": ar, "broadcast_bytes": bc,
                        "calls": allstats[0]["calls"]}, fh)
-
-
-def _kfac_pytorch_available() -> bool:
-    try:
-        import kfac  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _kfac_pytorch_worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:  # pragma: no cover
@@ -193,7 +187,7 @@ def main() -> None:
             spec = dict(arm=arm, batch=args.batch, steps=args.steps, warmup=args.warmup, refresh=args.refresh)
             r = _run(_worker, world, spec)
             rows.append(dict(arm=arm, world=world, source="measured", **r))
-    have = _kfac_pytorch_available()
+    have = require_library("kfac-pytorch", "kfac", "benchmarks/distributed.py", optional=True)
     for world in (1, 2):
         spec = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, refresh=args.refresh)
         if have:

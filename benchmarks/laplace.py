@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, run_worker, time_and_peak
+from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_and_peak
 
 
 def _model(hidden: int) -> torch.nn.Sequential:
@@ -156,6 +156,7 @@ def main() -> None:
         return
     if args.quick:
         args.hidden, args.fit, args.test, args.glm_test, args.samples, args.repeats = 32, 1000, 1000, 200, 10, 1
+    require_library("laplace-torch", "laplace", "benchmarks/laplace.py")  # before anything is measured
     tmp = Path(tempfile.mkdtemp(prefix="curvkit-laplace-bench-"))
     weights = tmp / "model.pt"
     _prepare(args.hidden, weights)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import math
 import os
 import platform
@@ -49,6 +48,7 @@ import torch
 from torch import nn
 
 import curvkit.data as cd
+from _common import require_library
 from curvkit.models import mlp
 from curvkit.optim.sgld import SGLD
 from curvkit.slt import SGLDConfig, estimate_llc
@@ -175,7 +175,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}")
     note = "devinterp 2.0.1 (devinterp.slt.llc.llc), same model, data and settings"
-    if "devinterp" in arms and importlib.util.find_spec("devinterp") is None:
+    if "devinterp" in arms and not require_library("devinterp", "devinterp", "benchmarks/llc.py", optional=True):
         arms.remove("devinterp")
         note = ("devinterp is not installed in this environment: its arm is skipped (run from a venv with "
                 "devinterp, PYTHONPATH=src)")

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
+from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, require_library, run_worker
 
 PROBLEMS = {
     "autoencoder": ["Adam", "KFRA", "KFAC"],
@@ -133,14 +133,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_delta_mib": mem["peak_delta_mib"], "params": sum(p.numel() for p in model.parameters())}
 
 
-def _asdl_available() -> bool:
-    try:
-        import asdl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def time_to_target(results_dir: Path) -> list[list[Any]] | None:
     """Rows (dataset, run, time to reach the best Adam's final objective, its own final objective)."""
     path = results_dir / "results.json"
@@ -180,7 +172,7 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 5, 1
-    asdl = _asdl_available()
+    asdl = require_library("ASDL KFAC", "asdl", "benchmarks/second_order.py", optional=True)  # skipped if absent
     problems = [args.only] if args.only else list(PROBLEMS)
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(args.rounds):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from curvkit.experiments import registry
 
@@ -40,21 +41,44 @@ def main(argv: list[str] | None = None) -> int:
         from curvkit.distributed import env_world_size
 
         if args.distributed or env_world_size() > 1:  # torchrun --nproc_per_node=N -m curvkit reproduce ...
-            from curvkit.distributed.launch import init_experiment
-
-            out = init_experiment(out)
-        try:
-            if args.out is not None and not args.out.strip():
-                raise registry.ExperimentError("--out is empty; pass a directory path (e.g. --out results/run1), "
-                                               "or leave --out out for results/NAME-SCALE")
-            # the scale and the output directory are checked before the experiment starts
-            registry.run(args.name, args.scale, out, seed=args.seed)
-        except registry.ExperimentError as err:
-            print(f"curvkit reproduce: error: {err}", file=sys.stderr)
-            return 2
-        print(f"report written to {out}")
-        return 0
+            _reproduce_distributed(args, out)
+        return _reproduce(args, out)
     return 2
+
+
+def _reproduce(args: argparse.Namespace, out: Path, announce: bool = True) -> int:
+    try:
+        if args.out is not None and not args.out.strip():
+            raise registry.ExperimentError("--out is empty; pass a directory path (e.g. --out results/run1), "
+                                           "or leave --out out for results/NAME-SCALE")
+        # the scale and the output directory are checked before the experiment starts
+        registry.run(args.name, args.scale, out, seed=args.seed)
+    except registry.ExperimentError as err:
+        print(f"curvkit reproduce: error: {err}", file=sys.stderr)
+        return 2
+    if announce:
+        print(f"report written to {out}")
+    return 0
+
+
+def _reproduce_distributed(args: argparse.Namespace, out: Path) -> NoReturn:
+    """One rank of ``curvkit reproduce`` under torchrun: rank 0 writes the report into ``out``, the others
+    keep only their checkpoints in ``out/.rank{r}``; every rank then ends through
+    :func:`curvkit.distributed.finish` (exit code 0 after correct work, 1 after an error, never a crash in
+    the interpreter's teardown)."""
+    import traceback
+
+    from curvkit.distributed.launch import discard_report, finish, init_experiment, writes_report
+
+    code = 1
+    try:
+        out = init_experiment(out)
+        code = _reproduce(args, out, announce=writes_report())
+        discard_report(out)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finish(code)
 
 
 if __name__ == "__main__":

@@ -364,8 +364,9 @@ class KroneckerEstimator(CurvatureEstimator):
             grams[l] = Phi.T @ Phi / B
         if self.distributed is not None:  # batch means of the union (class docstring)
             keys = sorted(grams)
-            means, _ = self.distributed.weighted_mean([G] + [grams[l] for l in keys], B)
+            means, total = self.distributed.weighted_mean([G] + [grams[l] for l in keys], B)
             G, grams = means[0], dict(zip(keys, means[1:]))
+            B = round(total)  # the union's: the same numbers on every rank, so identical replicas (_reduce)
         per = [G]
         for l in range(L - 2, -1, -1):
             W = self.chain.linears[l + 1].weight.detach()
@@ -385,11 +386,11 @@ class KroneckerEstimator(CurvatureEstimator):
     def _reduce(self, stats: list[Tensor], B: int) -> tuple[list[Tensor], int]:
         if self.method != "kfra":
             return super()._reduce(stats, B)
-        # kfra's G are B_r times the union's batch means (identical on every rank): only A and the count
-        # travel; G_union = N * mean = (N / B_r) * (B_r * mean)
+        # kfra's G are already the union's (N times its batch means, computed from identical all-reduced
+        # means, so bitwise the same on every rank): only A and the count travel
         L = len(self.layers)
         A, N = super()._reduce(stats[:L], B)
-        return A + [g * (N / B) for g in stats[L:]], N
+        return A + list(stats[L:]), N
 
     def _reference_shapes(self) -> list[tuple[int, ...]] | None:
         a_shapes: list[tuple[int, ...]] = []

@@ -16,37 +16,61 @@ every rank (the weights for unequal shards are in :mod:`curvkit.distributed.redu
   scalars from all-reduced quantities, so every rank takes the identical step;
 * LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.slt._distributed`);
 * checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`;
-* launching: ``torchrun --nproc_per_node=N`` + :func:`init`; :func:`spawn` for tests; :func:`ddp` for
+* launching: ``torchrun --nproc_per_node=N`` + :func:`init`, and :func:`finish` to end every process
+  cleanly (exit code 0 after correct work, 1 after an error); :func:`spawn` for tests; :func:`ddp` for
   DistributedDataParallel with the union gradient on unequal shards.
+
+Every collective goes through one entry point (``Reducer._collective``) that refuses a tensor off the
+backend's communication device (CPU for gloo, the current CUDA device for NCCL) and waits with the
+reducer's timeout on every backend; replicas stay bitwise identical (``Reducer.check_identical``).
 """
 
 from curvkit.distributed.checkpoint import DistributedCheckpointError, load_checkpoint, save_checkpoint
 from curvkit.distributed.ddp import ddp
-from curvkit.distributed.launch import destroy, env_world_size, init, spawn
+from curvkit.distributed.launch import destroy, env_world_size, finish, init, spawn
 from curvkit.distributed.operator import DistributedOperator
 from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
-from curvkit.distributed.reducer import CollectiveTimeout, CommStats, Reducer, derive_seed, shard_range
+from curvkit.distributed.reducer import (
+    CollectiveError,
+    CollectiveTimeout,
+    CommStats,
+    CommunicationDeviceError,
+    Reducer,
+    ReplicaMismatch,
+    communication_device,
+    communication_devices,
+    derive_seed,
+    shard_range,
+    wait_for,
+)
 
 __all__ = [
     "Assignment",
+    "CollectiveError",
     "CollectiveTimeout",
     "CommStats",
+    "CommunicationDeviceError",
     "DistributedCheckpointError",
     "DistributedOperator",
     "Reducer",
+    "ReplicaMismatch",
     "assign_owners",
+    "communication_device",
+    "communication_devices",
     "current",
     "ddp",
     "derive_seed",
     "destroy",
     "env_world_size",
     "factor_cost",
+    "finish",
     "init",
     "load_checkpoint",
     "save_checkpoint",
     "set_current",
     "shard_range",
     "spawn",
+    "wait_for",
 ]
 
 _CURRENT: Reducer | None = None

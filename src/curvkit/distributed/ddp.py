@@ -10,7 +10,8 @@ Plain DDP averages the per-rank gradients, (1/P) sum_r g_r. That is the union's 
 * ``reduction='sum'``: sum_r g_r, the gradient of the summed loss over the union.
 
 The reducer passed in is switched to ``grads='synced'`` so the curvkit optimisers sharing it read
-``p.grad`` as it is. Give the curvkit optimisers the UNWRAPPED module as ``model=``.
+``p.grad`` as it is. The bucket all-reduce goes through the reducer's entry point (device check, byte
+count); DDP itself waits for it (with the process group's timeout, not the reducer's). Give the curvkit optimisers the UNWRAPPED module as ``model=``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ def _hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the anno
     t = bucket.buffer()
     red = state.reducer
     if state.reduction == "sum":
-        red.stats.add("all_reduce", t.numel() * t.element_size())
-        fut = dist.all_reduce(t, group=red.group, async_op=True).get_future()
+        fut = red._collective("all_reduce", "DDP gradient bucket", [t],
+                              lambda: dist.all_reduce(t, group=red.group, async_op=True),
+                              t.numel() * t.element_size(), wait=False).get_future()
         return fut.then(lambda f: f.value()[0])
     buf = torch.cat([t * float(state.batch), t.new_tensor([float(state.batch)])])
-    red.stats.add("all_reduce", buf.numel() * buf.element_size())
-    fut = dist.all_reduce(buf, group=red.group, async_op=True).get_future()
+    fut = red._collective("all_reduce", "DDP gradient bucket", [buf],
+                          lambda: dist.all_reduce(buf, group=red.group, async_op=True),
+                          buf.numel() * buf.element_size(), wait=False).get_future()
 
     def done(f: Any) -> Any:
         out = f.value()[0]

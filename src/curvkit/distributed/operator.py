@@ -70,7 +70,7 @@ class DistributedOperator(CurvatureOperator):
 
     def _generator(self, generator: torch.Generator | None) -> torch.Generator:
         if generator is None:
-            return self.reducer.shared_generator()
+            return self.reducer.shared_generator(self.local.device)
         return self.reducer.sync_generator(generator)
 
     # ------------------------------------------------------------------ linear in C: local, scaled, summed

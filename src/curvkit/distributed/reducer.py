@@ -1,15 +1,36 @@
-"""The :class:`Reducer`: every collective curvkit's data-parallel code runs goes through one of its methods.
+"""The :class:`Reducer`: every collective curvkit's data-parallel code runs goes through one of its methods,
+and every one of those through ONE entry point, :meth:`Reducer._collective`.
 
 It is a thin layer over ``torch.distributed`` (gloo on CPUs, NCCL on GPUs; nothing home-made travels
 between processes): coalesced ``all_reduce`` of tensor lists (one flat buffer per dtype, so a layer's
 factors and the batch count go out as one message), packed symmetric matrices (the upper triangle only,
-n(n+1)/2 numbers instead of n^2), ``broadcast`` from an owner rank, ``all_gather_object`` for small
-Python values, and a byte counter (:attr:`Reducer.stats`) that the benchmark reads.
+n(n+1)/2 numbers instead of n^2), ``broadcast`` from an owner rank, small Python values pickled into byte
+tensors, and a byte counter (:attr:`Reducer.stats`) that the benchmark reads.
 
-Timeouts. Every collective is issued with ``async_op=True`` and waited for with the reducer's ``timeout``
-(seconds), so a rank that died or never arrives makes the others raise instead of hanging; a rank whose
-process exits makes gloo fail the others' pending collectives at once. Data-dependent errors (NaN
+The communication device. A backend moves tensors of one device: gloo CPU tensors, NCCL CUDA tensors of
+the current device, the combined ``'cpu:gloo,cuda:nccl'`` both (:func:`communication_devices`;
+``Reducer(device=...)`` for other backends).
+:meth:`Reducer._collective` refuses a tensor on any other device with :class:`CommunicationDeviceError`
+BEFORE anything is sent, so a tensor built on the CPU in a code path that the gloo tests run is caught
+without a GPU (the tests declare another communication device); every tensor the reducer builds itself
+(counts, scalars, pickled objects, generator states, the barrier's token) is built on it.
+
+Timeouts. Every collective is issued with ``async_op=True`` and waited for on the host by
+:func:`wait_for` with the reducer's ``timeout`` (seconds): with gloo's blocking ``wait(timeout)``, and on
+every other backend by polling ``work.is_completed()`` against the deadline, so the timeout holds on NCCL
+too, where ``work.wait()`` only makes the CUDA stream wait unless ``TORCH_NCCL_BLOCKING_WAIT`` is set. A rank that never arrives makes the others raise
+:class:`CollectiveTimeout` ("did not complete within T s"); a rank whose process ended makes the others'
+pending collectives fail at once with :class:`CollectiveError` ("failed after t s"). Object collectives
+(``all_gather_object``, ``broadcast_object``, ``check_same``) travel as byte tensors through the same entry
+point and so keep the same timeout; subgroups are created with it. After a :class:`CollectiveError` the
+process group is unusable: end the process (:func:`curvkit.distributed.finish`). Data-dependent errors (NaN
 statistics) are checked AFTER the reduction where possible, so every rank raises the same error.
+
+Identical replicas. A collective returns bitwise the same result on every rank, and every quantity an
+optimiser computes from it is computed from identical tensors laid out identically: results an owner rank
+computes are handed out with :meth:`Reducer.share` (fresh contiguous tensors on every rank, the owner's
+included: a BLAS product can round differently for a transposed layout), so replicas stay bitwise
+identical step after step (:meth:`Reducer.check_identical` verifies it).
 
 Weights for unequal shards (the rule every hook follows). Rank r holds B_r of the B = sum_r B_r examples.
 
@@ -26,9 +47,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import pickle
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,13 +58,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CollectiveTimeout", "CommStats", "Reducer", "derive_seed", "shard_range"]
+__all__ = ["CollectiveError", "CollectiveTimeout", "CommStats", "CommunicationDeviceError", "Reducer",
+           "ReplicaMismatch", "communication_device", "communication_devices", "derive_seed", "shard_range",
+           "wait_for"]
 
 GradMode = Literal["local", "synced"]
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective failed: another rank closed its connection (it raised an error or its process ended)."""
+
+
+class CollectiveTimeout(CollectiveError):
     """A collective did not complete within the reducer's timeout (another rank failed or is stuck)."""
+
+
+class CommunicationDeviceError(ValueError):
+    """A tensor handed to a collective is not on the communication device of the process group's backend."""
+
+
+class ReplicaMismatch(RuntimeError):
+    """The ranks' replicas of tensors that must be identical differ (:meth:`Reducer.check_identical`)."""
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -61,6 +97,78 @@ def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(int(n), int(world_size))
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+def communication_devices(backend: str, device: torch.device | str | None = None) -> tuple[torch.device, ...]:
+    """The devices whose tensors ``backend`` moves, the first being the one where a reducer builds the
+    tensors it sends itself: ``(device,)`` when given; gloo: the CPU; NCCL (or another backend of torch's
+    device-backend map, e.g. xccl): the current device of that type; a combined backend such as
+    ``'cpu:gloo,cuda:nccl'``: its accelerator, then the CPU. Raises ValueError for a backend whose device is
+    unknown (pass ``device=``)."""
+    if device is not None:
+        return (torch.device(device),)
+    by_backend: dict[str, str] = {}
+    for dev, name in dist.Backend.default_device_backend_map.items():
+        by_backend.setdefault(name, dev)  # gloo -> cpu (listed before mps)
+    types = []
+    for part in str(backend).split(","):
+        dev, _, name = part.rpartition(":")
+        types.append(dev.strip() or by_backend.get(name.strip().lower(), ""))
+    out = []
+    for kind in dict.fromkeys(t for t in types if t and t != "cpu"):
+        index = torch.cuda.current_device() if kind == "cuda" else torch.accelerator.current_device_index()
+        out.append(torch.device(kind, index))
+    if "cpu" in types:
+        out.append(torch.device("cpu"))
+    if not out:
+        raise ValueError(f"curvkit.distributed.Reducer: the communication device of backend {backend!r} is unknown; "
+                         "pass Reducer(device=...) (the device whose tensors this backend moves)")
+    return tuple(out)
+
+
+def communication_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """The device where a reducer on ``backend`` builds the tensors it sends (the first of
+    :func:`communication_devices`): the CPU for gloo, the current CUDA device for NCCL."""
+    return communication_devices(backend, device)[0]
+
+
+def wait_for(work: Any, timeout: float, what: str, rank: int, blocking: bool = False) -> None:
+    """Wait on the host until ``work`` (a ``torch.distributed`` Work) completes, at most ``timeout`` seconds.
+
+    ``blocking=False`` (NCCL and every backend whose ``wait()`` need not block the host): poll
+    ``work.is_completed()`` (sleeping 10 us doubling up to 1 ms) against the deadline, then ``work.wait()``
+    raises the backend's error, if any (on NCCL it also makes the current stream wait for the collective).
+    ``blocking=True`` (gloo, whose ``wait(timeout)`` blocks until completion or the timeout): one
+    ``work.wait(timeout)``. Raises :class:`CollectiveTimeout` at the deadline and :class:`CollectiveError`
+    when the collective failed before it (a peer closed its connection)."""
+    t0 = time.monotonic()
+    deadline = t0 + float(timeout)
+
+    def late() -> CollectiveTimeout:
+        return CollectiveTimeout(f"rank {rank}: {what} did not complete within {timeout:g} s; another rank has "
+                                 "probably raised an error or stopped")
+
+    try:
+        if blocking:
+            if work.wait(timeout=datetime.timedelta(seconds=float(timeout))) is False:
+                raise late()
+            return
+        pause = 1e-5
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                raise late()
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, 1e-3)
+        work.wait()
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as err:
+        elapsed = time.monotonic() - t0
+        if elapsed >= 0.99 * timeout:  # gloo's wait(timeout) raises at the deadline
+            raise late() from err
+        raise CollectiveError(f"rank {rank}: {what} failed after {elapsed:.1f} s ({err}); another rank has "
+                              "probably raised an error or stopped") from err
 
 
 @dataclass
@@ -89,6 +197,10 @@ class CommStats:
 
 def _tri_indices(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return torch.triu_indices(n, n, device=device).unbind(0)  # type: ignore[return-value]
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Reducer:
@@ -120,13 +232,22 @@ class Reducer:
             of the rows (:func:`shard_range`), for code in which every rank sees the whole minibatch
             (the experiments under ``torchrun``). Off by default: each rank passes its own shard.
         timeout: seconds to wait for any one collective before raising :class:`CollectiveTimeout`
-            (default 300; tests use a few seconds).
+            (default 300; tests use a few seconds), on every backend (:func:`wait_for`).
+        device: the communication device (default: the backend's, :func:`communication_devices`: the CPU
+            for gloo, the current CUDA device for NCCL, both for ``'cpu:gloo,cuda:nccl'``). The model and the
+            data must live on one of ``reducer.devices``; the reducer builds its own tensors on
+            ``reducer.device`` (the first).
+        blocking_wait: whether the backend's ``Work.wait(timeout)`` blocks the host until the collective
+            completes or the timeout passes (default: True for gloo only); otherwise the reducer polls
+            ``Work.is_completed()`` against its deadline (NCCL: ``wait()`` returns at once without
+            ``TORCH_NCCL_BLOCKING_WAIT``), see :func:`wait_for`.
     """
 
     def __init__(self, group: Any = None, *, grads: GradMode = "local",
                  placement: Literal["comm-opt", "mem-opt", "hybrid"] = "comm-opt",
                  grad_worker_fraction: float | None = None, shard_batches: bool = False,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, device: torch.device | str | None = None,
+                 blocking_wait: bool | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("curvkit.distributed.Reducer needs an initialised torch.distributed process group: "
                                "launch with torchrun and call curvkit.distributed.init() (or "
@@ -152,12 +273,15 @@ class Reducer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        self.devices = communication_devices(self.backend, device)
+        self.device = self.devices[0]
+        self.blocking_wait = self.backend == "gloo" if blocking_wait is None else bool(blocking_wait)
         self.stats = CommStats()
         self._subgroups: dict[tuple[int, ...], Any] = {}
 
     def __repr__(self) -> str:
         return (f"Reducer(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
-                f"grads={self.grads!r}, placement={self.placement!r})")
+                f"device={str(self.device)!r}, grads={self.grads!r}, placement={self.placement!r})")
 
     # ------------------------------------------------------------------ basics
     @property
@@ -177,21 +301,38 @@ class Reducer:
         """This rank's contiguous share of n rows (:func:`shard_range`)."""
         return slice(*shard_range(n, self.rank, self.world_size))
 
-    def _wait(self, work: Any, what: str) -> None:
-        if work is None:
-            return
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as err:
-            raise CollectiveTimeout(f"rank {self.rank}: {what} failed or timed out after {self.timeout:g} s "
-                                    f"({err}); another rank has probably raised an error or stopped") from err
-        if ok is False:
-            raise CollectiveTimeout(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s; another "
-                                    "rank has probably raised an error or stopped")
+    # ------------------------------------------------------------------ the one entry point
+    def _collective(self, kind: str, what: str, tensors: Sequence[Tensor], issue: Callable[[], Any],
+                    nbytes: int | None = None, wait: bool = True) -> Any:
+        """Every collective of curvkit: refuse a tensor that is not on the communication device, count
+        ``nbytes`` under ``kind``, ``issue()`` the asynchronous collective, and wait for it with the timeout
+        (:func:`wait_for`); ``wait=False`` returns the Work instead (the DDP hook chains its future)."""
+        self._check_device(tensors, what)
+        if nbytes is not None:
+            self.stats.add(kind, nbytes)
+        work = issue()
+        if not wait:
+            return work
+        wait_for(work, self.timeout, what, self.rank, self.blocking_wait)
+        return None
+
+    def _check_device(self, tensors: Iterable[Tensor], what: str) -> None:
+        for t in tensors:
+            if t.device not in self.devices:
+                raise CommunicationDeviceError(
+                    f"rank {self.rank}: {what}: a {tuple(t.shape)} {t.dtype} tensor on {t.device}, but the "
+                    f"{self.backend!r} process group communicates {' and '.join(map(str, self.devices))} tensors; "
+                    "create it on the reducer's device (reducer.device), or move the model and the data there")
+
+    def tensor(self, values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> Tensor:
+        """A 1-D tensor of ``values`` on the communication device (for counts and scalars that travel)."""
+        return torch.tensor(list(values), dtype=dtype, device=self.device)
 
     def barrier(self) -> None:
-        """Wait until every rank arrives (with the timeout)."""
-        self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
+        """Wait until every rank arrives (with the timeout): an all-reduce of one number."""
+        token = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._collective("barrier", "barrier", [token],
+                         lambda: dist.all_reduce(token, group=self.group, async_op=True))
 
     # ------------------------------------------------------------------ all-reduce
     def all_reduce_(self, tensors: Sequence[Tensor], what: str = "all_reduce") -> list[Tensor]:
@@ -206,8 +347,9 @@ class Reducer:
         for idx in groups.values():
             parts = [tensors[i] for i in idx]
             flat = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1).clone()
-            self.stats.add("all_reduce", flat.numel() * flat.element_size())
-            self._wait(dist.all_reduce(flat, group=self.group, async_op=True), what)
+            self._collective("all_reduce", what, [flat],
+                             lambda flat=flat: dist.all_reduce(flat, group=self.group, async_op=True),  # type: ignore[misc]
+                             _nbytes([flat]))
             off = 0
             for p in parts:
                 n = p.numel()
@@ -243,16 +385,15 @@ class Reducer:
                 out.append(p)
         return out
 
-    def sum_scalars(self, *values: float, dtype: torch.dtype = torch.float64,
-                    device: torch.device | str = "cpu") -> list[float]:
-        """Sums of Python numbers over the ranks (one float64 message)."""
-        t = torch.tensor([float(v) for v in values], dtype=dtype, device=device)
+    def sum_scalars(self, *values: float, dtype: torch.dtype = torch.float64) -> list[float]:
+        """Sums of Python numbers over the ranks (one message, on the communication device)."""
+        t = self.tensor([float(v) for v in values], dtype)
         self.all_reduce_([t], "all_reduce of scalars")
         return [float(v) for v in t]
 
-    def sum_int(self, n: int, device: torch.device | str = "cpu") -> int:
+    def sum_int(self, n: int) -> int:
         """The sum over the ranks of an integer (e.g. the examples each rank holds)."""
-        t = torch.tensor([int(n)], dtype=torch.int64, device=device)
+        t = self.tensor([int(n)], torch.int64)
         self.all_reduce_([t], "all_reduce of a count")
         return int(t[0])
 
@@ -272,22 +413,26 @@ class Reducer:
         return [p / total for p in parts[:-1]], total
 
     # ------------------------------------------------------------------ broadcast / gather
+    def _broadcast_flat(self, flat: Tensor, src: int, what: str, group: Any) -> None:
+        g = self.group if group is None else group
+        self._collective("broadcast", what, [flat],
+                         lambda: dist.broadcast(flat, src=self.global_rank(src), group=g, async_op=True),
+                         _nbytes([flat]) if self.rank == src else None)  # counted by the sender
+
     def broadcast_(self, tensors: Sequence[Tensor], src: int, what: str = "broadcast", group: Any = None) -> list[Tensor]:
         """Overwrite ``tensors`` on every rank with ``src``'s values (one message per dtype/device);
-        ``src`` is a rank of this reducer's group. ``group``: a subgroup (:meth:`subgroup`) to broadcast in."""
+        ``src`` is a rank of this reducer's group. ``group``: a subgroup (:meth:`subgroup`) to broadcast in.
+        The tensors keep their own memory layout: for results ``src`` computed, use :meth:`share`."""
         tensors = list(tensors)
         if self.world_size == 1 or not tensors:
             return tensors
-        g = self.group if group is None else group
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = defaultdict(list)
         for i, t in enumerate(tensors):
             groups[(t.dtype, t.device)].append(i)
         for idx in groups.values():
             parts = [tensors[i] for i in idx]
             flat = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1).contiguous()
-            if self.rank == src:
-                self.stats.add("broadcast", flat.numel() * flat.element_size())
-            self._wait(dist.broadcast(flat, src=self.global_rank(src), group=g, async_op=True), what)
+            self._broadcast_flat(flat, src, what, group)
             off = 0
             for p in parts:
                 n = p.numel()
@@ -296,85 +441,134 @@ class Reducer:
                 off += n
         return tensors
 
-    def broadcast_symmetric_(self, tensors: Sequence[Tensor], src: int, lower: bool = False,
-                             what: str = "broadcast", group: Any = None) -> list[Tensor]:
-        """Broadcast square matrices that are symmetric (or triangular: ``lower=True`` sends the lower
-        triangle and zero-fills the rest) as n(n+1)/2 numbers each."""
+    def share(self, tensors: Sequence[Tensor], src: int, what: str = "broadcast", group: Any = None) -> list[Tensor]:
+        """``src``'s ``tensors`` on every rank as NEW contiguous tensors laid out identically on every rank,
+        ``src`` included (views into one buffer per dtype), so that any arithmetic on them afterwards is
+        bitwise the same on every rank. The other ranks pass tensors of the same shapes and dtypes (e.g.
+        ``new_empty``); their values are ignored. ``group``: a subgroup to share within."""
+        tensors = list(tensors)
+        if self.world_size == 1:
+            return [t.contiguous() for t in tensors]
+        out: list[Tensor | None] = [None] * len(tensors)
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = defaultdict(list)
+        for i, t in enumerate(tensors):
+            groups[(t.dtype, t.device)].append(i)
+        for idx in groups.values():
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            self._broadcast_flat(flat, src, what, group)
+            off = 0
+            for i in idx:
+                n = tensors[i].numel()
+                out[i] = flat[off:off + n].view(tensors[i].shape)
+                off += n
+        return out  # type: ignore[return-value]
+
+    def share_symmetric(self, tensors: Sequence[Tensor], src: int, lower: bool = False, what: str = "broadcast",
+                        group: Any = None) -> list[Tensor]:
+        """:meth:`share` for square matrices that are symmetric (or triangular: ``lower=True`` sends the
+        lower triangle and zero-fills the rest), as n(n+1)/2 numbers each; every rank, ``src`` included,
+        rebuilds the matrices from the packed triangles the same way."""
         packs = []
         for t in tensors:
             n = t.shape[0]
             i, j = (torch.tril_indices if lower else torch.triu_indices)(n, n, device=t.device).unbind(0)
-            packs.append((i, j, t[i, j].contiguous()))
-        self.broadcast_([p for _, _, p in packs], src, what, group)
-        for t, (i, j, p) in zip(tensors, packs):
-            if self.rank != src:
-                t.zero_()
-                t[i, j] = p
-                if not lower:
-                    t[j, i] = p
-        return list(tensors)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        t0 = time.perf_counter()
-        dist.all_gather_object(out, obj, group=self.group)
-        self.stats.add("all_gather", len(repr(obj)))  # an estimate: pickles travel as bytes of about this size
-        del t0
+            packs.append((i, j, t.detach()[i, j]))
+        shared = self.share([p for _, _, p in packs], src, what, group)
+        out = []
+        for t, (i, j, _), p in zip(tensors, packs, shared):
+            m = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            m[i, j] = p
+            if not lower:
+                m[j, i] = p
+            out.append(m)
         return out
+
+    def _all_gather(self, t: Tensor, what: str) -> list[Tensor]:
+        """Every rank's ``t`` (the same shape on every rank), in rank order."""
+        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._collective("all_gather", what, [t, *outs],
+                         lambda: dist.all_gather(outs, t, group=self.group, async_op=True), _nbytes([t]))
+        return outs
 
     def all_gather_rows(self, t: Tensor) -> Tensor:
         """Concatenate (in rank order) every rank's tensor along dim 0; the leading sizes may differ."""
         if self.world_size == 1:
             return t
-        sizes = [int(s) for s in self.all_gather_object(int(t.shape[0]))]
-        m = max(sizes)
-        pad = t.new_zeros((m, *t.shape[1:]))
+        self._check_device([t], "all_gather")  # before the row counts travel
+        sizes = [int(s[0]) for s in self._all_gather(self.tensor([int(t.shape[0])], torch.int64),
+                                                      "all_gather of row counts")]
+        pad = t.new_zeros((max(sizes), *t.shape[1:]))
         pad[: t.shape[0]] = t
-        outs = [torch.empty_like(pad) for _ in range(self.world_size)]
-        self.stats.add("all_gather", pad.numel() * pad.element_size())
-        self._wait(dist.all_gather(outs, pad.contiguous(), group=self.group, async_op=True), "all_gather")
+        outs = self._all_gather(pad.contiguous(), "all_gather")
         return torch.cat([o[:s] for o, s in zip(outs, sizes)])
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``src``'s ``obj`` on every rank."""
+    def _to_bytes(self, obj: Any) -> Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+
+    @staticmethod
+    def _from_bytes(t: Tensor) -> Any:
+        return pickle.loads(t.cpu().numpy().tobytes())  # our own ranks' pickles, as torch's *_object collectives
+
+    def all_gather_object(self, obj: Any, what: str = "all_gather_object") -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: pickled into a byte tensor on the communication
+        device and gathered through the entry point (so with the reducer's timeout)."""
+        if self.world_size == 1:
+            return [obj]
+        payload = self._to_bytes(obj)
+        sizes = [int(s[0]) for s in self._all_gather(self.tensor([payload.numel()], torch.int64), what)]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        buf[: payload.numel()] = payload
+        return [self._from_bytes(o[:s]) for o, s in zip(self._all_gather(buf, what), sizes)]
+
+    def broadcast_object(self, obj: Any, src: int = 0, what: str = "broadcast_object") -> Any:
+        """``src``'s ``obj`` on every rank (pickled, through the entry point)."""
         if self.world_size == 1:
             return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
-        self.stats.add("broadcast", len(repr(obj)) if self.rank == src else 0)
-        return box[0]
+        payload = self._to_bytes(obj) if self.rank == src else self.tensor([], torch.uint8)
+        size = self.tensor([payload.numel()], torch.int64)
+        self._broadcast_flat(size, src, what, None)
+        buf = payload if self.rank == src else torch.empty(int(size[0]), dtype=torch.uint8, device=self.device)
+        self._broadcast_flat(buf, src, what, None)
+        return obj if self.rank == src else self._from_bytes(buf)
 
     def subgroup(self, ranks: Sequence[int]) -> Any:
-        """A process group of the given ranks of this reducer's group (created once; every rank must call
-        this in the same order for the same ranks, as ``torch.distributed.new_group`` requires)."""
+        """A process group of the given ranks of this reducer's group (created once, with the reducer's
+        timeout; every rank must call this in the same order for the same ranks, as
+        ``torch.distributed.new_group`` requires)."""
         key = tuple(sorted(int(r) for r in ranks))
         if len(key) == self.world_size:
             return self.group
         if key not in self._subgroups:
-            self._subgroups[key] = dist.new_group([self.global_rank(r) for r in key])
+            t0 = time.monotonic()
+            try:
+                self._subgroups[key] = dist.new_group([self.global_rank(r) for r in key],
+                                                      timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as err:  # the store wait of a member that never arrives
+                late = time.monotonic() - t0 >= 0.99 * self.timeout
+                cls = CollectiveTimeout if late else CollectiveError
+                raise cls(f"rank {self.rank}: creating the subgroup {list(key)} "
+                          + (f"did not complete within {self.timeout:g} s" if late else
+                             f"failed after {time.monotonic() - t0:.1f} s")
+                          + f" ({err}); another rank has probably raised an error or stopped") from err
         return self._subgroups[key]
 
-    # ------------------------------------------------------------------ consistency checks
+    # ------------------------------------------------------------------ consistency
     def sync_generator(self, generator: torch.Generator, src: int = 0) -> torch.Generator:
         """Copy ``src``'s generator state into ``generator`` on every rank (shared Monte Carlo noise)."""
         if self.world_size == 1:
             return generator
-        state = generator.get_state()
-        device = "cpu" if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        buf = state.to(device)
+        buf = generator.get_state().to(self.device)
         self.broadcast_([buf], src, "broadcast of a generator state")
         generator.set_state(buf.cpu())
         return generator
 
-    def shared_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A new generator seeded identically on every rank (rank 0 draws the seed from the global RNG,
-        as a non-distributed routine given no generator would consume it)."""
+    def shared_generator(self, device: torch.device | str | None = None) -> torch.Generator:
+        """A new generator on ``device`` (default: the communication device) seeded identically on every
+        rank (rank 0 draws the seed from the global RNG, as a non-distributed routine given no generator
+        would consume it)."""
         seed = int(torch.randint(0, 2**62, (1,))) if self.rank == 0 else 0
-        seed = int(self.broadcast_object(seed, 0))
-        return torch.Generator(device=device).manual_seed(seed)
+        seed = int(self.broadcast_object(seed, 0, "broadcast of a shared seed"))
+        return torch.Generator(device=self.device if device is None else device).manual_seed(seed)
 
     def sync_tensors_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         """Broadcast ``src``'s values of ``tensors`` (e.g. the parameters at the start, as DDP does)."""
@@ -383,6 +577,21 @@ class Reducer:
 
     def check_same(self, value: Any, what: str) -> None:
         """Raise (on every rank) unless every rank passes the same ``value`` (e.g. a configuration)."""
-        values = self.all_gather_object(value)
+        values = self.all_gather_object(value, f"all_gather_object of {what}")
         if any(v != values[0] for v in values):
             raise ValueError(f"{what} differs between the ranks: {values}; every rank must use the same")
+
+    def check_identical(self, tensors: Iterable[Tensor], what: str = "the replicated tensors") -> None:
+        """Raise :class:`ReplicaMismatch` on every rank unless every rank holds bitwise the same
+        ``tensors`` (shapes, dtypes and bytes; e.g. ``model.parameters()`` and an optimiser's state):
+        one SHA-256 digest per rank travels."""
+        h = hashlib.sha256()
+        for t in tensors:
+            t = t.detach()
+            h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        digests = self.all_gather_object(h.hexdigest(), f"all_gather_object of the digests of {what}")
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise ReplicaMismatch(f"{what} differ between the ranks: rank(s) {differ} differ from rank 0 "
+                                  "(bitwise); every rank must take the identical step")

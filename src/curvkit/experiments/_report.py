@@ -250,11 +250,16 @@ def new_figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (6.4,
 
 
 def save_figure(fig: Any, path: Path | str, dpi: int = 120) -> Path:
+    """Write ``fig`` as a PNG to ``path`` and close it; on a rank other than 0 of a data-parallel run the
+    figure is only closed (the report is rank 0's: :func:`curvkit.distributed.launch.writes_report`)."""
     import matplotlib.pyplot as plt
 
+    from curvkit.distributed.launch import writes_report
+
     path = Path(path)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    if writes_report():
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

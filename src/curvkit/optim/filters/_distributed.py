@@ -7,7 +7,8 @@ What travels, per step (P ranks, rank r holding B_r examples; B = sum_r B_r):
   units, all layers in ONE all-reduce. Then C_x's batch term is sum_r X_r^T X_r / sum_r K_r (the mean over
   the union's rows), C_delta's is the sum, and the gradient is the union's. On a refresh step each layer's
   two eigendecompositions are computed by the layer's owner rank (placement by cost,
-  :func:`curvkit.distributed.placement.assign_owners`) and broadcast (comm-opt); between refreshes the
+  :func:`curvkit.distributed.placement.assign_owners`) and shared (comm-opt; every rank, the owner
+  included, then holds identically laid-out copies, so the steps stay bitwise identical); between refreshes the
   second moments along the kept basis, diag(V^T C_batch V), come from the reduced statistics on every rank.
 * :class:`~curvkit.optim.filters.KFBayes` / ``KFNatGrad``: their Eq. 24 updates are sequential in the
   Fisher samples, so the samples themselves are gathered: each rank contributes its first
@@ -47,7 +48,7 @@ def _union_batch(opt: Any) -> tuple[int, int]:
     """(this rank's batch size, the union's) from the captured rows; one all-reduce."""
     rec = opt.layers[0]
     local = 0 if rec.a is None else int(rec.a.shape[0]) // max(1, rec.positions)
-    return local, opt.distributed.sum_int(local, device=rec.weight.device)
+    return local, opt.distributed.sum_int(local)
 
 
 def whiten_inputs(opt: Any, scale: float, fisher_samples: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -104,11 +105,11 @@ def whiten_statistics(opt: Any, rec: Any, st: dict[str, Any], stats: dict[str, A
         for C, d, V in (("Cx", "dx", "Vx"), ("Cd", "dd", "Vd")):
             n = st[C].shape[0]
             if red.rank == owner:
-                st[d], st[V] = robust_eigh(st[C], st.get(V))
+                w, Q = robust_eigh(st[C], st.get(V))
             else:
-                st[d] = st[C].new_empty(n)
-                st[V] = st[C].new_empty(n, n)
-            red.broadcast_([st[V], st[d]], owner, "broadcast of KFWhiten eigendecompositions")
+                w, Q = st[C].new_empty(n), st[C].new_empty(n, n)
+            # the same fresh tensors on every rank, the owner's included (eigh's Q is column-major)
+            st[V], st[d] = red.share([Q, w], owner, "broadcast of KFWhiten eigendecompositions")
         return
     st["dx"].mul_(beta).add_(((XtX @ st["Vx"]) * st["Vx"]).sum(0), alpha=(1 - beta) / K)
     st["dd"].mul_(beta).add_(((DtD @ st["Vd"]) * st["Vd"]).sum(0), alpha=1 - beta)

@@ -16,7 +16,8 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
   is a sum over examples, all-reduced like the loss (:func:`reduce_like_loss`), and the objective after
   the step (rho, Eq. 4.21) likewise. alpha*, rho, tau and zeta are then computed from identical numbers on
-  every rank, so every rank takes the identical step.
+  every rank, and the owners' results reach every rank (the owner included) as identically laid-out
+  tensors (:meth:`~curvkit.distributed.Reducer.share`), so every rank takes the bitwise identical step.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ class DistributedKroneckerInverse:
                     LG, LA = _cholesky(Gd, f"{b.weight_name!r} G"), _cholesky(Ad, f"{b.weight_name!r} A")
                 else:
                     LG, LA = b.G.new_empty(b.G.shape), b.A.new_empty(b.A.shape)
-                if len(workers) > 1:
-                    red.broadcast_symmetric_([LG, LA], owner, lower=True, what="broadcast of Cholesky factors",
-                                             group=red.subgroup(workers))
+                if len(workers) > 1:  # the same fresh tensors on every worker, the owner's included
+                    LG, LA = red.share_symmetric([LG, LA], owner, lower=True, what="broadcast of Cholesky factors",
+                                                 group=red.subgroup(workers))
                 fi.blocks.append((b.weight_name, b.bias_name, LG, LA))
             self._factored = fi
         elif inversion == "eigen":
@@ -132,9 +133,9 @@ class DistributedKroneckerInverse:
                 else:
                     nG, nA = b.G.shape[0], b.A.shape[0]
                     lG, QG, lA, QA = b.G.new_empty(nG), b.G.new_empty(nG, nG), b.A.new_empty(nA), b.A.new_empty(nA, nA)
-                if len(workers) > 1:
-                    red.broadcast_([QG, lG, QA, lA], owner, "broadcast of eigendecompositions",
-                                   group=red.subgroup(workers))
+                if len(workers) > 1:  # the same fresh tensors on every worker (eigh's Q is column-major)
+                    QG, lG, QA, lA = red.share([QG, lG, QA, lA], owner, "broadcast of eigendecompositions",
+                                               group=red.subgroup(workers))
                 eig[l] = KroneckerEigh(lG, QG, lA, QA)
             setattr(op, "_curvkit_eigh", eig)  # noqa: B010
         names = [n for l in self.mine for n in op.blocks[l].names]
@@ -170,8 +171,8 @@ class DistributedKroneckerInverse:
             block = tuple(range(block_start, block_start + n))
             src = next(r for r in block if r in workers)
             tensors = [out[nm] if self.red.rank == src else torch.empty_like(grads[nm]) for nm in b.names]
-            self.red.broadcast_(tensors, src, "broadcast of preconditioned gradients",
-                                group=self.red.subgroup(block))
+            tensors = self.red.share(tensors, src, "broadcast of preconditioned gradients",
+                                     group=self.red.subgroup(block))
             out.update(zip(b.names, tensors))
         return out
 
@@ -190,11 +191,11 @@ def reduce_step_inputs(opt: Any, X: Tensor, data_loss: Tensor, grads: list[Tenso
     params = opt.ordered_params()
 
     def evaluate_union() -> float:
-        reg = opt._objective(torch.zeros(()), params)
+        reg = opt._objective(params[0].new_zeros(()), params)
         local = evaluate() - reg
         if not math.isfinite(local):
             local = math.inf
-        t = torch.tensor([local], dtype=torch.float64)
+        t = red.tensor([local], torch.float64)  # on the communication device
         value = float(reduce_like_loss(red, [t], B, reduction)[0][0])
         return value + reg if math.isfinite(value) else math.inf
 
