@@ -61,7 +61,7 @@ def test_single_column_dual_product_matches_dense_and_batched_path(reduction):
     for cls, ref in refs.items():
         op = cls(model, lik, data)
         torch.testing.assert_close(op @ v, ref @ v, atol=1e-12, rtol=0)  # one column: dual numbers
-        assert not op._sequential_ok()  # not a plain Sequential: the torch.func paths ran
+        assert op._sequential_layers() is None  # not a plain Sequential: the torch.func paths ran
         assert op._use_dual  # the fast path ran (no fallback)
         two = op @ torch.stack([v, 2 * v], 1)  # several columns: vjp + vmapped jvp
         torch.testing.assert_close(two[:, 0], ref @ v, atol=1e-12, rtol=0)
