@@ -322,3 +322,68 @@ def test_mean_over_positions_weights_batches_by_their_counted_positions():
     with pytest.raises(ValueError, match="mean over 0 loss terms"):
         GGNOperator(model, lik, (X, all_pad))
     assert GGNOperator(model, CrossEntropy("sum", ignore_index=-100), (X, all_pad)).to_dense().abs().max() == 0
+
+
+def test_mask_marks_the_counted_positions():
+    y = torch.tensor([[0, -100, 2], [-100, 1, 1]])
+    assert CrossEntropy(ignore_index=-100).mask(y).tolist() == [[True, False, True], [False, True, True]]
+    assert CrossEntropy().mask(torch.tensor([[0, 1]])) is None
+
+
+# ------------------------------------------------------------------------------ misuse
+def _state(model: nn.Module):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [m.training for m in model.modules()],
+            [(id(p), p.requires_grad) for p in model.parameters()])
+
+
+def _assert_same_state(model: nn.Module, before) -> None:
+    after = _state(model)
+    assert after[1:] == before[1:]
+    assert before[0].keys() == after[0].keys()
+    for k in before[0]:
+        torch.testing.assert_close(after[0][k], before[0][k], atol=0, rtol=0)
+
+
+def test_misuse_gives_clear_errors_and_leaves_the_model_untouched():
+    torch.manual_seed(0)
+    model = TinyTagger().to(D64)
+    model.layer.dropout.p = 0.1  # random in training mode
+    X, y = _ids(2, 4, 7, 3, seed=9)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"module 'layer.dropout' \(Dropout\) is random in training mode"):
+        GGNOperator(model, CrossEntropy(), (X, y))
+    model.eval()
+    before = _state(model)
+    lik = CrossEntropy()
+    with pytest.raises(ValueError, match=r"targets must be integer class indices of shape \(2, 4\)"):
+        GGNOperator(model, lik, (X, y[:, 0]))  # (B,) targets for (B, T, C) logits: never re-read
+    with pytest.raises(ValueError, match=r"logits.movedim\(1, -1\)"):
+        GGNOperator(model, lik, (X, y.T.contiguous()[:2]))  # targets of another layout
+    with pytest.raises(ValueError, match="padding is not enabled"):
+        GGNOperator(model, lik, (X, torch.where(y == 0, -100, y)))  # torch's ignore_index, not asked for
+    for cls in (GGNOperator, FisherOperator, MCFisherOperator, EmpiricalFisherOperator, HessianOperator):
+        op = cls(model, lik, (X, y))
+        op @ torch.ones(op.layout.dim, dtype=D64)
+        op.diagonal()
+    _assert_same_state(model, before)
+
+
+def test_batchnorm_statistics_and_modes_are_untouched():
+    model, lik, data = _case("resnet", "train")
+    before = _state(model)
+    for cls in (GGNOperator, HessianOperator, EmpiricalFisherOperator):
+        op = cls(model, lik, data)
+        op @ torch.ones(op.layout.dim, dtype=D64)
+        op.quadratic_form(torch.ones(op.layout.dim, 2, dtype=D64)) if hasattr(op, "quadratic_form") else None
+    _assert_same_state(model, before)
+
+
+def test_tied_embedding_and_output_layer_are_one_parameter():
+    model = causal_lm(vocab_size=6, max_len=5, dim=4, depth=1, heads=2, mlp_dim=4, tie_weights=True, seed=5,
+                      dtype=D64)
+    X, y = _ids(2, 5, 6, 6, seed=10)
+    lik = CrossEntropy("mean")
+    G = GGNOperator(model, lik, (X, y))
+    assert G.layout.dim == sum(p.numel() for p in model.parameters())
+    _check(G, dense_ggn_flat(model, lik, (X, y)), full=True)
+    _check(HessianOperator(model, lik, (X, y)), dense_hessian_ror(model, lik, (X, y)), full=False)
