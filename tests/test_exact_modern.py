@@ -387,3 +387,63 @@ def test_tied_embedding_and_output_layer_are_one_parameter():
     assert G.layout.dim == sum(p.numel() for p in model.parameters())
     _check(G, dense_ggn_flat(model, lik, (X, y)), full=True)
     _check(HessianOperator(model, lik, (X, y)), dense_hessian_ror(model, lik, (X, y)), full=False)
+
+
+class ParameterFreeAttention(nn.Module):
+    """Self-attention without parameters on (B, heads, T, D) (scaled_dot_product_attention picks a fused kernel)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+def test_recorded_tangent_route_through_a_parameter_free_attention_module():
+    """A plain Sequential takes the recorded-tangent route, whose parameter-free modules are differentiated by
+    jvp: inside curvature_kernels, so the fused attention kernel (no forward-mode derivative) is not used."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (1, 3, 2)), ParameterFreeAttention(), nn.Tanh(),
+                          nn.Flatten(), nn.Linear(6, 3)).to(D64)
+    X = torch.randn(5, 4, dtype=D64)
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(0))
+    lik = CrossEntropy("mean")
+    G = GGNOperator(model, lik, (X, y))
+    assert G._sequential_layers() is not None and G.caches_linearisation
+    _check(G, dense_ggn_flat(model, lik, (X, y)))
+
+
+def test_gauss_newton_step_size_products_with_positions_and_padding():
+    """The Gauss-Newton optimiser's alpha* needs M_ij = d_i^T G d_j from J d_i (Linearisation + output_gram):
+    with (B, T, C) logits and padding it equals the dense GGN of the token-flattened loss."""
+    from curvkit.optim.second_order.linearisation import Linearisation, output_gram
+    from curvkit.structure import read_model
+
+    model, lik, data = _case("tagger", "train")
+    X, y = torch.cat([X for X, _ in data]), torch.cat([y for _, y in data])
+    ref = dense_ggn_flat(model, lik, (X, y))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    lin = Linearisation(model, read_model(model), names)
+    f = lin.record(X)
+    g = torch.Generator().manual_seed(0)
+    dirs = [[torch.randn(p.shape, generator=g, dtype=D64) for p in model.parameters()] for _ in range(3)]
+    D = torch.stack([torch.cat([t.reshape(-1) for t in d]) for d in dirs], 1)
+    M = output_gram(lik, f, y, lin(dirs))
+    torch.testing.assert_close(M, D.T @ ref @ D, atol=ATOL, rtol=0)
+
+
+def _sharded_sequences_worker(rank: int, world: int) -> None:
+    from curvkit.distributed import DistributedOperator, Reducer
+
+    red = Reducer()
+    model = causal_lm(vocab_size=6, max_len=5, dim=4, depth=1, heads=2, mlp_dim=4, seed=1, dtype=D64)
+    X, y = _ids(3, 5, 6, 6, seed=11)
+    y[0, 1:] = -100  # rank 0 holds one sample with 1 counted position, rank 1 two samples with 10
+    lo, hi = (0, 1) if rank == 0 else (1, 3)
+    lik = CrossEntropy("mean", ignore_index=-100)
+    dop = DistributedOperator(GGNOperator(model, lik, (X[lo:hi], y[lo:hi])), red)
+    v = torch.randn(dop.layout.dim, generator=torch.Generator().manual_seed(0), dtype=D64)
+    torch.testing.assert_close(dop @ v, GGNOperator(model, lik, (X, y)) @ v, atol=ATOL, rtol=0)
+
+
+def test_sharded_operator_weights_ranks_by_their_counted_positions():
+    from curvkit.distributed import spawn
+
+    spawn(_sharded_sequences_worker, 2, timeout=120)
