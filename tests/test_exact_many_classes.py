@@ -3,10 +3,10 @@
 Structural test: the likelihoods' dense output-Hessian forms (``output_hessian``, the full square root, the
 output Fisher's dense factor, ``reduced_factor``) are patched to raise, and every product path of every exact
 output-factor operator (products of one and several columns, quadratic forms, Hutchinson traces and diagonals,
-Lanczos, CG) still runs, on (B, C) and (B, T, C) outputs, through the recorded-tangent, dual-number, vmapped and
-reverse-over-reverse routes; a dispatch mode also refuses any tensor ending in (C, C). The exact diagonal takes
-the square root's columns in chunks and gives the same answer in any chunking. A GGN-vector product with a
-50,000-class head (GPT-2's vocabulary) runs on a tiny net.
+Lanczos, CG) still runs, on (B, C) and (B, T, C) outputs, through the recorded-tangent, forward-mode (dual
+numbers, vmapped jvp) and reverse-over-reverse routes, cached or not; a dispatch mode also refuses any tensor
+ending in (C, C). The exact diagonal takes the square root's columns in chunks and gives the same answer in
+any chunking. A GGN-vector product with a 50,000-class head (GPT-2's vocabulary) runs on a tiny net.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def _models():
 
 
 @pytest.mark.filterwarnings("ignore:conjugate gradients did not converge")
-@pytest.mark.parametrize("cache", [None, True])
+@pytest.mark.parametrize(("cache", "reverse"), [(None, False), (False, False), (None, True)])
 @pytest.mark.parametrize("name", ["sequential", "wrapped", "gpt"])
 @pytest.mark.parametrize("cls", [GGNOperator, FisherOperator, MCFisherOperator, EmpiricalFisherOperator])
-def test_products_use_no_dense_output_hessian(cls, name, cache, no_dense_output_hessian):
+def test_products_use_no_dense_output_hessian(cls, name, cache, reverse, no_dense_output_hessian):
     model, data = _models()[name]
-    op = cls(model, CrossEntropy("mean"), data, cache_linearisation=cache)
+    op = cls(model, CrossEntropy("mean"), data, cache_linearisation=cache, reverse_tangents=reverse)
     d = op.layout.dim
     g = torch.Generator().manual_seed(0)
     with NoSquare(C):

@@ -162,19 +162,60 @@ def test_mc_fisher_with_positions_samples_one_label_per_position(name):
     _check(op, dense_ef_flat(model, lik, data, labels=op.labels))
 
 
-@pytest.mark.parametrize("cache", [True, False, None])
+@pytest.mark.parametrize(("cache", "reverse"), [(None, False), (False, False), (None, True), (False, True)])
 @pytest.mark.parametrize("name", ["tagger", "vit"])
-def test_every_tangent_route_gives_the_same_products(name, cache):
-    """Uncached (dual numbers / vmapped jvp) and cached (reverse-over-reverse tangents) products."""
+def test_every_tangent_route_gives_the_same_products(name, cache, reverse):
+    """Cached or fresh forward graph; tangents by forward mode or by reverse-over-reverse."""
     model, lik, data = _case(name, "train")
     data = data if isinstance(data, tuple) else (torch.cat([X for X, _ in data]), torch.cat([y for _, y in data]))
-    op = GGNOperator(model, lik, data, cache_linearisation=cache)
-    assert op.caches_linearisation is bool(cache)
+    op = GGNOperator(model, lik, data, cache_linearisation=cache, reverse_tangents=reverse)
+    assert op.caches_linearisation is (cache is None)
     ref = dense_ggn_flat(model, lik, data)
     _check(op, ref, full=False)
+    assert op._use_forward_mode and op.reverse_tangents is reverse  # no fallback happened
+    plain = GGNOperator(model, lik, data, cache_linearisation=False)
     torch.testing.assert_close(op.trace("hutchinson", num_probes=5, generator=torch.Generator().manual_seed(1)),
-                               GGNOperator(model, lik, data, cache_linearisation=False).trace(
-                                   "hutchinson", num_probes=5, generator=torch.Generator().manual_seed(1)))
+                               plain.trace("hutchinson", num_probes=5, generator=torch.Generator().manual_seed(1)))
+
+
+class NoForwardMode(torch.autograd.Function):
+    """tanh with a backward formula (double-differentiable) but no forward-mode derivative."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out)
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(NoForwardMode.apply(self.a(x)))
+
+
+@pytest.mark.parametrize("cache", [None, False])
+def test_a_module_without_forward_mode_falls_back_to_reverse_over_reverse(cache):
+    torch.manual_seed(0)
+    model = WithCustomFunction().to(D64)
+    X, y = torch.randn(5, 3, dtype=D64), torch.tensor([0, 1, 2, 1, 0])
+    lik = CrossEntropy("mean")
+    op = GGNOperator(model, lik, (X, y), cache_linearisation=cache)
+    with pytest.warns(RuntimeWarning, match="forward-mode AD failed"):
+        first = op @ torch.ones(op.layout.dim, dtype=D64)
+    ref = dense_ggn_flat(model, lik, (X, y))
+    torch.testing.assert_close(first, ref @ torch.ones(op.layout.dim, dtype=D64), atol=ATOL, rtol=0)
+    _check(op, ref, full=False)
 
 
 # ------------------------------------------------------------------------------ fused kernels and the fast path
@@ -447,3 +488,49 @@ def test_sharded_operator_weights_ranks_by_their_counted_positions():
     from curvkit.distributed import spawn
 
     spawn(_sharded_sequences_worker, 2, timeout=120)
+
+
+class MixesSamples(nn.Module):
+    """Centres the batch (x - mean over the batch) with plain tensor code: no module the structure reader
+    knows as sample-mixing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("which", ["tagger", "mixing"])
+def test_forward_mode_tangents_in_pieces_of_the_batch(which, monkeypatch):
+    """The forward-mode pass runs over pieces of the batch (bounded transient memory); a model that mixes the
+    samples is detected by its outputs and evaluated whole, so products stay exact."""
+    import curvkit.curvature.exact as exact_mod
+
+    if which == "tagger":
+        model = _tagger(seed=3)
+        X, y = _ids(16, 3, 7, 3, seed=12, pad=-100)
+        lik = CrossEntropy("mean", ignore_index=-100)
+    else:
+        torch.manual_seed(4)
+        model = MixesSamples().to(D64)
+        X, y = torch.randn(16, 3, dtype=D64), torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(0))
+        lik = CrossEntropy("sum")
+    sizes: list[int] = []
+    original = exact_mod.OutputFactorOperator._forward_mode_pass
+
+    def spy(self, X, V, k):
+        sizes.append(int(X.shape[0]))
+        return original(self, X, V, k)
+
+    monkeypatch.setattr(exact_mod.OutputFactorOperator, "_forward_mode_pass", spy)
+    op = GGNOperator(model, lik, (X, y))
+    ref = dense_ggn_flat(model, lik, (X, y))
+    v = torch.randn(op.layout.dim, generator=torch.Generator().manual_seed(0), dtype=D64)
+    torch.testing.assert_close(op @ v, ref @ v, atol=ATOL, rtol=0)
+    assert sizes[:2] == [8, 8]  # two pieces of 8 samples
+    assert op._split_tangents is (which == "tagger")
+    torch.testing.assert_close(op @ v, ref @ v, atol=ATOL, rtol=0)
+    assert sizes[2:] == ([8, 8] if which == "tagger" else [16, 16])  # the mixing model: whole from then on

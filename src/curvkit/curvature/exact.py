@@ -7,45 +7,61 @@ of size (d, d) is formed unless ``to_dense()`` is asked for.
 
 Data and reduction. ``data`` is an ``(X, y)`` pair or an iterable of pairs; it is materialised into a
 list once (moved to the model's device) and every product loops over all of it again (one pass per
-product). The loss is L(theta) = w * sum_{n=1}^N L^n(theta) over ALL N points, with w = 1 for
-``likelihood.reduction == 'sum'`` and w = 1/N for ``'mean'`` (so batches are weighted by their size,
-exactly as if the data were one batch). Every operator below carries the same factor w.
+product). Outputs are (B, C), or (B, *P, C) with position dimensions P (tokens, time steps; classes last,
+targets (B, *P) or the output's shape): the loss is L(theta) = w * sum_n sum_p L^np(theta) over ALL N
+samples and their counted positions (padding, the likelihood's ``ignore_index`` / ``ignore_value``, is left
+out of the loss and of every curvature), with w = 1 for ``likelihood.reduction == 'sum'`` and
+w = 1 / (counted positions of all the data) for ``'mean'`` (= 1/N without positions: batches are weighted
+by their size, exactly as if the data were one batch; with positions exactly ``nn.CrossEntropyLoss`` on the
+logits flattened to (B * T, C)). Every operator below carries the same factor w (``weight``; ``num_terms``
+the counted positions, ``num_data`` the samples).
+
+Models. Any differentiable ``nn.Module``: every evaluation runs through
+:meth:`curvkit.structure.ModelStructure.functional_call`, inside :func:`curvkit.structure.curvature_kernels`
+(math attention, no multi-head-attention fast path: the fused kernels have no forward-mode derivative and no
+double backward, and the eval-mode fast path skips Python-level changes such as LoRA adapters), with the
+user's settings restored afterwards.
 
 Evaluation point. The operators are evaluated at the model's parameters AT CONSTRUCTION: they are
 snapshotted with ``.detach().clone()`` (buffers and frozen parameters too), so later training does not
 change an existing operator; build a new one to follow the model. See
 :class:`curvkit.curvature._functional.FunctionalModel` for the train/eval-mode caveat.
 
-The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dtheta (C, d)):
+The operators (thesis chapter 3; f_np = model output at sample n and position p (C,), J_np = df_np/dtheta
+(C, d); without positions p takes one value):
 
-* :class:`HessianOperator` - H = w sum_n d^2 L^n / dtheta^2 (thesis Lemma 3.15 structure), products by
+* :class:`HessianOperator` - H = w sum_np d^2 L^np / dtheta^2 (thesis Lemma 3.15 structure), products by
   reverse-over-reverse differentiation (one double-backward pass per column through the graph of the
   gradient, which is cached between products for single-batch data; ``cache_graph``). For networks that
   are piecewise linear in each layer's parameters, ``trace()`` uses (by default, ``piecewise_linear="auto"``)
   tr(H) = tr(G) (thesis Lemma 3.23; :func:`piecewise_linear_reason` verifies the structure).
-* :class:`GGNOperator` - G = w sum_n J_n^T H_L^n J_n (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
-* :class:`FisherOperator` - type-2 Fisher F = w sum_n J_n^T F_L^n J_n with the exact expectation over
+* :class:`GGNOperator` - G = w sum_np J_np^T H_L^np J_np (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
+* :class:`FisherOperator` - type-2 Fisher F = w sum_np J_np^T F_L^np J_np with the exact expectation over
   model labels (Eqs. 3.35-3.36); F_L from its definition in :mod:`curvkit.curvature.output_space`.
   Equal to the GGN for the three built-in heads (Eqs. 3.37-3.38).
-* :class:`MCFisherOperator` - F_L replaced by (1/M) sum_m g(f_n, y_nm) g(f_n, y_nm)^T with M labels per
-  point sampled from the model ONCE at construction (seeded), so the operator is a fixed matrix; with
-  M = 1 this is the curvature that KFAC factorises (thesis Sec. 4.3.3: one label sampled from the model per
-  data point).
-* :class:`EmpiricalFisherOperator` - F_L replaced by g(f_n, y_n) g(f_n, y_n)^T at the DATA labels
-  (not the thesis's Fisher; differs from the GGN in general).
+* :class:`MCFisherOperator` - F_L replaced by (1/M) sum_m g(f_np, y_npm) g(f_np, y_npm)^T with M labels per
+  sample and position sampled from the model ONCE at construction (seeded), so the operator is a fixed
+  matrix; with M = 1 this is the curvature that KFAC factorises (thesis Sec. 4.3.3: one label sampled from
+  the model per data point).
+* :class:`EmpiricalFisherOperator` - F_L replaced by g(f_np, y_np) g(f_np, y_np)^T at the DATA labels: the
+  outer products of each POSITION's loss gradient (curvlinops' convention; not the thesis's Fisher, and it
+  differs from the GGN in general).
 
-The last four share one form, w sum_n J_n^T S_n S_n^T J_n with an output-space factor S_n (C, R):
-products apply J (a Jacobian-vector product), S S^T in output space, then J^T (a backward pass). For plain
-``nn.Sequential`` models J v comes from the activations recorded in the forward pass by tangent propagation
-alone (:mod:`curvkit.curvature._tangent`); for other models a single column takes ONE forward pass carrying
-primal and tangent together (forward-mode dual numbers) and one backward pass, several columns use ``jvp``
-vmapped over the columns and a vmapped ``vjp``. Quadratic forms
-v^T C v = w sum_n ||S_n^T J_n v||^2 (``quadratic_form``, and hence ``trace('hutchinson')``) need only the
-Jacobian-vector products.
-Their exact ``diagonal()`` is w sum_n sum_r (J_n^T s_nr)^2 and ``to_dense()`` is w V^T V with
-V = [J_n^T s_nr] stacked over n and r; they need N * R per-sample backward passes (vmapped), not d
-products, and the diagonal of a model whose parameters all sit in Linear/Conv2d layers only R batched
-backward passes per batch (:mod:`curvkit.curvature._layerwise`). ``trace('exact')`` sums that
+The last four share one form, w sum_np J_np^T M_np J_np with an output-space matrix M = S S^T: products
+apply J (a Jacobian-vector product), M in output space (``likelihood.output_hessian_matvec`` and its
+relatives: O(C) per position, never a (C, C) matrix), then J^T (a backward pass through the graph of a
+forward pass, cached for single-batch data). For plain ``nn.Sequential`` models J v comes from the
+activations recorded in that forward pass by tangent propagation alone (:mod:`curvkit.curvature._tangent`);
+for other models from one forward-mode pass without a graph (dual numbers for one column, ``jvp`` vmapped
+over several), or by reverse-over-reverse through the forward graph (``reverse_tangents=True``, and the
+fallback for modules without forward-mode derivatives). A fresh operator's first product costs what every
+later one costs. Quadratic forms v^T C v = w sum_np (J_np v)^T M_np (J_np v) (``quadratic_form``, and hence
+``trace('hutchinson')``) need only the Jacobian-vector products.
+Their exact ``diagonal()`` is w sum_np sum_r (J_np^T s_npr)^2 and ``to_dense()`` is w V^T V with
+V = [J_np^T s_npr] stacked over n, p and r; they need N * T * R per-sample backward passes (vmapped; R = C
+for softmax: one backward pass per sample, position and class, with S taken in chunks of columns), not d
+products, and the diagonal of a model with (B, C) outputs whose parameters all sit in Linear/Conv2d layers
+only R batched backward passes per batch (:mod:`curvkit.curvature._layerwise`). ``trace('exact')`` sums that
 diagonal. Eigenvalues (Lanczos), ``solve`` (CG) and scipy export come from the base class.
 
 A usage sketch (doctest):
@@ -108,6 +124,9 @@ from curvkit.structure import read_model
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
+# The forward-mode tangent pass runs over the batch in up to this many pieces (its transient memory / pieces)
+# of at least this many samples (smaller pieces cost more time than they save memory).
+_TANGENT_PIECES, _TANGENT_PIECE_MIN = 4, 8
 
 
 class ExactCurvatureOperator(CurvatureOperator):
@@ -386,43 +405,44 @@ class OutputFactorOperator(ExactCurvatureOperator):
     * ``output_sqrt_rank(i, f, y)`` - R, and ``output_sqrt_columns(i, f, y, cols)`` - the columns ``cols``
       of S (B, *P, C, r) (the exact diagonal and the dense matrix take S in chunks of columns).
 
-    A product C v = w sum J^T M (J v) is a tangent pass J v, M in output space and one backward pass.
-    The tangent pass J v:
+    A product C v = w sum J^T M (J v) is a tangent pass J v, M in output space and one backward pass through
+    the graph of a forward pass at the snapshot (cached, or a fresh one per product). The tangent pass:
 
     * plain ``nn.Sequential`` of Linear/Conv layers and parameter-free modules
-      (:func:`curvkit.curvature._tangent.sequential_layers`): from the activations recorded in the forward
-      pass, by tangent propagation alone (:class:`curvkit.curvature._tangent.SequentialTangent`: no primal
-      recomputation);
-    * any other model, uncached: ONE forward pass carrying primal and tangent together (forward-mode dual
-      numbers, the primal's graph recorded for the backward pass) for a single column; ``vjp`` plus ``jvp``
-      vmapped over the columns (the primal computed once) for several. Every product then costs the same,
-      the first as well as the hundredth (about 1.7 gradient passes on a transformer, benchmarks);
-    * any other model, cached (``cache_linearisation=True``): reverse-over-reverse on the cached forward
-      graph, J v = d/du [(J^T u)^T v] (the graph of J^T u is built once, on the first product, at about
-      the cost of one backward pass; each tangent pass is then one backward pass through it, with no
-      forward pass). If the model has an operation without a double-backward formula, this falls back once,
-      with a warning, to ``jvp``.
+      (:func:`curvkit.curvature._tangent.sequential_layers`): from the activations recorded in that forward
+      pass, by tangent propagation alone (:class:`curvkit.curvature._tangent.SequentialTangent`);
+    * any other model: one forward-mode pass (dual numbers for one column, ``jvp`` vmapped over several; the
+      primal is recomputed alongside but no graph is recorded, so its memory is transient). Every product
+      costs the same, the first as well as the hundredth: no ``torch.func.linearize`` tracing;
+    * with ``reverse_tangents=True`` (or where a module has no forward-mode derivative: then once, with a
+      warning): reverse-over-reverse on the forward graph, J v = d/du [(J^T u)^T v], through the graph of
+      J^T u, built once per cached batch at about the cost of one backward pass. Steady-state products are
+      then about 15-25 % cheaper (no primal recomputation), at the price of holding that graph too: about two
+      to three times the memory of one gradient pass for the operator's lifetime.
 
     Linearisation caching (``cache_linearisation``): ``True`` keeps, for the operator's lifetime, each
-    batch's autograd graph from the construction-time (validating) forward pass (and for a plain Sequential
-    its recorded activations; for any other model also the graph of J^T u): a product then costs a tangent
-    pass + a backward pass and a quadratic form a tangent pass, with no forward pass. Memory trade-off: the
-    batch's activations are held as long as the operator lives, O(B * width), never O(d^2) (for the
-    reverse-over-reverse route about two to three times what one gradient pass holds). ``None`` (default)
-    caches where it costs no more than one gradient pass's memory: single-batch ``data`` on the recorded-
-    tangent route; ``False`` never caches. The parameters are snapshotted in any case, so the cache never
-    goes stale; a cached graph freezes the module's train/eval mode as it was at construction.
+    batch's autograd graph (and recorded activations) from the construction-time (validating) forward pass,
+    so a product costs a tangent pass + a backward pass, and a quadratic form a tangent pass, with no further
+    forward pass. Memory trade-off: the batch's activations (what one gradient pass holds, O(B * width), never
+    O(d^2)) are held as long as the operator lives. ``None`` (default) caches for single-batch ``data`` only;
+    ``False`` never caches (every product then repeats the forward pass). The parameters are snapshotted in
+    any case, so the cache never goes stale; a cached graph freezes the module's train/eval mode as it was at
+    construction.
     """
 
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
-    _use_dual = True  # single-column products by forward-mode dual numbers (falls back once on error)
-    _use_reverse_tangent = True  # cached non-Sequential tangents by reverse-over-reverse (falls back once)
+    _use_forward_mode = True  # tangents of non-Sequential models by forward mode (falls back once on error)
+    _split_tangents = True  # the forward-mode pass in pieces of the batch (off once a model mixes samples)
+    reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_linearisation: bool | None = None):
+                 cache_linearisation: bool | None = None, reverse_tangents: bool = False):
         if cache_linearisation not in (None, True, False):
             raise ValueError(f"cache_linearisation must be None (auto), True or False, got {cache_linearisation!r}")
+        if reverse_tangents not in (True, False):
+            raise ValueError(f"reverse_tangents must be True or False, got {reverse_tangents!r}")
         self.cache_linearisation = cache_linearisation
+        self.reverse_tangents = bool(reverse_tangents)
         super().__init__(model, likelihood, data, chunk_size=chunk_size)
 
     # ------------------------------------------------------------------ output space (subclasses)
@@ -447,9 +467,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def caches_linearisation(self) -> bool:
         """Whether each batch's forward graph is kept between products (see the class doc)."""
         flag = self.__dict__.get("cache_linearisation")
-        if flag is not None:
-            return bool(flag)
-        return len(self.batches) == 1 and self._sequential_layers() is not None
+        return bool(flag) if flag is not None else len(self.batches) == 1
 
     def _sequential_layers(self) -> list[nn.Module] | None:
         """The recorded-tangent route's layers (plain Sequential models), else None (decided once)."""
@@ -497,42 +515,69 @@ class OutputFactorOperator(ExactCurvatureOperator):
             c = self._lin_cache()[i] = self._forward(X, graph=True)
         return c
 
-    def _entry(self, i: int, X: Tensor, graph: bool) -> dict[str, Any] | None:
-        """A forward pass whose tangents need no primal recomputation: the cache, or (uncached) a fresh
-        recorded pass of a plain Sequential; None for the ``torch.func`` routes."""
-        if self.caches_linearisation:
-            return self._cached(i, X)
-        if self._sequential_layers() is not None:
-            entry = self._forward(X, graph=graph)
-            if entry["tangent"] is not None:
-                return entry
-        return None
+    def _entry(self, i: int, X: Tensor, graph: bool) -> dict[str, Any]:
+        """Batch i's forward pass: the cache, or a fresh pass (with its graph if ``graph``)."""
+        return self._cached(i, X) if self.caches_linearisation else self._forward(X, graph=graph)
 
     # ------------------------------------------------------------------ tangents J v
     def _tangents(self, X: Tensor, entry: dict[str, Any], V: Params, k: int) -> Tensor:
-        """J v for every column (k, B, *P, C) from a forward pass ``entry`` (class doc for the routes)."""
+        """J v for every column (k, B, *P, C) at the forward pass ``entry`` (class doc for the routes)."""
         if entry["tangent"] is not None:
             return entry["tangent"](V)  # type: ignore[no-any-return]
-        if self._use_reverse_tangent and entry["f"].requires_grad:
+        if self.reverse_tangents and entry["f"].requires_grad:
             try:
                 return self._reverse_tangents(entry, V, k)
             except (RuntimeError, NotImplementedError) as err:
-                self._use_reverse_tangent = False
-                entry.pop("u", None), entry.pop("JTu", None)
+                self.reverse_tangents = False
+                entry.pop("JTu", None)
                 warnings.warn(f"{type(self).__name__}: double backward failed ({err}); falling back to "
                               "forward-mode Jacobian-vector products", RuntimeWarning, stacklevel=4)
-        return self._jvp_tangents(X, V, k)
+        if self._use_forward_mode:
+            try:
+                return self._forward_mode(X, V, k, full=entry["f"].detach())[1]
+            except (RuntimeError, NotImplementedError) as err:
+                self._use_forward_mode = False
+                warnings.warn(f"{type(self).__name__}: forward-mode AD failed ({err}); falling back to "
+                              "reverse-over-reverse Jacobian-vector products", RuntimeWarning, stacklevel=4)
+        if not entry["f"].requires_grad:
+            entry = self._forward(X, graph=True)
+        return self._reverse_tangents(entry, V, k)
 
-    def _jvp_tangents(self, X: Tensor, V: Params, k: int) -> Tensor:
-        """J v by ``torch.func.jvp`` (the primal recomputed, once per vmapped block of columns)."""
+    def _forward_mode(self, X: Tensor, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column, ``jvp``
+        vmapped over several (the primal computed once per block).
+
+        The pass holds primal, tangent and their temporaries of a layer at once (about three times a no-grad
+        forward pass), so given the batch's full output ``full`` it runs over the batch in up to
+        ``_TANGENT_PIECES`` pieces of at least ``_TANGENT_PIECE_MIN`` samples (each sample's tangent depends
+        only on its own input), and keeps the split
+        only if the pieces' outputs equal ``full``: a model that mixes the samples of a batch (undetected by
+        the structure reader) is then evaluated whole, from then on.
+        """
+        pieces = min(int(X.shape[0]) // _TANGENT_PIECE_MIN, _TANGENT_PIECES)
+        if full is not None and pieces > 1 and self._split_tangents and not self.fmodel.batch_coupled:
+            parts = [self._forward_mode_pass(Xs, V, k) for Xs in X.tensor_split(pieces)]
+            f = torch.cat([part[0] for part in parts])
+            tol = torch.finfo(f.dtype).eps ** 0.5 * (1 + float(full.abs().max()))
+            if f.shape == full.shape and float((f - full).abs().max()) <= tol:
+                return f, torch.cat([part[1] for part in parts], dim=1)
+            self._split_tangents = False
+        return self._forward_mode_pass(X, V, k)
+
+    def _forward_mode_pass(self, X: Tensor, V: Params, k: int) -> tuple[Tensor, Tensor]:
         def fn(p: Params) -> Tensor:
             return self.fmodel(p, X)
 
-        return self._map(lambda v: jvp(fn, (self.params,), (v,))[1], (V,), k)  # type: ignore[no-any-return]
+        if k == 1:
+            with torch.no_grad(), fwAD.dual_level():
+                f, Jv = fwAD.unpack_dual(fn(tuple(fwAD.make_dual(p, v[0]) for p, v in zip(self.params, V))))
+            return f, (torch.zeros_like(f) if Jv is None else Jv)[None]
+        fs, Jv = self._map(lambda v: jvp(fn, (self.params,), (v,)), (V,), k)
+        return fs[0], Jv
 
     def _reverse_tangents(self, entry: dict[str, Any], V: Params, k: int) -> Tensor:
-        """J v = d/du [(J^T u)^T v] through the graph of g(u) = J^T u (built once, with u = 0: g is linear
-        in u, so its derivative does not depend on where it is taken)."""
+        """J v = d/du [(J^T u)^T v] through the graph of g(u) = J^T u (built once per forward pass, with
+        u = 0: g is linear in u, so its derivative does not depend on where it is taken)."""
         f = entry["f"]
         if "JTu" not in entry:
             u = torch.zeros_like(f, requires_grad=True)
@@ -540,9 +585,8 @@ class OutputFactorOperator(ExactCurvatureOperator):
                 g = torch.autograd.grad(f, entry["leaves"], u, create_graph=True, retain_graph=True,
                                         allow_unused=True, materialize_grads=True)
             live = [j for j, t in enumerate(g) if t.requires_grad]
-            entry["u"], entry["JTu"] = u, ([g[j] for j in live], live)
-        u = entry["u"]
-        g, live = entry["JTu"]
+            entry["JTu"] = (u, [g[j] for j in live], live)
+        u, g, live = entry["JTu"]
         if not live:
             return torch.zeros(k, *f.shape, dtype=f.dtype, device=f.device)
         if k == 1:
@@ -553,18 +597,18 @@ class OutputFactorOperator(ExactCurvatureOperator):
                                    materialize_grads=True, is_grads_batched=True)[0]
 
     # ------------------------------------------------------------------ products
-    def _backward_product(self, i: int, y: Tensor, f: Tensor, leaves: Params, Jv: Tensor, k: int) -> Tensor:
-        """(d, k) columns w J^T M (J v) from the tangents Jv (k, B, *P, C) and f's graph w.r.t. ``leaves``."""
+    def _backward_product(self, i: int, y: Tensor, entry: dict[str, Any], Jv: Tensor, out: Tensor) -> None:
+        """Add the (d, k) columns w J^T M (J v) to ``out`` from the tangents Jv (k, B, *P, C) and the graph of
+        the forward pass ``entry`` (each parameter's gradient is written into its rows: no concatenated
+        copy)."""
+        f, k = entry["f"], out.shape[1]
         if not f.requires_grad:
-            return torch.zeros(self.layout.dim, k, dtype=self.dtype, device=self.device)
+            return
         U = self.output_matvec(i, f.detach(), y, Jv) * self.weight
-        if k == 1:
-            grads = torch.autograd.grad(f, leaves, U[0], retain_graph=True, allow_unused=True,
-                                        materialize_grads=True)
-            return torch.cat([t.reshape(-1) for t in grads])[:, None]
-        grads = torch.autograd.grad(f, leaves, U, retain_graph=True, allow_unused=True,
-                                    materialize_grads=True, is_grads_batched=True)
-        return params_to_cols(grads)
+        grads = torch.autograd.grad(f, entry["leaves"], U[0] if k == 1 else U, retain_graph=True,
+                                    allow_unused=True, materialize_grads=True, is_grads_batched=k > 1)
+        for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
+            out[o:o + n] += g.reshape(k, n).T
 
     def _matmat_chunk(self, M: Tensor) -> Tensor:
         """C M for a (d, k) block: J (tangent), M in output space, J^T (backward), per batch (class doc)."""
@@ -573,40 +617,8 @@ class OutputFactorOperator(ExactCurvatureOperator):
         out = torch.zeros_like(M)
         for i, (X, y) in enumerate(self.batches):
             entry = self._entry(i, X, graph=True)
-            if entry is not None:
-                out += self._backward_product(i, y, entry["f"], entry["leaves"], self._tangents(X, entry, V, k), k)
-                continue
-            if k == 1 and self._use_dual:
-                try:
-                    out += self._product_dual(i, X, y, tuple(v[0] for v in V))
-                    continue
-                except (RuntimeError, NotImplementedError) as err:
-                    self._use_dual = False
-                    warnings.warn(f"{type(self).__name__}: forward-mode AD failed ({err}); falling back to "
-                                  "separate jvp and vjp passes", RuntimeWarning, stacklevel=3)
-
-            def fn(p: Params, X: Tensor = X) -> Tensor:
-                return self.fmodel(p, X)
-
-            f, vjp_fn = vjp(fn, self.params)[:2]
-            Jv = self._map(lambda v, fn=fn: jvp(fn, (self.params,), (v,))[1], (V,), k)  # (k, B, *P, C)
-            U = self.output_matvec(i, f.detach(), y, Jv) * self.weight
-            out += params_to_cols(self._map(lambda u, vjp_fn=vjp_fn: vjp_fn(u)[0], (U,), k))
+            self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out)
         return out
-
-    def _product_dual(self, i: int, X: Tensor, y: Tensor, v: Params) -> Tensor:
-        """(d, 1) product for one column v with one dual-number forward pass and one backward pass."""
-        leaves = self._leaves()
-        with torch.enable_grad(), fwAD.dual_level():
-            dual_out = self.fmodel(tuple(fwAD.make_dual(p, t) for p, t in zip(leaves, v)), X)
-            f, Jv = fwAD.unpack_dual(dual_out)
-        f = f.view_as(f)  # plain tensor (still on the primal graph)
-        if not f.requires_grad:
-            return torch.zeros(self.layout.dim, 1, dtype=self.dtype, device=self.device)
-        Jv = torch.zeros_like(f) if Jv is None else Jv.detach()  # (B, *P, C)
-        U = self.output_matvec(i, f.detach(), y, Jv) * self.weight
-        JtU = torch.autograd.grad(f, leaves, U, allow_unused=True, materialize_grads=True)
-        return torch.cat([t.reshape(-1) for t in JtU])[:, None]
 
     def quadratic_form(self, M: Tensor) -> Tensor:
         """v^T C v for every column v of M (d, k) (or a flat (d,) vector): shape (k,) (or 0-d).
@@ -628,15 +640,15 @@ class OutputFactorOperator(ExactCurvatureOperator):
         V = cols_to_params(self.layout, M)
         out = torch.zeros(k, dtype=self.dtype, device=self.device)
         for i, (X, y) in enumerate(self.batches):
-            entry = self._entry(i, X, graph=False)
-            if entry is not None:
+            if self.caches_linearisation or self._sequential_layers() is not None or not self._use_forward_mode:
+                entry = self._entry(i, X, graph=not self._use_forward_mode)
                 f, Jv = entry["f"], self._tangents(X, entry, V, k)
-            else:
-                def fn(p: Params, X: Tensor = X) -> Tensor:
-                    return self.fmodel(p, X)
-
-                fs, Jv = self._map(lambda v, fn=fn: jvp(fn, (self.params,), (v,)), (V,), k)  # (k, B, *P, C) each
-                f = fs[0]
+            else:  # uncached, forward mode: the primal comes with the tangents
+                try:
+                    f, Jv = self._forward_mode(X, V, k)
+                except (RuntimeError, NotImplementedError):
+                    entry = self._entry(i, X, graph=True)
+                    f, Jv = entry["f"], self._tangents(X, entry, V, k)  # falls back (with its warning)
             MJv = self.output_matvec(i, f.detach(), y, Jv)
             out += (Jv * MJv).reshape(k, -1).sum(1) * self.weight
         return out
@@ -844,13 +856,15 @@ class MCFisherOperator(_SmallFactorOperator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, mc_samples: int = 1,
-                 seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None):
+                 seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None,
+                 reverse_tangents: bool = False):
         if int(mc_samples) < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples}")
         self.mc_samples = int(mc_samples)
         self.seed = int(seed)
         self.labels: list[list[Tensor]] = []
-        super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation,
+                         reverse_tangents=reverse_tangents)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
