@@ -78,7 +78,7 @@ class FunctionalModel:
         return self.structure.functional_call(state, (X,), buffers)  # type: ignore[no-any-return]
 
     def single(self, params: Params, x: Tensor) -> Tensor:
-        """Output for ONE sample ``x`` (no batch dimension), shape (C,)."""
+        """Output for ONE sample ``x`` (no batch dimension), shape (C,) or (*P, C)."""
         return self(params, x.unsqueeze(0))[0]
 
 

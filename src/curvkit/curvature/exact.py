@@ -412,12 +412,13 @@ class OutputFactorOperator(ExactCurvatureOperator):
       (:func:`curvkit.curvature._tangent.sequential_layers`): from the activations recorded in that forward
       pass, by tangent propagation alone (:class:`curvkit.curvature._tangent.SequentialTangent`);
     * any other model: one forward-mode pass (dual numbers for one column, ``jvp`` vmapped over several; the
-      primal is recomputed alongside but no graph is recorded, so its memory is transient). Every product
-      costs the same, the first as well as the hundredth: no ``torch.func.linearize`` tracing;
+      primal is recomputed alongside but no graph is recorded, and the batch is taken in up to four pieces,
+      so its memory is transient and small). Every product costs the same, the first as well as the
+      hundredth: no ``torch.func.linearize`` tracing;
     * with ``reverse_tangents=True`` (or where a module has no forward-mode derivative: then once, with a
       warning): reverse-over-reverse on the forward graph, J v = d/du [(J^T u)^T v], through the graph of
       J^T u, built once per cached batch at about the cost of one backward pass. Steady-state products are
-      then about 15-25 % cheaper (no primal recomputation), at the price of holding that graph too: about two
+      then about 10-20 % cheaper (no primal recomputation), at the price of holding that graph too: about two
       to three times the memory of one gradient pass for the operator's lifetime.
 
     Linearisation caching (``cache_linearisation``): ``True`` keeps, for the operator's lifetime, each
@@ -604,7 +605,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         f, k = entry["f"], out.shape[1]
         if not f.requires_grad:
             return
-        U = self.output_matvec(i, f.detach(), y, Jv) * self.weight
+        U = self.output_matvec(i, f.detach(), y, Jv)
+        del Jv  # (the caller holds no other reference: freed before the backward pass)
+        U.mul_(self.weight)
         grads = torch.autograd.grad(f, entry["leaves"], U[0] if k == 1 else U, retain_graph=True,
                                     allow_unused=True, materialize_grads=True, is_grads_batched=k > 1)
         for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
