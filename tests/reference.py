@@ -6,11 +6,15 @@ library's own code paths: full Hessians by ``torch.func.hessian``, Jacobians by 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.likelihoods import CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.layout import ParamLayout
 
 
@@ -155,3 +159,101 @@ class NotSequential(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+
+# ------------------------------------------------------------------------------ references for modern models
+# Outputs (B, C) or (B, *P, C), padding, models with attention, BatchNorm in training mode. Written with plain
+# torch (torch.nn.functional losses on the outputs flattened to (B * T, C), as nn.CrossEntropyLoss sees them),
+# with PyTorch's unfused attention, and with Hessians by reverse-over-reverse differentiation (torch.func.hessian,
+# forward-over-reverse, was seen to give wrong Hessians for BatchNorm in training mode in torch 2.13).
+
+
+@contextlib.contextmanager
+def unfused_attention():
+    """PyTorch's math attention backend only and the multi-head-attention fast path off (previous settings
+    restored); written independently of curvkit.structure.curvature_kernels."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+
+
+def flat_model(model: nn.Module):
+    """(f(theta, X), theta0): the model as a function of its flat trainable parameters, evaluated with unfused
+    attention and with fresh copies of its buffers (BatchNorm's running statistics are never changed)."""
+    names, shapes, flat = flat_params(model)
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def f(theta: Tensor, X: Tensor) -> Tensor:
+        state = {**frozen, **{n: b.clone() for n, b in buffers.items()}, **_unflat(names, shapes, theta)}
+        with unfused_attention():
+            return functional_call(model, state, (X,))
+
+    return f, flat
+
+
+def flat_terms(lik: Likelihood, f: Tensor, y: Tensor) -> tuple[Tensor, int]:
+    """(per-position losses of the outputs flattened to (M, C), M = B * prod(P); number of counted positions),
+    from torch.nn.functional (padded positions contribute 0)."""
+    C = f.shape[-1]
+    if isinstance(lik, CrossEntropy):
+        ignore = getattr(lik, "ignore_index", None)
+        ignore = -100 if ignore is None else ignore
+        yf = y.reshape(-1)
+        terms = torch.nn.functional.cross_entropy(f.reshape(-1, C), yf, ignore_index=ignore, reduction="none")
+        return terms, int((yf != ignore).sum())
+    if isinstance(lik, Gaussian):
+        ff, yf = f.reshape(-1, C), y.reshape(-1, C).to(f.dtype)
+        keep = torch.ones(ff.shape[0], dtype=torch.bool, device=f.device) if lik.ignore_value is None else (yf != lik.ignore_value).any(-1)
+        terms = 0.5 * ((ff - yf) ** 2).sum(-1) / lik.sigma**2 * keep
+        return terms, int(keep.sum())
+    raise NotImplementedError(type(lik).__name__)
+
+
+def _weight(lik: Likelihood, f: Callable, theta: Tensor, data) -> float:
+    with torch.no_grad():
+        counted = sum(flat_terms(lik, f(theta, X), y)[1] for X, y in _batches(data))
+    return 1.0 if lik.reduction == "sum" else 1.0 / counted
+
+
+def dense_hessian_ror(model: nn.Module, lik: Likelihood, data) -> Tensor:
+    """Hessian of the reduced loss over all of ``data`` by reverse-over-reverse (one double-backward pass per
+    row); ``mean`` divides by the counted positions of all the data, as nn.CrossEntropyLoss on (B * T, C)."""
+    f, theta0 = flat_model(model)
+    w = _weight(lik, f, theta0, data)
+    theta = theta0.clone().requires_grad_()
+    loss = sum(flat_terms(lik, f(theta, X), y)[0].sum() for X, y in _batches(data)) * w
+    g = torch.autograd.grad(loss, theta, create_graph=True)[0]
+    return torch.stack([torch.autograd.grad(g[i], theta, retain_graph=True)[0] for i in range(theta.numel())])
+
+
+def dense_ggn_flat(model: nn.Module, lik: Likelihood, data) -> Tensor:
+    """GGN w sum_b J_b^T (d^2 loss_b / d f_b^2) J_b with the full output Jacobian J_b (B * prod(P) * C, d) and the
+    Hessian of the batch's summed loss in its flattened outputs (a tiny (B * prod(P) * C)^2 matrix)."""
+    f, theta = flat_model(model)
+    w = _weight(lik, f, theta, data)
+    G = torch.zeros(theta.numel(), theta.numel(), dtype=theta.dtype)
+    for X, y in _batches(data):
+        out = f(theta, X).detach()
+        J = jacrev(f)(theta, X).reshape(-1, theta.numel())
+        H = hessian(lambda o, y=y, s=out.shape: flat_terms(lik, o.reshape(s), y)[0].sum())(out.reshape(-1))
+        G += J.T @ H @ J
+    return G * w
+
+
+def dense_ef_flat(model: nn.Module, lik: Likelihood, data, labels=None) -> Tensor:
+    """w sum over samples AND positions of g g^T, g the gradient of one position's loss (at the data labels, or
+    for ``labels`` - a list per batch of lists of sampled targets - the mean over them: the MC Fisher)."""
+    f, theta = flat_model(model)
+    w = _weight(lik, f, theta, data)
+    out = torch.zeros(theta.numel(), theta.numel(), dtype=theta.dtype)
+    for b, (X, y) in enumerate(_batches(data)):
+        targets = [y] if labels is None else labels[b]
+        for t in targets:
+            R = jacrev(lambda th, t=t, X=X: flat_terms(lik, f(th, X), t)[0])(theta)  # (B * prod(P), d)
+            out += R.T @ R / len(targets)
+    return out * w

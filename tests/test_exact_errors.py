@@ -61,10 +61,13 @@ def test_wrong_vector_and_list_shapes(cls):
 
 
 def test_model_output_not_batch_by_outputs():
-    conv = nn.Sequential(nn.Conv2d(1, 2, 3)).to(D64)  # output (B, 2, 3, 3): no Flatten
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3)).to(D64)  # output (B, 2, 3, 3): read as positions (2, 3), 3 classes
     X = torch.randn(2, 1, 5, 5, dtype=D64)
-    with pytest.raises(ValueError, match=r"shape \(batch, outputs\)"):
-        GGNOperator(conv, CrossEntropy("sum"), (X, torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match=r"batch 0: .*targets must be integer class indices of shape \(2, 2, 3\)"):
+        GGNOperator(conv, CrossEntropy("sum"), (X, torch.tensor([0, 1])))  # never re-read as (B,) labels
+    flat = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).to(D64)  # output (B,): no output dimension
+    with pytest.raises(ValueError, match=r"shape \(batch, outputs\) = \(2, C\) or \(batch, positions"):
+        GGNOperator(flat, CrossEntropy("sum"), (torch.randn(2, 3, dtype=D64), torch.tensor([0, 1])))
 
 
 def test_bad_data_and_arguments():

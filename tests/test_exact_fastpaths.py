@@ -61,9 +61,9 @@ def test_single_column_dual_product_matches_dense_and_batched_path(reduction):
     for cls, ref in refs.items():
         op = cls(model, lik, data)
         torch.testing.assert_close(op @ v, ref @ v, atol=1e-12, rtol=0)  # one column: dual numbers
-        assert not op._sequential_ok()  # not a plain Sequential: the torch.func paths ran
-        assert op._use_dual  # the fast path ran (no fallback)
-        two = op @ torch.stack([v, 2 * v], 1)  # several columns: vjp + vmapped jvp
+        assert op._sequential_layers() is None  # not a plain Sequential: the torch.func paths ran
+        assert op._use_forward_mode  # the forward-mode tangents ran (no fallback)
+        two = op @ torch.stack([v, 2 * v], 1)  # several columns: vmapped jvp + a batched backward pass
         torch.testing.assert_close(two[:, 0], ref @ v, atol=1e-12, rtol=0)
     mc = MCFisherOperator(model, lik, data, mc_samples=2, seed=3)
     torch.testing.assert_close(mc @ v, (mc.to_dense() @ v), atol=1e-12, rtol=0)
@@ -77,10 +77,10 @@ def test_dual_product_falls_back_when_forward_ad_fails(monkeypatch):
     def broken(*args, **kwargs):
         raise NotImplementedError("no forward-mode formula (simulated)")
 
-    monkeypatch.setattr(op, "_product_dual", broken)
+    monkeypatch.setattr(op, "_forward_mode", broken)
     v = torch.ones(31, dtype=D64)
-    with pytest.warns(RuntimeWarning, match="forward-mode AD failed"):
-        out = op @ v
+    with pytest.warns(RuntimeWarning, match="forward-mode AD failed.*reverse-over-reverse"):
+        out = op @ v  # tangents by reverse-over-reverse through the forward graph
     torch.testing.assert_close(out, dense_ggn(model, lik, data) @ v, atol=1e-12, rtol=0)
 
 

@@ -106,8 +106,10 @@ class Likelihood:
 
     # -- masking --------------------------------------------------------------------------------------
     def mask(self, y: Tensor) -> Tensor | None:
-        """(B, *P) bool mask of the positions that count (None: all of them)."""
-        return None if y is None else self._padding(y)
+        """(B, *P) bool mask of the positions that count, True where a position is in the loss (None: all of
+        them)."""
+        pad = None if y is None else self._padding(y)
+        return None if pad is None else ~pad
 
     def num_terms(self, f: Tensor, y: Tensor | None = None) -> int:
         """Number of loss terms (counted positions) of a batch: B * prod(P) minus the padded ones."""

@@ -78,7 +78,7 @@ class FunctionalModel:
         return self.structure.functional_call(state, (X,), buffers)  # type: ignore[no-any-return]
 
     def single(self, params: Params, x: Tensor) -> Tensor:
-        """Output for ONE sample ``x`` (no batch dimension), shape (C,)."""
+        """Output for ONE sample ``x`` (no batch dimension), shape (C,) or (*P, C)."""
         return self(params, x.unsqueeze(0))[0]
 
 
@@ -104,20 +104,27 @@ def params_to_rows(tensors: Iterable[Tensor], lead: int) -> Tensor:
 
 def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Tensor, y: Tensor | None,
                    batch_index: int) -> Tensor:
-    """Model output (B, C) at the snapshot, validated: shape (B, C), finite, targets as the head needs."""
+    """Model output at the snapshot, validated: (B, C) or (B, *P, C), finite, targets as the head needs."""
     with torch.no_grad():
         f = fmodel(fmodel.params, X)
     return check_output(f, likelihood, X, y, batch_index)
 
 
 def check_output(f: Any, likelihood: Likelihood, X: Tensor, y: Tensor | None, batch_index: int) -> Tensor:
-    """Validate an already computed model output ``f`` for batch ``X`` (see :func:`checked_output`)."""
+    """Validate an already computed model output ``f`` for batch ``X`` (see :func:`checked_output`): one
+    tensor whose first dimension is the batch and whose LAST is the outputs (classes), with any position
+    dimensions between them; the likelihood checks finiteness and that the targets match."""
     if not isinstance(f, Tensor):
-        raise TypeError(f"the model must return one tensor of shape (batch, outputs), got {type(f).__name__}")
-    if f.dim() != 2 or f.shape[0] != X.shape[0]:
+        raise TypeError(f"the model must return one tensor of shape (batch, outputs) or (batch, positions..., "
+                        f"outputs), got {type(f).__name__}")
+    if f.dim() < 2 or f.shape[0] != X.shape[0]:
         raise ValueError(
-            f"batch {batch_index}: the model output must have shape (batch, outputs) = ({X.shape[0]}, C), "
-            f"got {tuple(f.shape)}; flatten or reshape it inside the model (e.g. end with nn.Flatten())"
+            f"batch {batch_index}: the model output must have shape (batch, outputs) = ({X.shape[0]}, C) or "
+            f"(batch, positions..., outputs) = ({X.shape[0]}, ..., C), got {tuple(f.shape)}; flatten or reshape "
+            "it inside the model (e.g. end with nn.Flatten())"
         )
-    likelihood.check(f.detach(), y)
+    try:
+        likelihood.check(f.detach(), y)
+    except ValueError as err:
+        raise ValueError(f"batch {batch_index}: {err}") from None
     return f

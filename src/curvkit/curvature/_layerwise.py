@@ -19,7 +19,7 @@ the caller then falls back to generic per-sample gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +52,13 @@ def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
 
 
 def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tensor,
-                       S: Tensor | Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+                       S: Tensor | Callable[[Tensor], Iterable[Tensor]]) -> dict[str, Tensor]:
     """sum_{n,r} (per-sample gradient of s_{n,r}^T f_n)^2 per parameter name; S is (B, C, R).
 
-    ``S`` may also be a function of the (detached) model output f (B, C) returning S: it is then
-    evaluated on the output of the hooked forward pass itself (no separate forward pass for S).
+    ``S`` may also be a function of the (detached) model output f (B, C) returning S in chunks of columns
+    (B, C, r): it is then evaluated on the output of the hooked forward pass itself (no separate forward
+    pass for S), and each chunk costs r batched backward passes. Outputs with positions (B, *P, C) are
+    :class:`Unsupported` (a column would mix the positions of a sample).
     """
     inputs: dict[int, Tensor] = {}
     eps: dict[int, Tensor] = {}
@@ -83,10 +85,15 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tenso
             h.remove()
     if len(eps) != len(specs):
         raise Unsupported("a layer was not run in the forward pass")
-    if callable(S):
-        S = S(f.detach())
-    return squared_gradients(specs, [inputs[i] for i in range(len(specs))], f,
-                             [eps[i] for i in range(len(specs))], S)
+    if f.dim() != 2:
+        raise Unsupported("outputs with positions")
+    chunks = S(f.detach()) if callable(S) else [S]
+    acts, outs = [inputs[i] for i in range(len(specs))], [eps[i] for i in range(len(specs))]
+    total: dict[str, Tensor] = {}
+    for chunk in chunks:
+        for name, val in squared_gradients(specs, acts, f, outs, chunk, retain_graph=True).items():
+            total[name] = total[name] + val if name in total else val
+    return total
 
 
 def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, outputs: list[Tensor], S: Tensor,

@@ -29,7 +29,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
-from curvkit.structure import AFFINE, DROPOUTS, RESHAPES, ModelStructure, conv_forward, read_model
+from curvkit.structure import (
+    AFFINE,
+    DROPOUTS,
+    RESHAPES,
+    ModelStructure,
+    conv_forward,
+    curvature_kernels,
+    read_model,
+)
 
 Params = tuple[Tensor, ...]
 
@@ -134,7 +142,12 @@ class SequentialTangent:
         return None
 
     def __call__(self, V: Params) -> Tensor:
-        """J v for every direction: V = tuple of (k, *shape) parameter tensors -> (k, B, C)."""
+        """J v for every direction: V = tuple of (k, *shape) parameter tensors -> (k, B, C). Modules without a
+        closed form run inside :func:`curvkit.structure.curvature_kernels` (forward-mode derivatives)."""
+        with curvature_kernels():
+            return self._propagate(V)
+
+    def _propagate(self, V: Params) -> Tensor:
         k = V[0].shape[0]
         t: Tensor | None = None
         for i, r in enumerate(self._records):

@@ -7,45 +7,61 @@ of size (d, d) is formed unless ``to_dense()`` is asked for.
 
 Data and reduction. ``data`` is an ``(X, y)`` pair or an iterable of pairs; it is materialised into a
 list once (moved to the model's device) and every product loops over all of it again (one pass per
-product). The loss is L(theta) = w * sum_{n=1}^N L^n(theta) over ALL N points, with w = 1 for
-``likelihood.reduction == 'sum'`` and w = 1/N for ``'mean'`` (so batches are weighted by their size,
-exactly as if the data were one batch). Every operator below carries the same factor w.
+product). Outputs are (B, C), or (B, *P, C) with position dimensions P (tokens, time steps; classes last,
+targets (B, *P) or the output's shape): the loss is L(theta) = w * sum_n sum_p L^np(theta) over ALL N
+samples and their counted positions (padding, the likelihood's ``ignore_index`` / ``ignore_value``, is left
+out of the loss and of every curvature), with w = 1 for ``likelihood.reduction == 'sum'`` and
+w = 1 / (counted positions of all the data) for ``'mean'`` (= 1/N without positions: batches are weighted
+by their size, exactly as if the data were one batch; with positions exactly ``nn.CrossEntropyLoss`` on the
+logits flattened to (B * T, C)). Every operator below carries the same factor w (``weight``; ``num_terms``
+the counted positions, ``num_data`` the samples).
+
+Models. Any differentiable ``nn.Module``: every evaluation runs through
+:meth:`curvkit.structure.ModelStructure.functional_call`, inside :func:`curvkit.structure.curvature_kernels`
+(math attention, no multi-head-attention fast path: the fused kernels have no forward-mode derivative and no
+double backward, and the eval-mode fast path skips Python-level changes such as LoRA adapters), with the
+user's settings restored afterwards.
 
 Evaluation point. The operators are evaluated at the model's parameters AT CONSTRUCTION: they are
 snapshotted with ``.detach().clone()`` (buffers and frozen parameters too), so later training does not
 change an existing operator; build a new one to follow the model. See
 :class:`curvkit.curvature._functional.FunctionalModel` for the train/eval-mode caveat.
 
-The operators (thesis chapter 3; f_n = model output (B, C) = h_L, J_n = df_n/dtheta (C, d)):
+The operators (thesis chapter 3; f_np = model output at sample n and position p (C,), J_np = df_np/dtheta
+(C, d); without positions p takes one value):
 
-* :class:`HessianOperator` - H = w sum_n d^2 L^n / dtheta^2 (thesis Lemma 3.15 structure), products by
+* :class:`HessianOperator` - H = w sum_np d^2 L^np / dtheta^2 (thesis Lemma 3.15 structure), products by
   reverse-over-reverse differentiation (one double-backward pass per column through the graph of the
   gradient, which is cached between products for single-batch data; ``cache_graph``). For networks that
   are piecewise linear in each layer's parameters, ``trace()`` uses (by default, ``piecewise_linear="auto"``)
   tr(H) = tr(G) (thesis Lemma 3.23; :func:`piecewise_linear_reason` verifies the structure).
-* :class:`GGNOperator` - G = w sum_n J_n^T H_L^n J_n (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
-* :class:`FisherOperator` - type-2 Fisher F = w sum_n J_n^T F_L^n J_n with the exact expectation over
+* :class:`GGNOperator` - G = w sum_np J_np^T H_L^np J_np (Def. 3.19 with the output Hessian H_L, Lemma 3.20).
+* :class:`FisherOperator` - type-2 Fisher F = w sum_np J_np^T F_L^np J_np with the exact expectation over
   model labels (Eqs. 3.35-3.36); F_L from its definition in :mod:`curvkit.curvature.output_space`.
   Equal to the GGN for the three built-in heads (Eqs. 3.37-3.38).
-* :class:`MCFisherOperator` - F_L replaced by (1/M) sum_m g(f_n, y_nm) g(f_n, y_nm)^T with M labels per
-  point sampled from the model ONCE at construction (seeded), so the operator is a fixed matrix; with
-  M = 1 this is the curvature that KFAC factorises (thesis Sec. 4.3.3: one label sampled from the model per
-  data point).
-* :class:`EmpiricalFisherOperator` - F_L replaced by g(f_n, y_n) g(f_n, y_n)^T at the DATA labels
-  (not the thesis's Fisher; differs from the GGN in general).
+* :class:`MCFisherOperator` - F_L replaced by (1/M) sum_m g(f_np, y_npm) g(f_np, y_npm)^T with M labels per
+  sample and position sampled from the model ONCE at construction (seeded), so the operator is a fixed
+  matrix; with M = 1 this is the curvature that KFAC factorises (thesis Sec. 4.3.3: one label sampled from
+  the model per data point).
+* :class:`EmpiricalFisherOperator` - F_L replaced by g(f_np, y_np) g(f_np, y_np)^T at the DATA labels: the
+  outer products of each POSITION's loss gradient (curvlinops' convention; not the thesis's Fisher, and it
+  differs from the GGN in general).
 
-The last four share one form, w sum_n J_n^T S_n S_n^T J_n with an output-space factor S_n (C, R):
-products apply J (a Jacobian-vector product), S S^T in output space, then J^T (a backward pass). For plain
-``nn.Sequential`` models J v comes from the activations recorded in the forward pass by tangent propagation
-alone (:mod:`curvkit.curvature._tangent`); for other models a single column takes ONE forward pass carrying
-primal and tangent together (forward-mode dual numbers) and one backward pass, several columns use ``jvp``
-vmapped over the columns and a vmapped ``vjp``. Quadratic forms
-v^T C v = w sum_n ||S_n^T J_n v||^2 (``quadratic_form``, and hence ``trace('hutchinson')``) need only the
-Jacobian-vector products.
-Their exact ``diagonal()`` is w sum_n sum_r (J_n^T s_nr)^2 and ``to_dense()`` is w V^T V with
-V = [J_n^T s_nr] stacked over n and r; they need N * R per-sample backward passes (vmapped), not d
-products, and the diagonal of a model whose parameters all sit in Linear/Conv2d layers only R batched
-backward passes per batch (:mod:`curvkit.curvature._layerwise`). ``trace('exact')`` sums that
+The last four share one form, w sum_np J_np^T M_np J_np with an output-space matrix M = S S^T: products
+apply J (a Jacobian-vector product), M in output space (``likelihood.output_hessian_matvec`` and its
+relatives: O(C) per position, never a (C, C) matrix), then J^T (a backward pass through the graph of a
+forward pass, cached for single-batch data). For plain ``nn.Sequential`` models J v comes from the
+activations recorded in that forward pass by tangent propagation alone (:mod:`curvkit.curvature._tangent`);
+for other models from one forward-mode pass without a graph (dual numbers for one column, ``jvp`` vmapped
+over several), or by reverse-over-reverse through the forward graph (``reverse_tangents=True``, and the
+fallback for modules without forward-mode derivatives). A fresh operator's first product costs what every
+later one costs. Quadratic forms v^T C v = w sum_np (J_np v)^T M_np (J_np v) (``quadratic_form``, and hence
+``trace('hutchinson')``) need only the Jacobian-vector products.
+Their exact ``diagonal()`` is w sum_np sum_r (J_np^T s_npr)^2 and ``to_dense()`` is w V^T V with
+V = [J_np^T s_npr] stacked over n, p and r; they need N * T * R per-sample backward passes (vmapped; R = C
+for softmax: one backward pass per sample, position and class, with S taken in chunks of columns), not d
+products, and the diagonal of a model with (B, C) outputs whose parameters all sit in Linear/Conv2d layers
+only R batched backward passes per batch (:mod:`curvkit.curvature._layerwise`). ``trace('exact')`` sums that
 diagonal. Eigenvalues (Lanczos), ``solve`` (CG) and scipy export come from the base class.
 
 A usage sketch (doctest):
@@ -75,7 +91,7 @@ from typing import Any, Literal
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
-from torch.func import grad, jvp, linearize, vjp, vmap
+from torch.func import grad, jvp, vjp, vmap
 
 from curvkit.curvature._functional import (
     FunctionalModel,
@@ -96,28 +112,41 @@ from curvkit.curvature._layerwise import (
     squared_gradients,
 )
 from curvkit.curvature._tangent import SequentialTangent
-from curvkit.curvature.output_space import output_fisher_sqrt, reduced_factor
+from curvkit.curvature.output_space import (
+    SMALL_C,
+    output_fisher_matvec,
+    output_fisher_rank,
+    output_fisher_sqrt_columns,
+    reduced_factor,
+)
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
 from curvkit.structure import read_model
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
+# The forward-mode tangent pass runs over the batch in up to this many pieces (its transient memory / pieces)
+# of at least this many samples (smaller pieces cost more time than they save memory).
+_TANGENT_PIECES, _TANGENT_PIECE_MIN = 4, 8
 
 
 class ExactCurvatureOperator(CurvatureOperator):
     """Common set-up of the exact operators: parameter snapshot, data, reduction weight, validation.
 
     Args:
-        model: any ``nn.Module`` mapping X (B, ...) to outputs (B, C).
+        model: any ``nn.Module`` mapping X (B, ...) to outputs (B, C) or (B, *P, C) (positions P, classes
+            last; targets (B, *P) or the output's shape, as the likelihood says).
         likelihood: a :class:`curvkit.likelihoods.Likelihood`; its ``reduction`` sets w (module doc).
         data: an ``(X, y)`` pair or an iterable of pairs (materialised to a list, re-read per product).
         chunk_size: at most this many columns are pushed through ``vmap`` at once in a matrix product
             (bounds memory to about ``chunk_size`` copies of the activations).
 
     Raises at construction: TypeError for a non-module / non-likelihood / malformed data; ValueError if
-    the model output is not (B, C) or contains NaN/inf, or the targets do not fit the likelihood (the
-    likelihood's own ``check``).
+    the model output is not (B, C) / (B, *P, C) or contains NaN/inf, the targets do not fit the likelihood
+    (the likelihood's own ``check``), or a ``mean`` is asked over data whose every position is padding.
+
+    Attributes: ``num_data`` (samples N), ``num_terms`` (counted loss terms: positions that are not padding,
+    = N for (B, C) outputs) and ``weight`` w = ``likelihood.scale(num_terms)``.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64):
@@ -130,14 +159,16 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.likelihood = likelihood
         self.batches = as_batches(data, self.device)
         self.num_data = sum(int(X.shape[0]) for X, _ in self.batches)
-        self.weight = 1.0 if likelihood.reduction == "sum" else 1.0 / self.num_data
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
-        self._setup([self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)])
+        outputs = [self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)]
+        self.num_terms = sum(likelihood.num_terms(f, y) for f, (_, y) in zip(outputs, self.batches))
+        self.weight = likelihood.scale(self.num_terms)
+        self._setup(outputs)
         warn_unused_functional(type(self).__name__, self.fmodel, self.batches[0][0])
 
     def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
-        """The validated output (B, C) of one batch at construction (subclasses may keep its graph)."""
+        """The validated output (B, [*P,] C) of one batch at construction (subclasses may keep its graph)."""
         return checked_output(self.fmodel, self.likelihood, X, y, batch_index)
 
     def _setup(self, outputs: list[Tensor]) -> None:
@@ -152,7 +183,8 @@ class ExactCurvatureOperator(CurvatureOperator):
         op = cls.__new__(cls)
         CurvatureOperator.__init__(op, self.layout, self.dtype, self.device)
         op.fmodel, op.likelihood, op.batches = self.fmodel, self.likelihood, self.batches
-        op.num_data, op.weight, op.chunk_size, op._use_vmap = self.num_data, self.weight, self.chunk_size, True
+        op.num_data, op.num_terms, op.weight = self.num_data, self.num_terms, self.weight
+        op.chunk_size, op._use_vmap = self.chunk_size, True
         return op
 
     @property
@@ -365,44 +397,86 @@ class HessianOperator(ExactCurvatureOperator):
 
 
 class OutputFactorOperator(ExactCurvatureOperator):
-    """C = w sum_n J_n^T S_n S_n^T J_n for an output-space factor S_n (C, R) given by ``output_factor``.
+    """C = w sum_n sum_p J_np^T M_np J_np with a PSD output-space matrix M_np = S_np S_np^T per position.
 
-    Subclasses implement ``output_factor(batch_index, f, y) -> S`` of shape (B, C, R) from the batch's
-    model outputs ``f`` (B, C) at the snapshot and its targets ``y``.
+    n runs over the samples, p over the positions of an output (B, *P, C) (a single position for (B, C));
+    J_np = df_np/dtheta (C, d). Subclasses define M through three hooks, all zero at padded positions:
 
-    Jacobian-vector products. For a plain ``nn.Sequential`` of Linear/Conv layers and parameter-free
-    modules (:func:`curvkit.curvature._tangent.sequential_layers`) every forward pass records the layer
-    activations, and J v for all columns comes from them by tangent propagation alone
-    (:class:`curvkit.curvature._tangent.SequentialTangent`: no primal recomputation, about two forward
-    passes' worth of matrix products per direction). Other models use ``torch.func`` (forward-mode dual
-    numbers for one column, vmapped ``jvp`` for several, ``torch.func.linearize`` once cached).
+    * ``output_matvec(i, f, y, V)`` - M V per position for V (k, B, *P, C), in O(C R) or better and never
+      forming a (C, C) matrix (products, quadratic forms, Hutchinson traces);
+    * ``output_sqrt_rank(i, f, y)`` - R, and ``output_sqrt_columns(i, f, y, cols)`` - the columns ``cols``
+      of S (B, *P, C, r) (the exact diagonal and the dense matrix take S in chunks of columns).
 
-    Linearisation caching (``cache_linearisation``): with ``True`` each batch keeps, for the operator's
-    lifetime, the autograd graph and the recorded activations of the construction-time (validating)
-    forward pass, so a product costs one tangent pass + one backward pass through that graph and a
-    quadratic form one tangent pass, with no further forward pass. (For models that are not plain
-    Sequentials, the tangent pass is a ``torch.func.linearize`` jvp, built on the first quadratic form,
-    multi-column product or second product at a one-off cost of about ten forward passes.) Memory
-    trade-off: the batch's activations (O(B * width), never O(d^2)) are held as long as the operator
-    lives. ``None`` (default) caches for single-batch ``data`` only; ``False`` never caches (every
-    product then repeats the forward pass). The parameters are snapshotted in any case, so the cache never
-    goes stale; a cached graph freezes the module's train/eval mode as it was at construction.
+    A product C v = w sum J^T M (J v) is a tangent pass J v, M in output space and one backward pass through
+    the graph of a forward pass at the snapshot (cached, or a fresh one per product). The tangent pass:
+
+    * plain ``nn.Sequential`` of Linear/Conv layers and parameter-free modules
+      (:func:`curvkit.curvature._tangent.sequential_layers`): from the activations recorded in that forward
+      pass, by tangent propagation alone (:class:`curvkit.curvature._tangent.SequentialTangent`);
+    * any other model: one forward-mode pass (dual numbers for one column, ``jvp`` vmapped over several; the
+      primal is recomputed alongside but no graph is recorded, and the batch is taken in up to four pieces,
+      so its memory is transient and small). Every product costs the same, the first as well as the
+      hundredth: no ``torch.func.linearize`` tracing;
+    * with ``reverse_tangents=True`` (or where a module has no forward-mode derivative: then once, with a
+      warning): reverse-over-reverse on the forward graph, J v = d/du [(J^T u)^T v], through the graph of
+      J^T u, built once per cached batch at about the cost of one backward pass. Steady-state products are
+      then about 10-20 % cheaper (no primal recomputation), at the price of holding that graph too: about two
+      to three times the memory of one gradient pass for the operator's lifetime.
+
+    Linearisation caching (``cache_linearisation``): ``True`` keeps, for the operator's lifetime, each
+    batch's autograd graph (and recorded activations) from the construction-time (validating) forward pass,
+    so a product costs a tangent pass + a backward pass, and a quadratic form a tangent pass, with no further
+    forward pass. Memory trade-off: the batch's activations (what one gradient pass holds, O(B * width), never
+    O(d^2)) are held as long as the operator lives. ``None`` (default) caches for single-batch ``data`` only;
+    ``False`` never caches (every product then repeats the forward pass). The parameters are snapshotted in
+    any case, so the cache never goes stale; a cached graph freezes the module's train/eval mode as it was at
+    construction.
     """
 
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
+    _use_forward_mode = True  # tangents of non-Sequential models by forward mode (falls back once on error)
+    _split_tangents = True  # the forward-mode pass in pieces of the batch (off once a model mixes samples)
+    reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_linearisation: bool | None = None):
+                 cache_linearisation: bool | None = None, reverse_tangents: bool = False):
         if cache_linearisation not in (None, True, False):
             raise ValueError(f"cache_linearisation must be None (auto), True or False, got {cache_linearisation!r}")
+        if reverse_tangents not in (True, False):
+            raise ValueError(f"reverse_tangents must be True or False, got {reverse_tangents!r}")
         self.cache_linearisation = cache_linearisation
+        self.reverse_tangents = bool(reverse_tangents)
         super().__init__(model, likelihood, data, chunk_size=chunk_size)
 
+    # ------------------------------------------------------------------ output space (subclasses)
+    def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
+        """M V per position for V (*K, B, *P, C) and batch ``batch_index``'s outputs f (B, *P, C)."""
+        raise NotImplementedError
+
+    def output_sqrt_rank(self, batch_index: int, f: Tensor, y: Tensor) -> int:
+        """R, the number of columns of the factor S (S S^T = M)."""
+        raise NotImplementedError
+
+    def output_sqrt_columns(self, batch_index: int, f: Tensor, y: Tensor, cols: slice) -> Tensor:
+        """(B, *P, C, r) the columns ``cols`` of S."""
+        raise NotImplementedError
+
+    def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
+        """(B, *P, C, R) the whole factor S (holds C x R numbers per position: for small C)."""
+        return self.output_sqrt_columns(batch_index, f, y, slice(None))
+
+    # ------------------------------------------------------------------ forward passes and caches
     @property
     def caches_linearisation(self) -> bool:
-        """Whether the linearisation is kept between products (see the class doc)."""
-        flag = getattr(self, "cache_linearisation", None)
-        return flag if flag is not None else len(self.batches) == 1
+        """Whether each batch's forward graph is kept between products (see the class doc)."""
+        flag = self.__dict__.get("cache_linearisation")
+        return bool(flag) if flag is not None else len(self.batches) == 1
+
+    def _sequential_layers(self) -> list[nn.Module] | None:
+        """The recorded-tangent route's layers (plain Sequential models), else None (decided once)."""
+        if "_seq_layers" not in self.__dict__:
+            self._seq_layers = self.fmodel.structure.tangent_chain()[0]
+        return self._seq_layers
 
     def _lin_cache(self) -> dict[int, dict[str, Any]]:
         return self.__dict__.setdefault("_lin", {})  # type: ignore[no-any-return]
@@ -416,16 +490,14 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return entry["f"].detach()  # type: ignore[no-any-return]
 
     def _forward(self, X: Tensor, graph: bool) -> dict[str, Any]:
-        """One forward pass at the snapshot: {"leaves", "f", "uses": 0, "tangent"}.
+        """One forward pass at the snapshot: {"leaves", "f", "tangent"}.
 
         ``graph``: record the autograd graph of f w.r.t. fresh leaves (for J^T u by one backward pass).
         ``tangent``: a :class:`curvkit.curvature._tangent.SequentialTangent` holding the pass's
         activations (J v without recomputing the primal) for plain ``nn.Sequential`` models, else None.
         """
         leaves = self._leaves() if graph else self.params
-        layers = self.__dict__.get("_seq_layers", False)
-        if layers is False:
-            layers = self._seq_layers = self.fmodel.structure.tangent_chain()[0]
+        layers = self._sequential_layers()
         tangent = None if layers is None else SequentialTangent(
             layers, {n: j for j, n in enumerate(self.layout.names)}, self.fmodel.structure)
         with torch.set_grad_enabled(graph):
@@ -437,128 +509,127 @@ class OutputFactorOperator(ExactCurvatureOperator):
                 except RuntimeError:
                     self._seq_layers, tangent = None, None
                     f = self.fmodel(leaves, X)
-        return {"leaves": leaves, "f": f, "uses": 0, "tangent": tangent}
+        return {"leaves": leaves, "f": f, "tangent": tangent}
 
-    def _cached(self, i: int, X: Tensor, y: Tensor) -> dict[str, Any]:
-        """Batch i's cache: leaves, output f with its graph, output factor S (built on first use)."""
+    def _cached(self, i: int, X: Tensor) -> dict[str, Any]:
+        """Batch i's cache (leaves, output f with its graph, tangent), built on first use for a sibling."""
         c = self._lin_cache().get(i)
         if c is None:  # e.g. a sibling operator sharing an already validated snapshot
             c = self._lin_cache()[i] = self._forward(X, graph=True)
-        if "S" not in c:
-            c["S"] = self.output_factor(i, c["f"].detach(), y)
         return c
 
-    def _cached_tangents(self, i: int, X: Tensor, y: Tensor, V: Params, k: int, build: bool) -> Tensor:
-        """J_i v for every column (k, B, C): from the recorded activations of a Sequential model, else
-        the linearised jvp when built, else an ordinary jvp."""
-        c = self._cached(i, X, y)
-        if c["tangent"] is not None:
-            return c["tangent"](V)  # type: ignore[no-any-return]
-        c["uses"] += 1
-        if "jvp" not in c and (build or k > 1 or c["uses"] > 1):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch.fx const-folding chatter
-                c["jvp"] = linearize(lambda p, X=X: self.fmodel(p, X), self.params)[1]
-        if "jvp" in c:  # vmapped in blocks of 16 columns (measured faster than 64 on a 784-512-512-10 MLP)
-            return torch.cat([self._map(c["jvp"], (tuple(t[s:s + 16] for t in V),), min(16, k - s))
-                              for s in range(0, k, 16)])
+    def _entry(self, i: int, X: Tensor, graph: bool) -> dict[str, Any]:
+        """Batch i's forward pass: the cache, or a fresh pass (with its graph if ``graph``)."""
+        return self._cached(i, X) if self.caches_linearisation else self._forward(X, graph=graph)
 
-        def fn(p: Params, X: Tensor = X) -> Tensor:
+    # ------------------------------------------------------------------ tangents J v
+    def _tangents(self, X: Tensor, entry: dict[str, Any], V: Params, k: int) -> Tensor:
+        """J v for every column (k, B, *P, C) at the forward pass ``entry`` (class doc for the routes)."""
+        if entry["tangent"] is not None:
+            return entry["tangent"](V)  # type: ignore[no-any-return]
+        if self.reverse_tangents and entry["f"].requires_grad:
+            try:
+                return self._reverse_tangents(entry, V, k)
+            except (RuntimeError, NotImplementedError) as err:
+                self.reverse_tangents = False
+                entry.pop("JTu", None)
+                warnings.warn(f"{type(self).__name__}: double backward failed ({err}); falling back to "
+                              "forward-mode Jacobian-vector products", RuntimeWarning, stacklevel=4)
+        if self._use_forward_mode:
+            try:
+                return self._forward_mode(X, V, k, full=entry["f"].detach())[1]
+            except (RuntimeError, NotImplementedError) as err:
+                self._use_forward_mode = False
+                warnings.warn(f"{type(self).__name__}: forward-mode AD failed ({err}); falling back to "
+                              "reverse-over-reverse Jacobian-vector products", RuntimeWarning, stacklevel=4)
+        if not entry["f"].requires_grad:
+            entry = self._forward(X, graph=True)
+        return self._reverse_tangents(entry, V, k)
+
+    def _forward_mode(self, X: Tensor, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column, ``jvp``
+        vmapped over several (the primal computed once per block).
+
+        The pass holds primal, tangent and their temporaries of a layer at once (about three times a no-grad
+        forward pass), so given the batch's full output ``full`` it runs over the batch in up to
+        ``_TANGENT_PIECES`` pieces of at least ``_TANGENT_PIECE_MIN`` samples (each sample's tangent depends
+        only on its own input), and keeps the split
+        only if the pieces' outputs equal ``full``: a model that mixes the samples of a batch (undetected by
+        the structure reader) is then evaluated whole, from then on.
+        """
+        pieces = min(int(X.shape[0]) // _TANGENT_PIECE_MIN, _TANGENT_PIECES)
+        if full is not None and pieces > 1 and self._split_tangents and not self.fmodel.batch_coupled:
+            parts = [self._forward_mode_pass(Xs, V, k) for Xs in X.tensor_split(pieces)]
+            f = torch.cat([part[0] for part in parts])
+            tol = torch.finfo(f.dtype).eps ** 0.5 * (1 + float(full.abs().max()))
+            if f.shape == full.shape and float((f - full).abs().max()) <= tol:
+                return f, torch.cat([part[1] for part in parts], dim=1)
+            self._split_tangents = False
+        return self._forward_mode_pass(X, V, k)
+
+    def _forward_mode_pass(self, X: Tensor, V: Params, k: int) -> tuple[Tensor, Tensor]:
+        def fn(p: Params) -> Tensor:
             return self.fmodel(p, X)
 
-        return self._map(lambda v: jvp(fn, (self.params,), (v,))[1], (V,), k)  # type: ignore[no-any-return]
-
-    def _product_cached(self, i: int, X: Tensor, y: Tensor, V: Params, k: int) -> Tensor:
-        """(d, k) product of batch i from the cached linearisation: tangent pass + one backward pass."""
-        Jv = self._cached_tangents(i, X, y, V, k, build=False)
-        c = self._cache_entry(i)
-        return self._backward_product(c["f"], c["leaves"], c["S"], Jv, k)
-
-    def _backward_product(self, f: Tensor, leaves: Params, S: Tensor, Jv: Tensor, k: int) -> Tensor:
-        """(d, k) columns J^T S S^T (J v) w from the tangents Jv (k, B, C) and f's graph w.r.t. ``leaves``."""
-        if not f.requires_grad:
-            return torch.zeros(self.layout.dim, k, dtype=self.dtype, device=self.device)
-        U = torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, Jv)) * self.weight
         if k == 1:
-            grads = torch.autograd.grad(f, leaves, U[0], retain_graph=True, allow_unused=True,
-                                        materialize_grads=True)
-            return torch.cat([t.reshape(-1) for t in grads])[:, None]
-        grads = torch.autograd.grad(f, leaves, U, retain_graph=True, allow_unused=True,
-                                    materialize_grads=True, is_grads_batched=True)
-        return params_to_cols(grads)
+            with torch.no_grad(), fwAD.dual_level():
+                f, Jv = fwAD.unpack_dual(fn(tuple(fwAD.make_dual(p, v[0]) for p, v in zip(self.params, V))))
+            return f, (torch.zeros_like(f) if Jv is None else Jv)[None]
+        fs, Jv = self._map(lambda v: jvp(fn, (self.params,), (v,)), (V,), k)
+        return fs[0], Jv
 
-    def _cache_entry(self, i: int) -> dict[str, Any]:
-        return self._lin_cache()[i]
+    def _reverse_tangents(self, entry: dict[str, Any], V: Params, k: int) -> Tensor:
+        """J v = d/du [(J^T u)^T v] through the graph of g(u) = J^T u (built once per forward pass, with
+        u = 0: g is linear in u, so its derivative does not depend on where it is taken)."""
+        f = entry["f"]
+        if "JTu" not in entry:
+            u = torch.zeros_like(f, requires_grad=True)
+            with torch.enable_grad():
+                g = torch.autograd.grad(f, entry["leaves"], u, create_graph=True, retain_graph=True,
+                                        allow_unused=True, materialize_grads=True)
+            live = [j for j, t in enumerate(g) if t.requires_grad]
+            entry["JTu"] = (u, [g[j] for j in live], live)
+        u, g, live = entry["JTu"]
+        if not live:
+            return torch.zeros(k, *f.shape, dtype=f.dtype, device=f.device)
+        if k == 1:
+            out = torch.autograd.grad(g, u, [V[j][0] for j in live], retain_graph=True, allow_unused=True,
+                                      materialize_grads=True)[0]
+            return out[None]
+        return torch.autograd.grad(g, u, [V[j] for j in live], retain_graph=True, allow_unused=True,
+                                   materialize_grads=True, is_grads_batched=True)[0]
 
-    def _sequential_ok(self) -> bool:
-        """Whether the model may be a plain Sequential handled by the recorded tangent (decided once)."""
-        return self.__dict__.get("_seq_layers", True) is not None
-
-    def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    _use_dual = True  # single-column products by forward-mode dual numbers (falls back once on error)
+    # ------------------------------------------------------------------ products
+    def _backward_product(self, i: int, y: Tensor, entry: dict[str, Any], Jv: Tensor, out: Tensor) -> None:
+        """Add the (d, k) columns w J^T M (J v) to ``out`` from the tangents Jv (k, B, *P, C) and the graph of
+        the forward pass ``entry`` (each parameter's gradient is written into its rows: no concatenated
+        copy)."""
+        f, k = entry["f"], out.shape[1]
+        if not f.requires_grad:
+            return
+        U = self.output_matvec(i, f.detach(), y, Jv)
+        del Jv  # (the caller holds no other reference: freed before the backward pass)
+        U.mul_(self.weight)
+        grads = torch.autograd.grad(f, entry["leaves"], U[0] if k == 1 else U, retain_graph=True,
+                                    allow_unused=True, materialize_grads=True, is_grads_batched=k > 1)
+        for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
+            out[o:o + n] += g.reshape(k, n).T
 
     def _matmat_chunk(self, M: Tensor) -> Tensor:
-        """C M for a (d, k) block: J (tangent), S S^T in output space, J^T (backward), per batch.
-
-        One column: ONE forward pass carries the primal (with its graph recorded) and the tangent J v
-        together (``torch.autograd.forward_ad`` dual numbers), then one backward pass. Several columns:
-        ``vjp`` for the primal and its backward, and ``jvp`` vmapped over the columns for the tangents.
-        """
+        """C M for a (d, k) block: J (tangent), M in output space, J^T (backward), per batch (class doc)."""
         k = M.shape[1]
         V = cols_to_params(self.layout, M)
         out = torch.zeros_like(M)
         for i, (X, y) in enumerate(self.batches):
-            if self.caches_linearisation:
-                out += self._product_cached(i, X, y, V, k)
-                continue
-            entry = self._forward(X, graph=True) if self._sequential_ok() else None
-            if entry is not None and entry["tangent"] is not None:
-                S = self.output_factor(i, entry["f"].detach(), y)
-                out += self._backward_product(entry["f"], entry["leaves"], S, entry["tangent"](V), k)
-                continue
-            if k == 1 and self._use_dual:
-                try:
-                    out += self._product_dual(i, X, y, tuple(v[0] for v in V))
-                    continue
-                except (RuntimeError, NotImplementedError) as err:
-                    self._use_dual = False
-                    warnings.warn(f"{type(self).__name__}: forward-mode AD failed ({err}); falling back to "
-                                  "separate jvp and vjp passes", RuntimeWarning, stacklevel=3)
-
-            def fn(p: Params, X: Tensor = X) -> Tensor:
-                return self.fmodel(p, X)
-
-            f, vjp_fn = vjp(fn, self.params)[:2]
-            Jv = self._map(lambda v, fn=fn: jvp(fn, (self.params,), (v,))[1], (V,), k)  # (k, B, C)
-            S = self.output_factor(i, f.detach(), y)  # (B, C, R)
-            U = torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, Jv)) * self.weight
-            JtU = self._map(lambda u, vjp_fn=vjp_fn: vjp_fn(u)[0], (U,), k)
-            out += params_to_cols(JtU)
+            entry = self._entry(i, X, graph=True)
+            self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out)
         return out
-
-    def _product_dual(self, i: int, X: Tensor, y: Tensor, v: Params) -> Tensor:
-        """(d, 1) product for one column v with one dual-number forward pass and one backward pass."""
-        leaves = self._leaves()
-        with torch.enable_grad(), fwAD.dual_level():
-            dual_out = self.fmodel(tuple(fwAD.make_dual(p, t) for p, t in zip(leaves, v)), X)
-            f, Jv = fwAD.unpack_dual(dual_out)
-        f = f.view_as(f)  # plain tensor (still on the primal graph)
-        Jv = torch.zeros_like(f) if Jv is None else Jv.detach()  # (B, C)
-        S = self.output_factor(i, f.detach(), y)
-        U = torch.einsum("bcr,br->bc", S, torch.einsum("bcr,bc->br", S, Jv)) * self.weight
-        if not f.requires_grad:
-            return torch.zeros(self.layout.dim, 1, dtype=self.dtype, device=self.device)
-        JtU = torch.autograd.grad(f, leaves, U, allow_unused=True, materialize_grads=True)
-        return torch.cat([t.reshape(-1) for t in JtU])[:, None]
 
     def quadratic_form(self, M: Tensor) -> Tensor:
         """v^T C v for every column v of M (d, k) (or a flat (d,) vector): shape (k,) (or 0-d).
 
-        v^T C v = w sum_n ||S_n^T J_n v||^2 needs only the Jacobian-vector products J_n v (one forward
-        pass carrying the tangents; no backward pass), about half the cost of a product. Used by
-        ``trace(method='hutchinson')``.
+        v^T C v = w sum_np (J_np v)^T M_np (J_np v) needs only the Jacobian-vector products (a tangent
+        pass; no backward pass), about half the cost of a product. Used by ``trace(method='hutchinson')``.
         """
         if M.dim() == 1:
             return self.quadratic_form(M[:, None])[0]
@@ -574,49 +645,64 @@ class OutputFactorOperator(ExactCurvatureOperator):
         V = cols_to_params(self.layout, M)
         out = torch.zeros(k, dtype=self.dtype, device=self.device)
         for i, (X, y) in enumerate(self.batches):
-            if self.caches_linearisation:
-                Jv = self._cached_tangents(i, X, y, V, k, build=True)
-                S = self._cache_entry(i)["S"]
-                out += torch.einsum("bcr,kbc->kbr", S, Jv).pow(2).sum((1, 2)) * self.weight
-                continue
-            entry = self._forward(X, graph=False) if self._sequential_ok() else None
-            if entry is not None and entry["tangent"] is not None:
-                S = self.output_factor(i, entry["f"], y)
-                out += torch.einsum("bcr,kbc->kbr", S, entry["tangent"](V)).pow(2).sum((1, 2)) * self.weight
-                continue
-
-            def fn(p: Params, X: Tensor = X) -> Tensor:
-                return self.fmodel(p, X)
-
-            f, Jv = self._map(lambda v, fn=fn: jvp(fn, (self.params,), (v,)), (V,), k)  # (k, B, C) each
-            S = self.output_factor(i, f[0].detach(), y)  # (B, C, R)
-            out += torch.einsum("bcr,kbc->kbr", S, Jv).pow(2).sum((1, 2)) * self.weight
+            if self.caches_linearisation or self._sequential_layers() is not None or not self._use_forward_mode:
+                entry = self._entry(i, X, graph=not self._use_forward_mode)
+                f, Jv = entry["f"], self._tangents(X, entry, V, k)
+            else:  # uncached, forward mode: the primal comes with the tangents
+                try:
+                    f, Jv = self._forward_mode(X, V, k)
+                except (RuntimeError, NotImplementedError):
+                    entry = self._entry(i, X, graph=True)
+                    f, Jv = entry["f"], self._tangents(X, entry, V, k)  # falls back (with its warning)
+            MJv = self.output_matvec(i, f.detach(), y, Jv)
+            out += (Jv * MJv).reshape(k, -1).sum(1) * self.weight
         return out
 
+    # ------------------------------------------------------------------ exact diagonal and dense matrix
+    def _sqrt_chunks(self, i: int, f: Tensor, y: Tensor) -> Iterator[Tensor]:
+        """Batch i's factor S (B, *P, C, R) in chunks of columns (B, *P, C, r) of at most ~2^24 numbers; for
+        C <= ``SMALL_C`` in one piece with the directions null at every position dropped (``reduced_factor``)."""
+        C = f.shape[-1]
+        if C <= SMALL_C:
+            S = self.output_factor(i, f, y)
+            red = reduced_factor(S.reshape(-1, C, S.shape[-1]))
+            if red.shape[-1]:  # none left when every position is padding
+                yield red.reshape(*S.shape[:-1], red.shape[-1])
+            return
+        R = self.output_sqrt_rank(i, f, y)
+        step = max(1, _ROW_BUDGET // f.numel())
+        for s in range(0, R, step):
+            yield self.output_sqrt_columns(i, f, y, slice(s, s + step))
+
     def _factor_rows(self) -> Iterator[Tensor]:
-        """Yield chunks (m, d) of the rows J_n^T s_nr (all n, r) of the factor V with C = w V^T V."""
+        """Yield chunks (m, d) of the rows J_np^T s_npr (all n, p, r) of the factor V with C = w V^T V."""
         d = self.layout.dim
         for i, (X, y) in enumerate(self.batches):
             with torch.no_grad():
                 f = self.fmodel(self.params, X)
-            S = reduced_factor(self.output_factor(i, f, y))
-            n = max(1, _ROW_BUDGET // (S.shape[2] * d))
-            for s in range(0, X.shape[0], n):
-                Xs, Ss = X[s:s + n], S[s:s + n]
-                yield self._map(self._sample_rows, (Xs, Ss), Xs.shape[0]).reshape(-1, d)
+            for S in self._sqrt_chunks(i, f, y):
+                rows = math.prod(S.shape[1:-2]) * S.shape[-1]  # per sample: positions x columns
+                n = max(1, _ROW_BUDGET // (rows * max(d, math.prod(S.shape[1:-1]))))
+                for s in range(0, X.shape[0], n):
+                    Xs, Ss = X[s:s + n], S[s:s + n]
+                    yield self._map(self._sample_rows, (Xs, Ss), Xs.shape[0]).reshape(-1, d)
 
     def _sample_rows(self, x: Tensor, s: Tensor) -> Tensor:
-        """(R, d) rows J^T s_r for one sample x (no batch dim) and its factor s (C, R)."""
+        """(T r, d) rows J_p^T s_pr for one sample x (no batch dim) and its factor s (*P, C, r), T = prod(P):
+        one backward pass per (position, column), the cotangent s_pr placed at position p."""
         vjp_fn = vjp(lambda p: self.fmodel.single(p, x), self.params)[1]
-        return params_to_rows(vmap(lambda u: vjp_fn(u)[0])(s.T), 1)
+        return params_to_rows(vmap(lambda u: vjp_fn(u)[0])(_position_cotangents(s)), 1)
 
     def _exact_diagonal(self) -> DiagonalOperator:
-        """Exact diagonal w sum_n sum_r (J_n^T s_nr)^2.
+        """Exact diagonal w sum_np sum_r (J_np^T s_npr)^2: one backward pass per column r of S and position p
+        (R = C for softmax: C per sample, so for large C prefer ``diagonal('hutchinson')`` or a Monte Carlo
+        operator).
 
-        If every trainable parameter belongs to an ``nn.Linear`` / ``nn.Conv2d`` layer (none shared), R
-        batched backward passes per batch to the layer outputs suffice (:mod:`curvkit.curvature._layerwise`);
-        otherwise N * R per-sample gradients are formed with vmapped vjps (chunks of ~2^24 scalars). A model
-        that couples samples (BatchNorm in training mode) has no per-sample rows: d unit-vector products.
+        If every trainable parameter belongs to an ``nn.Linear`` / ``nn.Conv2d`` layer (none shared) and the
+        outputs are (B, C), R batched backward passes per batch to the layer outputs suffice
+        (:mod:`curvkit.curvature._layerwise`); otherwise N * T * R per-sample gradients are formed with
+        vmapped vjps (chunks of ~2^24 scalars). A model that couples samples (BatchNorm in training mode) has
+        no per-sample rows: d unit-vector products.
         """
         if self.fmodel.batch_coupled:
             return super()._exact_diagonal()
@@ -638,20 +724,25 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def _diagonal_layerwise(self, specs: list[LayerSpec]) -> DiagonalOperator:
         acc = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
                for n, s in zip(self.layout.names, self.layout.shapes)}
+
+        def add(values: dict[str, Tensor]) -> None:
+            for name, val in values.items():
+                acc[name] += val
+
         for i, (X, y) in enumerate(self.batches):
             recorded = self._recorded_layers(i, specs)
-            if recorded is not None:  # reuse the cached forward pass: one batched backward to the layer outputs
-                c = self._cached(i, X, y)
-                S = reduced_factor(c["S"])
-                for name, val in squared_gradients(specs, recorded[0], c["f"], recorded[1], S,
-                                                   retain_graph=True).items():
-                    acc[name] += val
+            if recorded is not None:  # reuse the cached forward pass: batched backwards to the layer outputs
+                c = self._cached(i, X)
+                if c["f"].dim() != 2:
+                    raise Unsupported("outputs with positions")
+                for S in self._sqrt_chunks(i, c["f"].detach(), y):
+                    add(squared_gradients(specs, recorded[0], c["f"], recorded[1], S, retain_graph=True))
                 continue
-            def S_of(f: Tensor, i: int = i, y: Tensor = y) -> Tensor:  # S from the hooked forward's output
-                return reduced_factor(self.output_factor(i, f, y))
 
-            for name, val in layerwise_diagonal(self.fmodel, specs, X, S_of).items():
-                acc[name] += val
+            def chunks(f: Tensor, i: int = i, y: Tensor = y) -> Iterator[Tensor]:  # S from the hooked forward
+                return self._sqrt_chunks(i, f, y)
+
+            add(layerwise_diagonal(self.fmodel, specs, X, chunks))
         return DiagonalOperator(self.layout, [acc[n] * self.weight for n in self.layout.names])
 
     def _recorded_layers(self, i: int, specs: list[LayerSpec]) -> tuple[list[Tensor], list[Tensor]] | None:
@@ -668,8 +759,8 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
 
     def to_dense(self) -> Tensor:
-        """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory); d products for a
-        model that couples samples."""
+        """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory; one backward pass per
+        sample, position and column of S); d products for a model that couples samples."""
         if self.fmodel.batch_coupled:
             return super().to_dense()
         d = self.layout.dim
@@ -679,70 +770,130 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return out * self.weight
 
 
-class GGNOperator(OutputFactorOperator):
-    """Generalised Gauss-Newton G = w sum_n J_n^T H_L^n J_n (thesis Def. 3.19; G_L = H_L, Lemma 3.20).
+def _position_cotangents(s: Tensor) -> Tensor:
+    """(T r, *P, C) cotangents of one sample's output for its factor s (*P, C, r): for position p and column
+    j, s[p, :, j] at position p and zero elsewhere ((r, C) = s^T without positions)."""
+    P, (C, r) = s.shape[:-2], s.shape[-2:]
+    if not P:
+        return s.T
+    T = math.prod(P)
+    cols = s.reshape(T, C, r).transpose(1, 2)  # (T, r, C)
+    eye = torch.eye(T, dtype=s.dtype, device=s.device)
+    return (eye[:, None, :, None] * cols[:, :, None, :]).reshape(T * r, *P, C)
 
-    S_n = ``likelihood.output_hessian_sqrt(f_n)`` (S S^T = H_L; for softmax diag(sqrt p) - p sqrt(p)^T).
-    Positive semi-definite; rank <= N * rank(H_L) (thesis Sec. 3.6).
+
+class GGNOperator(OutputFactorOperator):
+    """Generalised Gauss-Newton G = w sum_n sum_p J_np^T H_L^np J_np (thesis Def. 3.19; G_L = H_L, Lemma 3.20).
+
+    Products apply H_L by ``likelihood.output_hessian_matvec`` (softmax: p * v - p (p^T v), O(C));
+    the exact diagonal / dense matrix take the columns of S (S S^T = H_L; for softmax
+    diag(sqrt p) - p sqrt(p)^T) in chunks from ``likelihood.output_hessian_sqrt_columns``.
+    Positive semi-definite; rank <= N * T * rank(H_L) (thesis Sec. 3.6).
     """
 
-    def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
-        return self.likelihood.output_hessian_sqrt(f)
+    def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
+        return self.likelihood.output_hessian_matvec(f, V, y)
+
+    def output_sqrt_rank(self, batch_index: int, f: Tensor, y: Tensor) -> int:
+        return self.likelihood.sqrt_rank(f)
+
+    def output_sqrt_columns(self, batch_index: int, f: Tensor, y: Tensor, cols: slice) -> Tensor:
+        return self.likelihood.output_hessian_sqrt_columns(f, cols, y)
 
 
 class FisherOperator(OutputFactorOperator):
-    """Type-2 Fisher F = w sum_n J_n^T F_L^n J_n, exact expectation over model labels (thesis Eq. 3.36).
+    """Type-2 Fisher F = w sum_n sum_p J_np^T F_L^np J_np, exact expectation over model labels (Eq. 3.36).
 
-    F_L = E_{y~p(y|f_n)}[g g^T] is computed from its definition
-    (:func:`curvkit.curvature.output_space.output_fisher_sqrt`); it equals H_L for softmax CE, sigmoid BCE
-    and the fixed-variance Gaussian (Eqs. 3.37-3.38), so F equals the GGN for these heads. The data
-    labels y are not used (only the inputs).
+    F_L = E_{y~p(y|f_np)}[g g^T] is applied from its definition
+    (:func:`curvkit.curvature.output_space.output_fisher_matvec`, O(C) per position; the columns of its
+    factor from :func:`~curvkit.curvature.output_space.output_fisher_sqrt_columns`); it equals H_L for
+    softmax CE, sigmoid BCE and the fixed-variance Gaussian (Eqs. 3.37-3.38), so F equals the GGN for
+    these heads. The data labels y are used only for their padding (padded positions have no curvature).
     """
 
     def _setup(self, outputs: list[Tensor]) -> None:
-        output_fisher_sqrt(self.likelihood, outputs[0][:1])  # fail early for a head without a closed form
+        output_fisher_rank(self.likelihood, outputs[0][:1])  # fail early for a head without a closed form
+
+    def _keep(self, y: Tensor) -> Tensor | None:
+        return self.likelihood.mask(y)
+
+    def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
+        out = output_fisher_matvec(self.likelihood, f, V)
+        keep = self._keep(y)
+        return out if keep is None else out * keep[..., None].to(out.dtype)
+
+    def output_sqrt_rank(self, batch_index: int, f: Tensor, y: Tensor) -> int:
+        return output_fisher_rank(self.likelihood, f)
+
+    def output_sqrt_columns(self, batch_index: int, f: Tensor, y: Tensor, cols: slice) -> Tensor:
+        out = output_fisher_sqrt_columns(self.likelihood, f, cols)
+        keep = self._keep(y)
+        return out if keep is None else out * keep[..., None, None].to(out.dtype)
+
+
+class _SmallFactorOperator(OutputFactorOperator):
+    """An output-space factor S with few columns R, given whole by ``output_factor`` (B, *P, C, R):
+    M V = S (S^T V) costs O(C R) per position."""
 
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
-        return output_fisher_sqrt(self.likelihood, f)
+        raise NotImplementedError
+
+    def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
+        S = self.output_factor(batch_index, f, y)
+        return (S * (S * V[..., None]).sum(-2, keepdim=True)).sum(-1)
+
+    def output_sqrt_rank(self, batch_index: int, f: Tensor, y: Tensor) -> int:
+        return int(self.output_factor(batch_index, f, y).shape[-1])
+
+    def output_sqrt_columns(self, batch_index: int, f: Tensor, y: Tensor, cols: slice) -> Tensor:
+        return self.output_factor(batch_index, f, y)[..., cols]
 
 
-class MCFisherOperator(OutputFactorOperator):
-    """Monte Carlo type-2 Fisher with ``mc_samples`` = M model labels per data point.
+class MCFisherOperator(_SmallFactorOperator):
+    """Monte Carlo type-2 Fisher with ``mc_samples`` = M model labels per data point and position.
 
-    F_MC = w sum_n (1/M) sum_m J_n^T g_nm g_nm^T J_n, g_nm = dL(f_n, y_nm)/df_n, y_nm ~ p(y | f_n).
-    The labels are drawn ONCE at construction from ``torch.Generator(device).manual_seed(seed)``, batch
-    by batch in data order (M draws per batch), so the operator is a fixed PSD matrix of rank <= N * M;
-    E[F_MC] = F (the type-2 Fisher). S_n columns = g_nm / sqrt(M).
+    F_MC = w sum_n sum_p (1/M) sum_m J_np^T g_npm g_npm^T J_np, g_npm = dL(f_np, y_npm)/df_np,
+    y_npm ~ p(y | f_np): one label per POSITION and sample m (padded positions keep their padding target, so
+    they have no curvature). The labels are drawn ONCE at construction from
+    ``torch.Generator(device).manual_seed(seed)``, batch by batch in data order (M draws per batch), so the
+    operator is a fixed PSD matrix of rank <= N * T * M; E[F_MC] = F (the type-2 Fisher).
+    S_np columns = g_npm / sqrt(M).
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, mc_samples: int = 1,
-                 seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None):
+                 seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None,
+                 reverse_tangents: bool = False):
         if int(mc_samples) < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples}")
         self.mc_samples = int(mc_samples)
         self.seed = int(seed)
         self.labels: list[list[Tensor]] = []
-        super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation,
+                         reverse_tangents=reverse_tangents)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        self.labels = [[self.likelihood.sample(f, generator=gen) for _ in range(self.mc_samples)]
-                       for f in outputs]
+        self.labels = [[self.likelihood.sample(f, generator=gen, y=y) for _ in range(self.mc_samples)]
+                       for f, (_, y) in zip(outputs, self.batches)]
 
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
         grads = [self.likelihood.output_grad(f, ym) for ym in self.labels[batch_index]]
         return torch.stack(grads, dim=-1) / math.sqrt(self.mc_samples)
 
 
-class EmpiricalFisherOperator(OutputFactorOperator):
-    """Empirical Fisher w sum_n grad L^n grad L^n^T at the DATA labels (S_n = dL^n/df_n, R = 1).
+class EmpiricalFisherOperator(_SmallFactorOperator):
+    """Empirical Fisher w sum_n sum_p g_np g_np^T (in parameter space, g_np = J_np^T dL^np/df_np) at the DATA
+    labels (S_np = dL^np/df_np, R = 1).
 
+    For outputs with positions the outer products are those of each POSITION's loss gradient, not of each
+    sequence's total gradient (sum_p g_np)(sum_p g_np)^T: curvlinops' ``EFLinearOperator`` convention (it
+    flattens the positions into the batch), and the curvature that KFAC's empirical Fisher factorises.
     Not the thesis's Fisher (which samples labels from the model, Eq. 3.35): it differs from
-    the GGN in general and is provided for comparison only. Rank <= N.
+    the GGN in general and is provided for comparison only. Rank <= N * T.
     """
 
     def output_factor(self, batch_index: int, f: Tensor, y: Tensor) -> Tensor:
-        return self.likelihood.output_grad(f, y)[:, :, None]
+        return self.likelihood.output_grad(f, y)[..., None]
 
 
 def hessian(model: nn.Module, likelihood: Likelihood, data: Any, **kwargs: Any) -> HessianOperator:

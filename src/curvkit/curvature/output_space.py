@@ -16,6 +16,14 @@ For these natural-parameter exponential-family heads F_L equals the output Hessi
 3.37-3.38: -d^2 log p / d eta^2 = d^2 log Z / d eta^2 does not depend on y), so the type-2 Fisher equals
 the GGN; the tests check this numerically rather than assuming it (the GGN uses the likelihood's own
 ``output_hessian_sqrt``). Another head can take part by defining ``output_fisher_sqrt(f)`` itself.
+
+Products without (C, C). :func:`output_fisher_matvec` applies F_L to vectors in O(C) per position, from the
+same definition: for softmax, sum_c p_c (p - e_c)(p - e_c)^T v = p * v - p (p^T v) (expand the sum with
+sum_c p_c = 1), for the sigmoid s (1 - s) * v, for the Gaussian v / sigma^2; a custom head's factor S is
+applied as S (S^T v). :func:`output_fisher_sqrt_columns` gives a chunk of the columns of S (the exact
+diagonal and the dense matrix take S column by column, one backward pass per column). Outputs may have
+position dimensions, f (B, *P, C): every quantity here is per position. :func:`reduced_factor` forms
+S S^T per position and is only for small C (at most ``SMALL_C`` outputs).
 """
 
 from __future__ import annotations
@@ -25,20 +33,61 @@ from torch import Tensor
 
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 
+#: ``reduced_factor`` (which forms S S^T per position) is used only up to this many outputs
+SMALL_C = 64
+
 
 def output_fisher_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
-    """(..., C, R) factor S of the per-position output Fisher F_L = E_{y~model}[g g^T] (see module doc)."""
+    """(..., C, R) factor S of the per-position output Fisher F_L = E_{y~model}[g g^T] (see module doc).
+
+    Holds C x R numbers per position: for many classes use :func:`output_fisher_matvec` (products) or
+    :func:`output_fisher_sqrt_columns` (chunks of columns)."""
+    return output_fisher_sqrt_columns(likelihood, f, slice(None))
+
+
+def output_fisher_rank(likelihood: Likelihood, f: Tensor) -> int:
+    """R, the number of columns of :func:`output_fisher_sqrt` (C for the built-in heads)."""
+    if isinstance(likelihood, CrossEntropy | BernoulliBCE | Gaussian):
+        return int(f.shape[-1])
+    return int(_custom_sqrt(likelihood, f).shape[-1])
+
+
+def output_fisher_sqrt_columns(likelihood: Likelihood, f: Tensor, cols: slice) -> Tensor:
+    """(..., C, r) the columns ``cols`` (a slice of range(R)) of :func:`output_fisher_sqrt`, without
+    forming the other columns (softmax: column c is sqrt(p_c) (p - e_c), the expectation written out)."""
+    C = f.shape[-1]
+    if isinstance(likelihood, CrossEntropy | BernoulliBCE | Gaussian):
+        idx = torch.arange(C, device=f.device)[cols]
+        onehot = (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)  # (C, r)
     if isinstance(likelihood, CrossEntropy):
-        p = f.softmax(-1)  # (..., K)
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        grads = p[..., :, None] - eye  # column c: g(f, c) = p - e_c
-        return grads * p.sqrt()[..., None, :]
+        p = f.softmax(-1)
+        return (p[..., :, None] - onehot) * p[..., idx].sqrt()[..., None, :]
     if isinstance(likelihood, BernoulliBCE):
         s = torch.sigmoid(f)
-        return torch.diag_embed((s * (1 - s)).sqrt())
+        return (s * (1 - s)).sqrt()[..., :, None] * onehot
     if isinstance(likelihood, Gaussian):
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        return eye.expand(*f.shape, f.shape[-1]) / likelihood.sigma
+        return onehot.expand(*f.shape, onehot.shape[-1]) / likelihood.sigma
+    return _custom_sqrt(likelihood, f)[..., cols]
+
+
+def output_fisher_matvec(likelihood: Likelihood, f: Tensor, V: Tensor) -> Tensor:
+    """F_L V per position in O(C R) (O(C) for the built-in heads; never a (C, C) matrix): V (*K, ..., C)
+    broadcasts against f (..., C) (module doc for the closed forms)."""
+    if isinstance(likelihood, CrossEntropy):
+        p = f.softmax(-1)
+        pV = p * V
+        return pV - p * pV.sum(-1, keepdim=True)
+    if isinstance(likelihood, BernoulliBCE):
+        s = torch.sigmoid(f)
+        return s * (1 - s) * V
+    if isinstance(likelihood, Gaussian):
+        return V / likelihood.sigma**2
+    S = _custom_sqrt(likelihood, f)  # (..., C, R)
+    return (S * (S * V[..., :, None]).sum(-2)[..., None, :]).sum(-1)
+
+
+def _custom_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
+    """The head's own ``output_fisher_sqrt(f)`` (..., C, R), or a TypeError naming the fix."""
     custom = getattr(likelihood, "output_fisher_sqrt", None)
     if callable(custom):
         out: Tensor = custom(f)
@@ -50,7 +99,7 @@ def output_fisher_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
 
 
 def output_fisher(likelihood: Likelihood, f: Tensor) -> Tensor:
-    """(B, C, C) per-sample output Fisher F_L = S S^T."""
+    """(..., C, C) per-position output Fisher F_L = S S^T (small C only)."""
     S = output_fisher_sqrt(likelihood, f)
     return S @ S.transpose(-1, -2)
 
@@ -65,7 +114,8 @@ def reduced_factor(S: Tensor) -> Tensor:
     exact diagonal and the dense matrix then need one backward pass / factor row fewer per sample.
     Returns S itself when nothing can be dropped, and also when ``eigh`` fails or returns NaN/inf in S's dtype
     and in float64 (LAPACK can, on the near-zero, repeated eigenvalues of saturated softmax outputs): dropping
-    directions is only a saving, so S is always a correct answer.
+    directions is only a saving, so S is always a correct answer. It forms the (B, C, C) products S S^T: the
+    exact operators call it only for C <= ``SMALL_C`` (larger heads take the columns of S in chunks).
     """
     if S.dim() != 3 or S.shape[1] < 2:
         return S

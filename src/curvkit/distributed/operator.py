@@ -7,7 +7,9 @@ returns the same numbers on every rank.
 The math. An exact operator of a loss with weight w over N points is C = w sum_n C_n. Rank r's operator
 is C_r = w_r sum_{n in r} C_n with w_r = 1 ('sum') or 1/N_r ('mean'), so
 
-    C = sum_r c_r C_r,   c_r = 1 ('sum'),   c_r = N_r / N ('mean', N = sum_r N_r, all-reduced once).
+    C = sum_r c_r C_r,   c_r = 1 ('sum'),   c_r = N_r / N ('mean', N = sum_r N_r, all-reduced once),
+
+with N_r the rank's loss terms (``num_terms``: counted positions for outputs with positions and padding).
 
 Everything LINEAR in C is computed locally on the shard, scaled by c_r and all-reduced (one message):
 products ``C @ M``, quadratic forms, the exact diagonal, ``to_dense``, the exact trace, and Hutchinson's
@@ -57,7 +59,8 @@ class DistributedOperator(CurvatureOperator):
         if weight is not None:
             self.weight = float(weight)
         elif n_local is not None and lik is not None and getattr(lik, "reduction", None) == "mean":
-            self.weight = float(n_local) / float(self.num_data)  # type: ignore[arg-type]
+            terms = getattr(local, "num_terms", n_local)  # loss terms: positions that are not padding
+            self.weight = float(terms) / float(distributed.sum_int(terms))  # the same collective on every rank
         else:
             self.weight = 1.0
 

@@ -2,20 +2,22 @@
 
 For directions d_1..d_k (parameter-shaped), the Gram matrix of the minibatch GGN
 
-    M_ij = d_i^T G d_j = w sum_n (J_n d_i)^T H_L^n (J_n d_j),   w = 1/B ('mean') or 1 ('sum'),
+    M_ij = d_i^T G d_j = w sum_n (J_n d_i)^T H_L^n (J_n d_j),   w = 1/(counted positions) ('mean') or 1 ('sum'),
 
 needs only the Jacobian-vector products J d_i (the R-operator of Schraudolph 2002; one forward-mode pass,
-no backward pass) and the output Hessians H_L^n, never a (B, C, C) tensor for the diagonal heads.
+no backward pass) and products with the output Hessians H_L^n, never a (B, C, C) tensor. Outputs may have
+positions, (B, *P, C): n then runs over samples and positions, padded positions count for nothing, and
+``mean`` divides by the counted positions (the likelihood's ``num_terms``), as the loss does.
 
 * :class:`Linearisation` records one forward pass and returns J V for k directions at once: from the
   recorded activations by tangent propagation when the model is a plain ``nn.Sequential`` of
   Linear/Conv layers and parameter-free modules (:class:`curvkit.curvature._tangent.SequentialTangent`,
   about two forward passes' matrix products for k = 1), otherwise with ``torch.func.jvp`` through
-  :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed).
-* :func:`output_gram` contracts J V with H_L in output space: softmax cross-entropy
-  v^T (diag p - p p^T) u = sum p v u - (p.v)(p.u); sigmoid BCE sum s(1-s) v u; Gaussian sum v u / sigma^2;
-  a head whose H_L depends on the label (``hessian_needs_target``) through its (B, C, C) Hessian at y;
-  any other head through its square root S (H_L = S S^T).
+  :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed). Its
+  default forward pass runs inside :func:`curvkit.structure.curvature_kernels`.
+* :func:`output_gram` contracts J V with H_L in output space through ``likelihood.output_hessian_matvec``
+  (softmax cross-entropy v^T (diag p - p p^T) u = sum p v u - (p.v)(p.u) in O(C); sigmoid BCE
+  sum s(1-s) v u; Gaussian sum v u / sigma^2; a head whose H_L depends on the label at y).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from torch import Tensor, nn
 from torch.func import jvp
 
 from curvkit.curvature._tangent import SequentialTangent
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
-from curvkit.structure import ModelStructure
+from curvkit.likelihoods import Likelihood
+from curvkit.structure import ModelStructure, curvature_kernels
 
 __all__ = ["Linearisation", "apply_output_hessian", "output_gram"]
 
@@ -55,14 +57,18 @@ class Linearisation:
 
     def record(self, X: Tensor, forward: Callable[[], Tensor] | None = None) -> Tensor:
         """Run the forward pass ``forward()`` (default ``model(X)``) and keep what J V needs; returns f."""
-        fwd = forward if forward is not None else (lambda: self.model(X))
+        fwd = forward if forward is not None else (lambda: self._forward(X))
         self._X = X
         if self.tangent is not None:
             return self.tangent.record(fwd)
         return fwd()
 
+    def _forward(self, X: Tensor) -> Tensor:
+        with curvature_kernels():
+            return self.model(X)  # type: ignore[no-any-return]
+
     def __call__(self, directions: Sequence[Sequence[Tensor]]) -> Tensor:
-        """(k, B, C) J d_i for k directions, each a list of parameter-shaped tensors in ``names`` order.
+        """(k, B, [*P,] C) J d_i for k directions, each a list of parameter-shaped tensors in ``names`` order.
 
         Uses the parameter values of the recorded pass: call before changing the parameters in place.
         """
@@ -86,22 +92,14 @@ class Linearisation:
 
 
 def apply_output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor | None, V: Tensor) -> Tensor:
-    """(k, B, C) w H_L^n v_n for V (k, B, C): the output-space part of a GGN product (module docstring;
-    w = 1/B for ``reduction='mean'``, 1 for ``'sum'``)."""
+    """(k, B, [*P,] C) w H_L v per position for V of that shape: the output-space part of a GGN product
+    (module docstring; w = 1/(counted positions) for ``reduction='mean'``, 1 for ``'sum'``; zero at padding)."""
     f = f.detach()
-    w = likelihood.scale(f.shape[0])
-    if isinstance(likelihood, BernoulliBCE | Gaussian):
-        return w * likelihood.output_hessian_diagonal(f) * V
-    if isinstance(likelihood, CrossEntropy):
-        p = f.softmax(-1)
-        return w * (p * V - p * torch.einsum("bc,kbc->kb", p, V)[:, :, None])
-    if getattr(likelihood, "hessian_needs_target", False):
-        H = likelihood.output_hessian(f, y)  # type: ignore[call-arg]
-        return w * torch.einsum("bcd,kbd->kbc", H, V)
-    S = likelihood.output_hessian_sqrt(f)  # (B, C, R)
-    return w * torch.einsum("bcr,kbr->kbc", S, torch.einsum("bcr,kbc->kbr", S, V))
+    w = likelihood.scale(likelihood.num_terms(f, y))
+    return w * likelihood.output_hessian_matvec(f, V, y)
 
 
 def output_gram(likelihood: Likelihood, f: Tensor, y: Tensor | None, JV: Tensor) -> Tensor:
-    """(k, k) M_ij = w sum_n (J_n d_i)^T H_L^n (J_n d_j) from JV (k, B, C) (module docstring)."""
-    return torch.einsum("kbc,lbc->kl", JV, apply_output_hessian(likelihood, f, y, JV))
+    """(k, k) M_ij = w sum_n (J_n d_i)^T H_L^n (J_n d_j) from JV (k, B, [*P,] C) (module docstring)."""
+    HJV = apply_output_hessian(likelihood, f, y, JV)
+    return JV.reshape(JV.shape[0], -1) @ HJV.reshape(HJV.shape[0], -1).T
