@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import math
 
 import pytest
@@ -40,9 +41,10 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 
 def _objective_grad(model: nn.Module, lik, X, y, wd: float) -> tuple[float, torch.Tensor]:
-    """E = lik(f, y) + wd/2 |theta|^2 and its gradient, by torch.func on the flat vector."""
-    names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for p in model.parameters()]
+    """E = lik(f, y) + wd/2 |theta|^2 and its gradient, by torch.func on the flat vector of the trainable
+    parameters (frozen ones keep their values and are not in theta)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
 
     def E(theta):
         ps, o = {}, 0
@@ -52,7 +54,7 @@ def _objective_grad(model: nn.Module, lik, X, y, wd: float) -> tuple[float, torc
             o += k
         return lik(functional_call(model, ps, (X,)), y) + 0.5 * wd * (theta**2).sum()
 
-    th = _flat(model)
+    th = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
     return float(E(th)), grad(E)(th)
 
 
@@ -82,6 +84,8 @@ def _dense_direction(opt: GaussNewton, g: torch.Tensor, zeta: float, exact: bool
         G, A = b.G, b.A
         if exact:
             M = torch.kron(G, A) + lam * torch.eye(G.shape[0] * A.shape[0])
+        elif float(G.trace()) == 0 or float(A.trace()) == 0:  # a zero block: the omega -> inf limit, lam I
+            M = lam * torch.eye(G.shape[0] * A.shape[0])
         else:
             om = math.sqrt((float(A.trace()) / A.shape[0]) / (float(G.trace()) / G.shape[0]))
             M = torch.kron(G + (k / om) * torch.eye(G.shape[0]), A + (om * k) * torch.eye(A.shape[0]))
@@ -513,3 +517,297 @@ def test_factored_inverse_by_cholesky_solves_equals_the_operator_inverse():
         ref = op.inverse(0.37, method="factored", norm=norm) @ g
         for n, r in zip(names, ref):
             assert torch.allclose(fast[n], r, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- issue 24
+def _factors(op) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b.G.clone(), b.A.clone()) for b in op.blocks]
+
+
+def _own_factors(net: nn.Module, lik, batch, curvature: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The Kronecker factors of ONE minibatch at the model's current parameters (a fresh estimator)."""
+    from curvkit.curvature.estimators import KroneckerEstimator
+
+    return _factors(KroneckerEstimator(copy.deepcopy(net), lik, curvature).update(batch).operator())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("curvature", ["kfra", "kflr"])
+def test_default_curvature_is_the_current_minibatch(curvature, reduction):
+    """ema=None (the default): after steps on b1 then b2 the factors are b2's own at the parameters of step 2
+    (thesis Algorithm 1), not the running mean (A(b1) + A(b2)) / 2 of curvkit 0.1; with 'sum' they do not
+    grow with the data seen. The input factor is also checked against its definition A = [X 1]^T [X 1] / B."""
+    lik = CrossEntropy(reduction)
+    net = _tiny(0)
+    b1 = make_data("ce", 8, seed=1)
+    X2, y2 = make_data("ce", 8, seed=2)
+    b2 = (3.0 * X2, y2)  # a different input scale: the two batches' A differ a lot
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature=curvature, tau_every=0, zeta_every=0)
+    own1 = _own_factors(net, lik, b1, curvature)
+    opt.step(batch=b1)
+    held1 = _factors(opt.estimator.operator())
+    own2 = _own_factors(net, lik, b2, curvature)
+    _, g = _objective_grad(net, lik, *b2, 0.0)
+    opt.step(batch=b2)
+    held2 = _factors(opt.estimator.operator())
+    for (G, A), (Go, Ao) in zip(held1 + held2, own1 + own2):
+        assert torch.allclose(G, Go, atol=1e-12, rtol=1e-10) and torch.allclose(A, Ao, atol=1e-12, rtol=1e-10)
+    Xh = torch.cat([b2[0], torch.ones(8, 1)], 1)
+    assert torch.allclose(held2[0][1], Xh.T @ Xh / 8, atol=1e-12)
+    assert not torch.allclose(held2[0][1], 0.5 * (own1[0][1] + own2[0][1]), atol=1e-3)  # not the running mean
+    # the direction of step 2 is that of b2's own curvature (dense, Eq. 4.25)
+    assert opt.history[-1]["refreshed"]
+    assert torch.allclose(opt.curvature().inverse() @ g, _dense_direction(opt, g, 1.0, exact=False), atol=1e-12)
+
+
+def test_running_mean_and_ema_are_explicit_options():
+    """ema='running_mean' is curvkit 0.1's behaviour (mean of the per-batch factors, each at its step's
+    parameters); ema=0.9 the thesis's moving average: 0.9 * old + 0.1 * new."""
+    lik = CrossEntropy("mean")
+    b1, b2 = make_data("ce", 8, seed=1), make_data("ce", 8, seed=2)
+    for ema in ("running_mean", 0.9):
+        net = _tiny(0)
+        opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature="kflr", ema=ema, tau_every=0,
+                          zeta_every=0)
+        own1 = _own_factors(net, lik, b1, "kflr")
+        opt.step(batch=b1)
+        own2 = _own_factors(net, lik, b2, "kflr")
+        opt.step(batch=b2)
+        w = 0.5 if ema == "running_mean" else 0.9
+        for (G, A), (G1, A1), (G2, A2) in zip(_factors(opt.estimator.operator()), own1, own2):
+            assert torch.allclose(G, w * G1 + (1 - w) * G2, atol=1e-12)
+            assert torch.allclose(A, w * A1 + (1 - w) * A2, atol=1e-12)
+    with pytest.raises(ValueError, match="running_mean"):
+        GaussNewton(net.parameters(), model=net, likelihood=lik, ema="mean")
+
+
+def test_curvkit_0_1_checkpoints_say_how_to_resume_them():
+    """A state_dict written before the change (no 'format'; its ema=None meant the running mean) is refused
+    by the new default with a message that says how to resume it, and resumes with ema='running_mean'."""
+    batches = _batches(3)
+    net, opt = _make(ema="running_mean", momentum=False)
+    _run(net, opt, batches[:2])
+    old = opt.state_dict()
+    old["gauss_newton"] = dict(old["gauss_newton"], config=dict(old["gauss_newton"]["config"], ema=None))
+    del old["gauss_newton"]["format"]
+    _, fresh = _make(ema=None, momentum=False)
+    with pytest.raises(ValueError, match="ema='running_mean' to continue that run exactly"):
+        fresh.load_state_dict(old)
+    net_b, resumed = _make(ema="running_mean", momentum=False)
+    net_b.load_state_dict(net.state_dict())
+    resumed.load_state_dict(old)
+    _run(net, opt, batches[2:])
+    _run(net_b, resumed, batches[2:])
+    assert torch.equal(_flat(net), _flat(net_b))
+
+
+def _saturated(seed: int = 0) -> nn.Sequential:
+    """A softmax classifier so confident that p is exactly one-hot in float64: H_L = diag p - p p^T = 0."""
+    net = _tiny(seed)
+    with torch.no_grad():
+        net[2].weight.mul_(1e6)
+    return net
+
+
+@pytest.mark.parametrize(("curvature", "inversion"), [("kfra", "factored"), ("kflr", "factored"),
+                                                      ("kfac", "factored"), ("kflr", "eigen")])
+def test_zero_curvature_takes_the_limit_step(curvature, inversion):
+    """Output Hessian exactly zero: every Kronecker block is zero, the trace-norm split does not exist, and
+    the damped step is its omega -> infinity limit d = g / (lambda + zeta); the exact GGN is zero too, so
+    alpha* = -(lambda + zeta) / (lambda + tau) and the update is -g / (lambda + tau). Later steps go on."""
+    lik = CrossEntropy("mean")
+    net = _saturated()
+    X, y = make_data("ce", 12, seed=3)
+    p = net(X).softmax(-1)
+    assert bool(((p == 0) | (p == 1)).all()) and not bool((p.argmax(1) == y).all())  # one-hot, some wrong
+    wd, tau, zeta = 1e-3, 0.3, 0.2
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature=curvature, inversion=inversion,
+                      weight_decay=wd, tau=tau, zeta=zeta, tau_every=0, zeta_every=0)
+    _, g = _objective_grad(net, lik, X, y, wd)
+    th0 = _flat(net)
+    opt.step(batch=(X, y))
+    rec = opt.history[-1]
+    assert rec["zero_curvature"] == ["0.weight", "2.weight"]
+    assert rec["alpha"] == pytest.approx(-(wd + zeta) / (wd + tau), rel=1e-12)
+    assert torch.allclose(_flat(net) - th0, -g / (wd + tau), atol=1e-12, rtol=1e-10)
+    assert torch.allclose(opt.curvature().to_dense(), (wd + zeta) * torch.eye(len(g)), atol=1e-12)
+    for _ in range(3):  # no dead end: every later step works
+        opt.step(batch=(X, y))
+
+
+def test_zero_factor_in_one_block_and_zero_gradient():
+    """A block with a zero input factor (bias-free layer fed only zeros) is damped as delta I while the other
+    block keeps its trace-norm split; a zero gradient (a saturated network that is right everywhere, no
+    weight decay) gives a zero step (alpha = 0), not an error."""
+    lik = CrossEntropy("mean")
+    net = nn.Sequential(nn.Linear(4, 5, bias=False), nn.Tanh(), nn.Linear(5, 3)).to(torch.float64)
+    X, y = torch.zeros(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature="kflr", tau_every=0, zeta_every=0,
+                      zeta=0.5)
+    _, g = _objective_grad(net, lik, X, y, 0.0)
+    th0 = _flat(net)
+    opt.step(batch=(X, y))
+    rec = opt.history[-1]
+    assert rec["zero_curvature"] == ["0.weight"] and rec["omega"]["0.weight"] == 1.0
+    b = opt.estimator.operator().blocks[1]
+    assert rec["omega"]["2.weight"] == pytest.approx(
+        math.sqrt((float(b.A.trace()) / b.A.shape[0]) / (float(b.G.trace()) / b.G.shape[0])))
+    d = _dense_direction(opt, g, 0.5, exact=False)  # block 0's gradient is zero, so its direction is too
+    assert torch.allclose(_flat(net) - th0, rec["alpha"] * d, atol=1e-12)
+    # zero gradient
+    net = _saturated(1)
+    X, _ = make_data("ce", 10, seed=4)
+    y = net(X).argmax(1)
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature="kfra")
+    th0 = _flat(net)
+    for _ in range(5):
+        opt.step(batch=(X, y))
+    assert torch.equal(_flat(net), th0) and all(r["alpha"] == 0.0 for r in opt.history)
+    assert opt.tau == 1.0  # no predicted change: rho undefined, tau left alone
+
+
+def _frozen_net(where: int) -> nn.Sequential:
+    net = _tiny(5, sizes=(4, 5, 4, 3))
+    net[2 * where].requires_grad_(False)
+    return net
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+@pytest.mark.parametrize("curvature", ["kfra", "kflr", "kfac"])
+def test_frozen_layers_are_left_alone(curvature, where):
+    """GaussNewton(model.parameters()) with a frozen layer (first, middle or last): the frozen layer gets no
+    block and no update; the step on the others equals the dense reference over the trainable parameters
+    only (direction from their blocks, alpha* from the dense GGN w.r.t. them)."""
+    lik = CrossEntropy("mean")
+    net = _frozen_net(where)
+    frozen = [p.clone() for p in net[2 * where].parameters()]
+    X, y = make_data("ce", 10, seed=5)
+    wd, tau, zeta = 1e-2, 0.3, 0.2
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature=curvature, weight_decay=wd, tau=tau,
+                      zeta=zeta, tau_every=0, zeta_every=0)
+    trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert opt.param_names() == trainable and len(trainable) == 4
+    _, g = _objective_grad(net, lik, X, y, wd)
+    C = dense_ggn(net, lik, (X, y)) + (wd + tau) * torch.eye(len(g))
+    th0 = torch.cat([p.detach().reshape(-1) for p in net.parameters() if p.requires_grad])
+    opt.step(batch=(X, y))
+    assert [b.weight_name for b in opt.estimator.operator().blocks] == [n for n in trainable if "weight" in n]
+    for p, f in zip(net[2 * where].parameters(), frozen):
+        assert torch.equal(p, f)
+    d = _dense_direction(opt, g, zeta, exact=False)
+    alpha = -float(d @ g) / float(d @ C @ d)
+    th1 = torch.cat([p.detach().reshape(-1) for p in net.parameters() if p.requires_grad])
+    assert opt.history[-1]["alpha"] == pytest.approx(alpha, rel=1e-9)
+    assert torch.allclose(th1 - th0, alpha * d, atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_kfra_runs_its_recursion_through_frozen_layers(where):
+    """KFRA's factors of the trainable layers are the same with the other layer frozen as without (the
+    recursion (W^T G W) o Phi^T Phi / B passes through the frozen layer), and with one datum they are the
+    exact GGN diagonal blocks of the trainable parameters (thesis Sec. 4.3.2)."""
+    from curvkit.curvature.estimators import KroneckerEstimator
+    from curvkit.linalg.layout import ParamLayout
+
+    lik = CrossEntropy("mean")
+    X, y = make_data("ce", 7, seed=6)
+    full = _tiny(5, sizes=(4, 5, 4, 3))
+    ref = {b.weight_name: (b.G, b.A) for b in KroneckerEstimator(full, lik, "kfra").update((X, y)).operator().blocks}
+    net = _frozen_net(where)
+    got = KroneckerEstimator(net, lik, "kfra").update((X, y)).operator()
+    assert len(got.blocks) == 2
+    for b in got.blocks:
+        assert torch.allclose(b.G, ref[b.weight_name][0], atol=1e-12) and torch.allclose(b.A, ref[b.weight_name][1])
+    one = (X[:1], y[:1])
+    op = KroneckerEstimator(net, lik, "kfra").update(one).operator()
+    Gd = dense_ggn(net, lik, one)
+    layout = ParamLayout.from_module(net)
+    for b in op.blocks:
+        idx = _hat_index(layout, b.weight_name, b.bias_name)
+        assert torch.allclose(torch.kron(b.G, b.A), Gd[idx[:, None], idx[None, :]], atol=1e-12)
+
+
+def test_frozen_parameter_errors():
+    lik = CrossEntropy()
+    net = _tiny(0)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to optimise"):
+        GaussNewton(net.parameters(), model=net, likelihood=lik)
+    net = _tiny(0)
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature="kflr")
+    net[0].requires_grad_(False)  # after construction: the blocks no longer match
+    with pytest.raises(ValueError, match=r"requires_grad of 0\.weight, 0\.bias changed"):
+        opt.step(batch=make_data("ce", 6))
+
+
+def test_misuse_gets_clear_errors():
+    """Empty batches (batch= and closure), a float64 batch for a float32 model, and closure together with
+    batch= are refused with curvkit's own errors, before anything changes."""
+    lik = CrossEntropy()
+    net = _tiny(0)
+    opt = GaussNewton(net.parameters(), model=net, likelihood=lik)
+    X, y = make_data("ce", 6)
+    with pytest.raises(ValueError, match=r"batch X is empty \(shape \(0, 4\)\)"):
+        opt.step(batch=(X[:0], y[:0]))
+
+    def empty_closure():
+        opt.zero_grad()
+        loss = lik(net(X[:0]), y[:0])
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="the closure's model input is empty"):
+        opt.step(empty_closure)
+    with pytest.raises(ValueError, match="batch y has shape"):
+        opt.step(batch=(X, y[:3]))
+
+    def closure():
+        opt.zero_grad()
+        loss = lik(net(X), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(TypeError, match="both a closure and batch="):
+        opt.step(closure, batch=(X, y))
+    assert opt.num_steps == 0 and opt.history == []
+    net32 = mlp([4, 5, 3], "tanh", dtype=torch.float32, seed=0)
+    opt32 = GaussNewton(net32.parameters(), model=net32, likelihood=lik)
+    with pytest.raises(ValueError, match=r"batch X has dtype torch\.float64 but the model's parameters are torch\.float32"):
+        opt32.step(batch=(X, y))
+    with pytest.raises(ValueError, match=r"batch y has dtype torch\.float64"):
+        GaussNewton(net32.parameters(), model=net32, likelihood=Gaussian()).step(
+            batch=(X.float(), torch.randn(6, 3, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"closure's model input has dtype torch\.float64"):
+        opt32.step(lambda: lik(net32(X), y))
+    opt32.step(batch=(X.float(), y))  # and the right dtype works
+
+
+def test_fast_adaptation_schedule():
+    """FAST_ADAPTATION: rho and tau on every step (tau moves by 0.8), zeta searched every 5 steps over
+    {zeta/2, zeta, 2 zeta}; on a full-batch problem it gets further than the thesis's schedule in 30 steps.
+    It is read-only (a shared default must not be changed by one user)."""
+    from curvkit.optim.second_order import FAST_ADAPTATION
+
+    assert dict(FAST_ADAPTATION) == {"tau_every": 1, "omega_tau": 0.8, "zeta_every": 5, "omega_zeta": 0.5}
+    with pytest.raises(TypeError):
+        FAST_ADAPTATION["tau_every"] = 5  # type: ignore[index]
+    lik = CrossEntropy("mean")
+    X, _ = make_data("ce", 64, seed=9)
+    y = (X @ torch.randn(4, 3, generator=torch.Generator().manual_seed(9))).argmax(1)  # a learnable teacher
+    final = {}
+    for name, kw in (("thesis", {}), ("fast", dict(FAST_ADAPTATION))):
+        net = _tiny(9)
+        opt = GaussNewton(net.parameters(), model=net, likelihood=lik, weight_decay=1e-5, **kw)
+        for _ in range(30):
+            opt.step(batch=(X, y))
+        final[name] = _objective_grad(net, lik, X, y, 1e-5)[0]
+        if name == "fast":
+            assert all(r["rho"] is not None for r in opt.history)
+            taus = [1.0] + [r["tau"] for r in opt.history]
+            assert all(b / a in (pytest.approx(0.8), 1.0, pytest.approx(1.25)) for a, b in itertools.pairwise(taus))
+            zetas = [1.0] + [r["zeta"] for r in opt.history]
+            changes = [i + 1 for i, (a, b) in enumerate(itertools.pairwise(zetas)) if a != b]
+            assert changes and all(k % 5 == 0 for k in changes)
+            assert all(math.log2(z) == round(math.log2(z)) for z in zetas)
+    assert final["fast"] < 0.5 * final["thesis"], final

@@ -88,3 +88,25 @@ def test_models_shapes():
         mlp([2, 2, 2], "gelu6")
     with pytest.raises(ValueError, match="at least two"):
         mlp([2])
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_seeded_mlp_leaves_the_global_generator_alone(dtype):
+    """mlp(seed=s) draws from a local generator: the global RNG state is unchanged, the same seed gives the
+    same weights (whatever the global state), and they are torch's default nn.Linear initialisation after
+    torch.manual_seed(s), the values mlp(seed=s) always produced (the experiments' networks are unchanged)."""
+    state = torch.random.get_rng_state()
+    a = mlp([6, 5, 4, 3], "tanh", dtype=dtype, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.rand(7)  # another global state: the seeded weights do not depend on it
+    b = mlp([6, 5, 4, 3], "tanh", dtype=dtype, seed=3)
+    c = mlp([6, 5, 4, 3], "tanh", dtype=dtype, seed=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        ref = [torch.nn.Linear(i, o) for i, o in ((6, 5), (5, 4), (4, 3))]
+    ref_params = [p.to(dtype) if dtype else p for lay in ref for p in lay.parameters()]
+    for pa, pb, pr in zip(a.parameters(), b.parameters(), ref_params):
+        assert torch.equal(pa, pb) and torch.equal(pa, pr) and pa.dtype == pr.dtype
+    assert not any(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+    nobias = mlp([6, 5], bias=False, dtype=dtype, seed=3)  # the weight's draws come first, as in nn.Linear
+    assert nobias[0].bias is None and torch.equal(nobias[0].weight, a[0].weight)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,11 @@ def mlp(
 ) -> nn.Sequential:
     """MLP with layer widths ``sizes`` = (d_0, d_1, ..., d_L); activation between layers, none at the end.
 
+    ``seed``: the weights are torch's default ``nn.Linear`` initialisation drawn from a local
+    ``torch.Generator().manual_seed(seed)`` (the same values as ``torch.manual_seed(seed)`` followed by the
+    construction, but the global random generator is neither read nor changed); None draws them from the
+    global generator, as ``nn.Linear`` does.
+
     >>> mlp([4, 5, 3], "tanh")
     Sequential(
       (0): Linear(in_features=4, out_features=5, bias=True)
@@ -48,15 +54,27 @@ def mlp(
     sizes = list(sizes)
     if len(sizes) < 2 or any(int(s) < 1 for s in sizes):
         raise ValueError(f"mlp sizes must be at least two positive widths, got {sizes}")
-    if seed is not None:
-        torch.manual_seed(seed)
+    gen = None if seed is None else torch.Generator().manual_seed(int(seed))
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        layers.append(nn.Linear(a, b, bias=bias))
+        layers.append(nn.Linear(a, b, bias=bias) if gen is None else _seeded_linear(a, b, bias, gen))
         if i < len(sizes) - 2:
             layers.append(activation(activation_name))
     net = nn.Sequential(*layers)
     return net.to(dtype) if dtype is not None else net
+
+
+def _seeded_linear(n_in: int, n_out: int, bias: bool, gen: torch.Generator) -> nn.Linear:
+    """``nn.Linear(n_in, n_out)`` with its default initialisation (``reset_parameters``: weight
+    U(-1/sqrt(n_in), 1/sqrt(n_in)) through kaiming_uniform_(a=sqrt(5)), bias U(-1/sqrt(n_in), 1/sqrt(n_in)))
+    drawn from ``gen``, in the same order; nothing is drawn from the global generator."""
+    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias)
+    with torch.no_grad():
+        nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=gen)
+        if layer.bias is not None:
+            bound = 1 / math.sqrt(n_in) if n_in > 0 else 0.0
+            nn.init.uniform_(layer.bias, -bound, bound, generator=gen)
+    return layer
 
 
 def lenet(

@@ -370,9 +370,10 @@ class ModelStructure:
             raise UnsupportedModelError(f"{what}: {type(self.model).__name__} has no trainable parameters")
         return out
 
-    def mlp_chain(self, what: str) -> MLPChain:
+    def mlp_chain(self, what: str, *, frozen: bool = False) -> MLPChain:
         """Parse the model as a feed-forward chain (for the recursions of thesis Lemmas 3.16/3.22, KFRA,
-        and the batched SGLD gradient), or raise naming the offending module."""
+        and the batched SGLD gradient), or raise naming the offending module. ``frozen=True`` also accepts
+        Linear layers with frozen parameters (KFRA propagates its recursion through them)."""
         acts = ", ".join(sorted(t.__name__ for t in ELEMENTWISE))
         if type(self.model) is not nn.Sequential:
             raise refuse(what, "<root>", self.model, "is not an nn.Sequential",
@@ -393,8 +394,8 @@ class ModelStructure:
                 names.append(name)
                 linears.append(m)
                 activations.append([])
-                weights.append(self._trainable_name(what, name, m, m.weight))
-                biases.append(None if m.bias is None else self._trainable_name(what, name, m, m.bias))
+                weights.append(self._trainable_name(what, name, m, m.weight, frozen))
+                biases.append(None if m.bias is None else self._trainable_name(what, name, m, m.bias, frozen))
             elif type(m) in ELEMENTWISE and not any(True for _ in m.parameters()):
                 if not linears:
                     raise refuse(what, name, m, "comes before the first nn.Linear",
@@ -418,9 +419,9 @@ class ModelStructure:
                                         f"{', '.join(repr(o) for o in owners)}; untie the weights")
         return MLPChain(names, linears, activations, flatten, weights, biases)
 
-    def _trainable_name(self, what: str, label: str, mod: nn.Module, p: Tensor) -> str:
+    def _trainable_name(self, what: str, label: str, mod: nn.Module, p: Tensor, frozen: bool = False) -> str:
         name = self._canonical[id(p)]
-        if not p.requires_grad:
+        if not p.requires_grad and not frozen:
             raise refuse(what, label, mod, "has frozen parameters",
                          "the recursions need every parameter of the chain to be trainable")
         return name

@@ -14,7 +14,9 @@ corrected Kronecker one) is one new class here that implements :class:`Curvature
   - ``projection``: ``mc_samples`` random projections ``S v`` with ``E[v v^T] = I`` (Rademacher or
     Gaussian ``v``, Sec. 4.3.4, Eqs. 4.10-4.11);
   - ``kfra``: the batch-mean recursion ``G_l = (W_{l+1}^T G_{l+1} W_{l+1}) o (Phi_l^T Phi_l / B)``,
-    ``Phi_l = phi'(h_l)`` (Sec. 4.3.2, Eq. 4.7, Algorithm 1 erratum fixed), MLP chains only;
+    ``Phi_l = phi'(h_l)`` (Sec. 4.3.2, Eq. 4.7, Algorithm 1 erratum fixed), MLP chains only; the recursion
+    runs through frozen Linear layers of the chain (their h_l recomputed from the layer before), which get
+    no block;
   - ``empirical``: gradients at the DATA labels (empirical Fisher; for comparison, not a GGN estimator).
 
   Conv2d layers (all methods but ``kfra``) use the KFC "expand" convention: ``A`` sums over the T output
@@ -243,9 +245,12 @@ class KroneckerEstimator(CurvatureEstimator):
         self.per_sample: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
         structure = read_model(model)
         self.layers = structure.kronecker_layers(method, allow_conv=method != "kfra")
-        self.chain = structure.mlp_chain(method) if method == "kfra" else None
-        if self.chain is not None and [lay.module for lay in self.layers] != self.chain.linears:
-            raise UnsupportedModelError("kfra: the trainable layers must be exactly the chain's nn.Linear layers")
+        self.chain = structure.mlp_chain(method, frozen=True) if method == "kfra" else None
+        if self.chain is not None:
+            position = {id(m): i for i, m in enumerate(self.chain.linears)}
+            if any(id(lay.module) not in position for lay in self.layers):
+                raise UnsupportedModelError("kfra: the trainable layers must be nn.Linear layers of the chain")
+            self._chain_pos = [position[id(lay.module)] for lay in self.layers]  # increasing (module order)
         super().__init__(model, likelihood, ema, distributed)
 
     # ------------------------------------------------------------------ per-batch statistics
@@ -356,24 +361,29 @@ class KroneckerEstimator(CurvatureEstimator):
         assert self.chain is not None
         B = f.shape[0]
         G = _mean_output_hessian(self.likelihood, f.detach(), y)
-        L = len(self.chain.linears)
+        chain, L, first = self.chain, len(self.chain.linears), self._chain_pos[0]
+        h = {l: rec.output.detach() for l, rec in zip(self._chain_pos, cap.records)}  # type: ignore[union-attr]
         grams = {}
-        for l in range(L - 2, -1, -1):
-            h = cap.records[l].output.detach()  # type: ignore[union-attr]
-            Phi = activation_derivatives(self.chain.activations[l], h)[1]
+        a_prev: Tensor | None = None  # the previous layer's activation
+        for l in range(first, L - 1):  # the recursion stops at the first trainable layer
+            if l not in h:  # a frozen layer (not captured): its pre-activation from the previous activation
+                assert a_prev is not None
+                lin = chain.linears[l]
+                h[l] = torch.nn.functional.linear(a_prev, lin.weight.detach(),
+                                                  None if lin.bias is None else lin.bias.detach())
+            a_prev, Phi, _ = activation_derivatives(chain.activations[l], h[l])
             grams[l] = Phi.T @ Phi / B
         if self.distributed is not None:  # batch means of the union (class docstring)
             keys = sorted(grams)
             means, total = self.distributed.weighted_mean([G] + [grams[l] for l in keys], B)
             G, grams = means[0], dict(zip(keys, means[1:]))
             B = round(total)  # the union's: the same numbers on every rank, so identical replicas (_reduce)
-        per = [G]
-        for l in range(L - 2, -1, -1):
-            W = self.chain.linears[l + 1].weight.detach()
+        per = {L - 1: G}
+        for l in range(L - 2, first - 1, -1):
+            W = chain.linears[l + 1].weight.detach()
             G = (W.T @ G @ W) * grams[l]
-            per.append(G)
-        per.reverse()
-        return [B * g for g in per]  # summed form: B times the batch mean (the thesis computes per batch)
+            per[l] = G
+        return [B * per[l] for l in self._chain_pos]  # summed form: B times the batch mean (the thesis: per batch)
 
     # ------------------------------------------------------------------ output
     def _stat_names(self) -> list[str]:

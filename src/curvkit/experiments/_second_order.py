@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 MNIST_TRAIN = 50_000  # thesis Sec. 4.5: the first 50,000 training images
+#: in the keys of stored Gauss-Newton runs: 2 = ``ema=None`` is the current minibatch's curvature (issue 24)
+GAUSS_NEWTON_FORMAT = 2
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -134,7 +136,8 @@ class RunSpec:
     """One optimiser run.
 
     ``kind='gauss_newton'`` uses :class:`curvkit.optim.GaussNewton` with the thesis's default damping
-    (``curvature``, ``ema``, ``inversion``; everything else at its default); ``kind='adam'`` uses
+    (``curvature``, ``ema``, ``inversion``; everything else at its default; ``ema=None`` is the curvature of
+    the current minibatch, the thesis's solid curves, ``0.9`` its dashed ones); ``kind='adam'`` uses
     ``torch.optim.Adam`` (default betas, eps) with learning rate ``lr`` halved every ``halving`` updates
     (None: never).
     """
@@ -143,7 +146,7 @@ class RunSpec:
     kind: str
     steps: int
     curvature: str = "kfra"
-    ema: float | None = None
+    ema: float | str | None = None
     inversion: str = "factored"
     lr: float = 1e-3
     halving: int | None = None
@@ -247,6 +250,8 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
     done, ck_path = run_dir / "result.pt", run_dir / "checkpoint.pt"
     key = {"task": task.name, "spec": asdict(spec), "batch_seed": batch_seed, "batch_size": task.batch_size,
            "weight_decay": task.weight_decay, "n": int(task.X.shape[0]), "eval_n": task.eval_n}
+    if spec.kind == "gauss_newton":  # runs of curvkit 0.1 (ema=None was the running mean) are not reused
+        key["gauss_newton"] = GAUSS_NEWTON_FORMAT
     if done.exists():
         finished = checkpoint.load(done)
         if finished.get("key") == key:

@@ -52,7 +52,7 @@ from curvkit.experiments._report import (
     to_jsonable,
     torch_threads,
 )
-from curvkit.experiments._second_order import _Batches, glorot_, load_mnist
+from curvkit.experiments._second_order import GAUSS_NEWTON_FORMAT, _Batches, glorot_, load_mnist
 from curvkit.experiments.registry import register
 from curvkit.likelihoods import BernoulliBCE, Likelihood
 from curvkit.linalg.krylov import conjugate_gradient
@@ -178,7 +178,7 @@ def _run(scale: str, st: dict[str, Any], out: Path, seed: int) -> dict[str, Any]
     model = glorot_(autoencoder(784, width=st["width"]), seed)
     opt = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfra", weight_decay=WEIGHT_DECAY)
     batches = _Batches(int(X.shape[0]), st["batch"], seed)
-    key = {"settings": st, "seed": seed}
+    key = {"settings": st, "seed": seed, "gauss_newton": GAUSS_NEWTON_FORMAT}
     state_path = out / "alignment.pt"
     points: list[dict[str, Any]] = []
     start = 0

@@ -1,11 +1,12 @@
 """Second-order optimisation with Kronecker-factored Gauss-Newton curvature (thesis chapter 4).
 
 * :class:`GaussNewton` - the damped Gauss-Newton optimiser (KFRA/KFLR/KFAC/random-projection directions,
-  factored or exact damped inversion, exact-GGN step size, Levenberg-Marquardt tau, greedy zeta).
+  factored or exact damped inversion, exact-GGN step size, Levenberg-Marquardt tau, greedy zeta);
+  :data:`FAST_ADAPTATION` a faster damping schedule than the thesis's.
 * :mod:`.quadratic` - the quadratic model and the damping rules as plain functions.
 * :mod:`.linearisation` - Jacobian-vector products and the exact minibatch GGN in output space.
 """
 
-from curvkit.optim.second_order.gauss_newton import GaussNewton
+from curvkit.optim.second_order.gauss_newton import FAST_ADAPTATION, GaussNewton
 
-__all__ = ["GaussNewton"]
+__all__ = ["FAST_ADAPTATION", "GaussNewton"]

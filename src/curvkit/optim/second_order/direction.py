@@ -10,19 +10,53 @@ gradient in the ``W_hat = [W | b]`` layout (out, in+1) as
 with triangular solves on both sides (no explicit inverse and no flat-vector permutation: this is the
 per-step hot path of the optimiser). It is the same matrix as
 ``op.inverse(delta, method='factored')`` (tested), which forms the two inverses explicitly.
+
+A block whose curvature is exactly zero (a factor with zero trace: e.g. a saturated softmax, whose output
+Hessian diag(p) - p p^T vanishes in floating point, zeroes every G_l) has no optimal split: omega* of
+Eq. 4.27 is infinite. The damped block ``(G + k/omega I) (x) (A + omega k I)`` then tends to
+``k^2 I = delta I`` as omega -> infinity (the cross terms ``omega k G (x) I`` and ``(k/omega) I (x) A`` vanish
+because G = 0 or A = 0), so the direction of that block is ``g / delta``. :func:`split_with_zero_blocks`
+represents such a block by zero factors with omega = 1, which gives exactly this limit through the same
+code path (``(0 + k I) (x) (0 + k I) = delta I``), and the exact damped inverse likewise.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from curvkit.linalg.kron import KroneckerOperator
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 
-__all__ = ["FactoredInverse"]
+__all__ = ["FactoredInverse", "split_with_zero_blocks"]
+
+
+def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "frobenius"]
+                           ) -> tuple[KroneckerOperator, list[float], list[str]]:
+    """(operator, omega per block, weight names of the zero blocks) for the factored damping (module docstring).
+
+    Blocks with a factor of zero trace (the factors are positive semi-definite, so the factor is zero and so
+    is the block ``G (x) A``) are replaced by zero factors with omega = 1 (the omega -> infinity limit of
+    Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``.
+    """
+    zero = [i for i, b in enumerate(op.blocks) if not (float(b.G.trace()) > 0 and float(b.A.trace()) > 0)]
+    if not zero:
+        return op, op.damping_split(norm), []
+    kept = [b for i, b in enumerate(op.blocks) if i not in zero]
+    split = iter(op.block([n for b in kept for n in b.names]).damping_split(norm)) if kept else iter(())  # type: ignore[attr-defined]
+    blocks, omegas = [], []
+    for i, b in enumerate(op.blocks):
+        if i in zero:
+            blocks.append(KroneckerBlock.from_gram(torch.zeros_like(b.G), torch.zeros_like(b.A), b.weight_name,
+                                                   b.bias_name))
+            omegas.append(1.0)
+        else:
+            blocks.append(b)
+            omegas.append(next(split))
+    return KroneckerOperator(op.layout, blocks, op.damping), omegas, [op.blocks[i].weight_name for i in zero]
 
 
 def _cholesky(M: Tensor, what: str) -> Tensor:

@@ -30,13 +30,16 @@ __all__ = ["LMRule", "levenberg_marquardt", "line_minimum", "reduction_ratio", "
 def line_minimum(dg: float, dCd: float) -> tuple[float, float]:
     """(alpha*, q(alpha* d) - q(0)) of Eq. 4.18 for ``dg = d^T g`` and ``dCd = d^T C d > 0``.
 
-    Raises ``FloatingPointError`` when ``dCd`` is not a positive finite number (the model has no
-    minimum along d: a zero direction, or zero curvature with zero damping).
+    A flat model (``dg = 0`` and ``dCd = 0``: a zero direction, e.g. from a zero gradient) is minimised by
+    alpha = 0 (no step) and gives (0, 0). Raises ``FloatingPointError`` when ``dCd`` is not a positive finite
+    number otherwise (the model has no minimum along d: zero curvature with zero damping).
     """
+    if dg == 0 and dCd == 0:
+        return 0.0, 0.0
     if not (math.isfinite(dCd) and dCd > 0 and math.isfinite(dg)):
         raise FloatingPointError(f"the quadratic model along the direction has d^T C d = {dCd:.3g} and d^T g = "
-                                 f"{dg:.3g}; it needs d^T C d > 0 (a zero direction or zero damping with zero "
-                                 "curvature): increase tau or weight_decay")
+                                 f"{dg:.3g}; it needs d^T C d > 0 (zero damping with zero curvature along d): "
+                                 "increase tau or weight_decay")
     alpha = -dg / dCd
     return alpha, 0.5 * alpha * dg
 
