@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit.layerkinds import Site
 from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches, curvature_kernels
 
 __all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
@@ -255,6 +256,21 @@ class BlockCapture:
         for v in self._versions:
             v.clear()
 
+    def substitute(self, batch: int) -> dict[str, Tensor]:
+        """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a
+        :class:`~curvkit.layerkinds.ParameterHandler`), each emitted as its block's site (the gradient with
+        respect to P is the per-sample gradient); returns {name: P} for the forward pass to use."""
+        out: dict[str, Tensor] = {}
+        for i, lp in enumerate(self.plans):
+            if lp.handler.kind != "parameter":
+                continue
+            p = getattr(lp.module, lp.handler.attr)
+            P = p.detach().expand(batch, *p.shape[1:]).requires_grad_()
+            name = lp.blocks[0].weight
+            out[name] = P
+            self._emitter(i)(Site(0, P.detach(), P, _flat_rows(batch)))
+        return out
+
     def sites(self) -> list[Any]:
         """One site per block (global block order), checked: each block fed exactly once, outputs not
         modified in place afterwards."""
@@ -271,3 +287,8 @@ class BlockCapture:
                     "(e.g. nn.ReLU(inplace=True)); use inplace=False")
             out.append(sites[0])
         return out
+
+
+def _flat_rows(batch: int) -> Any:
+    return lambda g: g.reshape(batch, -1)
+

@@ -223,6 +223,9 @@ class KroneckerEstimator(CurvatureEstimator):
             Eschenhagen et al. 2023). An ``nn.Embedding`` always uses expand.
         norm_structure: ``full`` (default: the exact per-layer block of a normalisation layer's
             parameters, 2D x 2D) or ``diag`` (its diagonal).
+        parameter_structure: ``diag`` (default) or ``full``: the block of a raw parameter (a ViT's class
+            token and position table, :class:`curvkit.layerkinds.ParameterHandler`): the diagonal of its
+            per-sample-gradient block, or the dense block (P x P; for small P).
         mc_samples: labels (``kfac``) or projections (``projection``) per datum (default 1, the thesis's).
         distribution: ``rademacher`` | ``gaussian`` probe vectors for ``projection``.
         ema: moving-average factor rho in [0, 1) (None: sum over all data).
@@ -244,7 +247,7 @@ class KroneckerEstimator(CurvatureEstimator):
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
-                 mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
+                 parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
                  keep_per_sample: bool = False, distributed: Any = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
@@ -256,9 +259,12 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
         if norm_structure not in ("full", "diag"):
             raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
+        if parameter_structure not in ("full", "diag"):
+            raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
         self.method = method
         self.weight_sharing: WeightSharing = weight_sharing
         self.norm_structure: NormStructure = norm_structure
+        self.parameter_structure: NormStructure = parameter_structure
         self.mc_samples = integer("mc_samples", mc_samples)
         self.distribution = distribution
         self.seed = int(seed) if distributed is None else distributed.seed(int(seed))
@@ -266,8 +272,11 @@ class KroneckerEstimator(CurvatureEstimator):
         self.keep_per_sample = bool(keep_per_sample)
         self.per_sample: dict[str, PerSample] = {}
         structure = read_model(model)
-        self.chain = structure.mlp_chain(method) if method == "kfra" else None
+        self.structure = structure
+        self.chain = _kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method)
+        self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
+        self._raw_checked = False
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
         if self.chain is not None and [lp.module for lp in self.plans] != self.chain.linears:
@@ -292,14 +301,51 @@ class KroneckerEstimator(CurvatureEstimator):
         return BlockCapture(self.plans, self.method)
 
     def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+        if self._raw and not self._raw_checked:
+            self._check_raw(X)
         with self.capture() as cap, torch.enable_grad():
-            f = self.model(X)
+            f = self.structure.functional_call(cap.substitute(X.shape[0]), (X,)) if self._raw else self.model(X)
         return self._statistics(cap, f, y)
 
     def accumulate(self, capture: BlockCapture, f: Tensor, y: Tensor | None) -> None:
         """Add the statistics of a forward pass the caller ran inside ``capture`` (output ``f``, targets y);
         f's graph is kept for the caller's own backward pass."""
+        if self._raw:
+            raw = [lp.label for lp in self.plans if lp.handler.kind == "parameter"]
+            raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
+                                        "per-sample gradients from the estimator's own forward pass: use "
+                                        "update((X, y)), or freeze them")
         self._combine(*self._statistics(capture, f, y))
+
+    def _check_raw(self, X: Tensor) -> None:
+        """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
+        two samples with independently perturbed copies of p give the outputs of two one-sample passes."""
+        x = X[:2] if X.shape[0] >= 2 else X[[0, 0]]
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        raw = [lp for lp in self.plans if lp.handler.kind == "parameter"]
+        copies = {}
+        for lp in raw:
+            p = getattr(lp.module, lp.handler.attr).detach()  # type: ignore[attr-defined]
+            noise = torch.randn((2, *p.shape[1:]), generator=gen, device=p.device, dtype=p.dtype)
+            copies[lp.label] = p + noise * (0.1 * float(p.abs().mean()) + 0.1)
+        names = ", ".join(repr(lp.label) for lp in raw)
+        error: Exception | None = None
+        try:
+            with torch.no_grad():
+                both = self.structure.functional_call(copies, (x,))
+                ones = [self.structure.functional_call({n: c[i:i + 1] for n, c in copies.items()}, (x[i:i + 1],))
+                        for i in range(2)]
+            ok = all(torch.allclose(both[i:i + 1], ones[i], rtol=1e-4, atol=1e-5 * float(ones[i].abs().max()) + 1e-7)
+                     for i in range(2))
+        except Exception as exc:  # an operation that cannot take per-sample copies
+            ok, error = False, exc
+        if not ok:
+            raise UnsupportedModelError(
+                f"{self.method}: raw parameter(s) {names} (used directly in a forward pass, owned by no layer kind) "
+                "do not act per sample along their leading dimension of size 1 (a sample's output depends on another "
+                "sample's copy, or the copies cannot be used); freeze them (requires_grad_(False)) or use an exact "
+                "or diagonal curvature") from error
+        self._raw_checked = True
 
     def _statistics(self, cap: BlockCapture, f: Tensor, y: Tensor | None) -> tuple[list[Tensor], int, int]:
         if not isinstance(f, Tensor) or f.dim() < 2:
@@ -451,9 +497,12 @@ class KroneckerEstimator(CurvatureEstimator):
                                for (_, spec), site, p in zip(self.blocks, sites, per)}
         return G
 
+    def _grad_structure(self, spec: BlockSpec) -> NormStructure:
+        return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
+
     def _output_term(self, spec: BlockSpec, r: Tensor) -> Tensor:
         if spec.form == "grad":  # per-sample gradients (B, P)
-            return (r * r).sum(0) if self.norm_structure == "diag" else r.T @ r
+            return (r * r).sum(0) if self._grad_structure(spec) == "diag" else r.T @ r
         if self._sharing(spec) == "reduce":
             s = r.sum(1)
             return s.T @ s
@@ -514,7 +563,7 @@ class KroneckerEstimator(CurvatureEstimator):
         for _, spec in self.blocks:
             n = spec.in_features + int(spec.bias is not None and spec.form == "kron")
             if spec.form == "grad":
-                a_shapes.append((n,) if self.norm_structure == "diag" else (n, n))
+                a_shapes.append((n,) if self._grad_structure(spec) == "diag" else (n, n))
                 g_shapes.append((1, 1))
             else:
                 a_shapes.append((n,) if spec.ids else (n, n))
@@ -537,6 +586,16 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
+
+
+def _kfra_chain(structure: Any) -> Any:
+    """The MLP chain KFRA's recursion runs on (thesis Eq. 4.7), or the chain reader's error (naming the first
+    module that breaks the chain) pointing to the methods that take any model."""
+    try:
+        return structure.mlp_chain("kfra")
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
+                                    "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc
 
 
 @dataclass

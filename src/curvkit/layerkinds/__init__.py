@@ -46,6 +46,7 @@ from curvkit.layerkinds.conv import ConvHandler
 from curvkit.layerkinds.embedding import EmbeddingHandler
 from curvkit.layerkinds.linear import LinearHandler
 from curvkit.layerkinds.norm import NormHandler
+from curvkit.layerkinds.parameter import ParameterHandler
 from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "LayerPlan",
     "LinearHandler",
     "NormHandler",
+    "ParameterHandler",
     "Site",
     "handler_for",
     "plan",
@@ -123,9 +125,11 @@ def _get(module: nn.Module, path: str) -> Any:
     return obj
 
 
-def plan(structure: ModelStructure, what: str) -> list[LayerPlan]:
+def plan(structure: ModelStructure, what: str, raw: bool = True) -> list[LayerPlan]:
     """The blocks of every module that owns trainable parameters (module docstring), or an error naming
-    the first module that cannot be taken."""
+    the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
+    module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
+    block (one :class:`LayerPlan` per parameter, labelled by its name)."""
     _refuse_sharing(structure, what)
     structure.require_deterministic(what)
     structure.require_independent_samples(what)
@@ -156,22 +160,32 @@ def plan(structure: ModelStructure, what: str) -> list[LayerPlan]:
         out.append(LayerPlan(label, mod, handler, blocks, info))
     for lay in structure.layers:
         loose = [n for n in lay.params if n not in owned]
-        if loose:
-            _refuse_unowned(what, lay, loose)
+        if not loose:
+            continue
+        handler, _ = handler_for(lay.module)
+        params = dict(lay.module.named_parameters(recurse=False))
+        attrs = {structure.canonical_name(t): a for a, t in params.items()}
+        if handler is not None or not raw or any(params[attrs[n]].dim() < 2 or params[attrs[n]].shape[0] != 1
+                                                 for n in loose):
+            _refuse_unowned(what, lay, loose, raw)
+        for n in loose:
+            ph = ParameterHandler(attrs[n])
+            out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
     if not out:
         raise UnsupportedModelError(f"{what}: {type(structure.model).__name__} has no trainable parameters")
     return out
 
 
-def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str]) -> None:
+def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool) -> None:
     _, why = handler_for(lay.module)
     params = ", ".join(repr(n) for n in loose)
     if why is not None:
         raise refuse(what, lay.label, lay.module, why, "register a handler for it (curvkit.layerkinds.register), "
                      "freeze its parameters (requires_grad_(False)) or use an exact or diagonal curvature")
     kinds = ", ".join(sorted({t.__name__ for t in _REGISTRY}))
+    extra = " (raw parameters are taken when they have a leading dimension of size 1: (1, ...))" if raw else ""
     raise refuse(what, lay.label, lay.module, f"owns trainable parameter(s) {params} that no layer kind handles "
-                 f"(handled: {kinds})", "freeze them (requires_grad_(False)), register a handler "
+                 f"(handled: {kinds}){extra}", "freeze them (requires_grad_(False)), register a handler "
                  "(curvkit.layerkinds.register) or use an exact or diagonal curvature")
 
 
@@ -186,6 +200,5 @@ def _refuse_sharing(structure: ModelStructure, what: str) -> None:
         uses = ", ".join(f"{o!r} ({type(modules[o if o != '<root>' else '']).__name__})" for o in owners)
         raise UnsupportedModelError(
             f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); a Kronecker block belongs "
-            "to one layer, and a block of one use would be half the curvature of the tied parameter; untie the "
-            "weights (e.g. causal_lm(tie_weights=False)) or freeze the shared parameter (requires_grad_(False)), "
-            "or use an exact operator")
+            "to one use, not to the tied parameter; untie the weights (e.g. causal_lm(tie_weights=False)), "
+            "freeze the shared parameter (requires_grad_(False)) or use an exact operator")
