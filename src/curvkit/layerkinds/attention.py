@@ -126,7 +126,11 @@ class _Intercept(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.multi_head_attention_forward and len(args) > 5 and args[5] is _get(self.module, "in_proj_weight"):
-            return attention_forward(*args, sites=self._sites, **kwargs)
+            self.rows: dict[int, Tensor] = {}
+            try:
+                return attention_forward(*args, sites=self._sites, **kwargs)
+            finally:
+                self.rows = {}
         return func(*args, **kwargs)
 
     def _sites(self, part: str, inputs: Tensor, output: Tensor, cols: slice | None) -> None:
@@ -135,7 +139,9 @@ class _Intercept(TorchFunctionMode):
         if i is None:
             return
         L, N = inputs.shape[0], inputs.shape[1]
-        rows_in = inputs.detach().transpose(0, 1)  # (N, L, E)
+        rows_in = self.rows.get(id(inputs))
+        if rows_in is None:  # one tensor for the projections of one input (self-attention's q, k, v)
+            rows_in = self.rows[id(inputs)] = inputs.detach().transpose(0, 1)  # (N, L, E), a view
 
         def read(g: Tensor) -> Tensor:
             g = g.reshape(L, N, -1)
