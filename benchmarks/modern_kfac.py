@@ -1,6 +1,7 @@
 """Kronecker factors on a ViT and a GPT-style model, against curvlinops (issue 20, section 4, the KFAC part).
 
-Models (float32, CPU, train-mode semantics with dropout 0, softmax cross-entropy with mean reduction):
+Models (float32, CPU, train mode with dropout 0, softmax cross-entropy with mean reduction, every call - the
+baseline included - under the math attention backend, the one curvature passes use):
 
 * ``vit``: ``curvkit.architectures.vit`` on real MNIST (bundled), 28x28 images in 4x4 patches (49 patches
   and a class token = 50 tokens), width 256, 2 pre-norm blocks of 4 heads, MLP width 512: 1,078,026
@@ -99,6 +100,20 @@ class ClassesSecond:
 
 
 def make_call(lib: str, quantity: str, model: Any, X: Any, y: Any) -> Any:
+    """The callable of one (library, quantity), run under the math attention backend (every library and the
+    baseline alike: curvkit's curvature passes always use it, :func:`curvkit.structure.curvature_kernels`)."""
+    from curvkit.structure import curvature_kernels
+
+    call = _make_call(lib, quantity, model, X, y)
+
+    def under_math_attention() -> Any:
+        with curvature_kernels():
+            return call()
+
+    return under_math_attention
+
+
+def _make_call(lib: str, quantity: str, model: Any, X: Any, y: Any) -> Any:
     import torch
     from torch import nn
 

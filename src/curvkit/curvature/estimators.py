@@ -428,8 +428,8 @@ class KroneckerEstimator(CurvatureEstimator):
             step = max(1, _BUDGET // max(1, f.numel()))
             for c0 in range(0, rank, step):
                 S = lik.output_hessian_sqrt_columns(f, slice(c0, min(rank, c0 + step)), y)  # (..., C, r)
-                for j in range(S.shape[-1]):
-                    yield S[..., j], 1.0
+                for column in S.movedim(-1, 0).contiguous():  # contiguous columns: no copies downstream
+                    yield column, 1.0
             return
         if self.method == "empirical":
             if y is None:
@@ -595,10 +595,14 @@ class KroneckerEstimator(CurvatureEstimator):
 
 
 def _rows(t: Tensor) -> Tensor:
-    """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it): a view when t or its
-    (R, B) transpose is contiguous (the sequence-first tensors inside attention), a copy otherwise."""
-    if not t.is_contiguous() and t.transpose(0, 1).is_contiguous():
-        t = t.transpose(0, 1)
+    """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it): a view when the
+    strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), a
+    copy otherwise."""
+    for u in (t, t.transpose(0, 1)):
+        try:
+            return u.view(-1, t.shape[-1])
+        except RuntimeError:
+            continue
     return t.reshape(-1, t.shape[-1])
 
 

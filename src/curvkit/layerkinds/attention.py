@@ -10,7 +10,8 @@ weight and ``out_proj.weight`` directly. While the capture records, a forward pr
 ``TorchFunctionMode`` (left again by a forward hook that runs also on errors) that catches the call of
 ``F.multi_head_attention_forward`` made by this module and evaluates it with its projections as separate
 tensors: :func:`attention_forward` (the same operations as torch's, in the same order: its in-projection
-for self-, encoder-decoder or general attention, masks, scaled dot products, softmax, output projection),
+for self-, encoder-decoder or general attention - the packed projection split by views -, masks,
+scaled dot products, softmax, output projection),
 so the projections' inputs and outputs are on the graph and no computation is repeated. The module and
 its parameters are never changed.
 
@@ -198,8 +199,7 @@ def attention_forward(query: Tensor, key: Tensor, value: Tensor, embed_dim_to_ch
         proj = F.linear(query, W, b)  # (L, N, 3E)
         for i, part in enumerate(_PARTS):
             sites(part, query, proj, slice(i * E, (i + 1) * E))
-        proj = proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-        q, k, v = proj[0], proj[1], proj[2]
+        q, k, v = proj.chunk(3, dim=-1)  # views (torch's unflatten/transpose/select copies and zero-fills)
     elif key is value:
         w_q, w_kv = W.split([E, 2 * E])
         b_q, b_kv = (None, None) if b is None else b.split([E, 2 * E])
@@ -208,8 +208,7 @@ def attention_forward(query: Tensor, key: Tensor, value: Tensor, embed_dim_to_ch
         sites("q", query, q, None)
         sites("k", key, kv, slice(0, E))
         sites("v", key, kv, slice(E, 2 * E))
-        kv = kv.unflatten(-1, (2, E)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-        k, v = kv[0], kv[1]
+        k, v = kv.chunk(2, dim=-1)
     else:
         ws = W.chunk(3)
         bs = (None,) * 3 if b is None else b.chunk(3)
@@ -219,9 +218,9 @@ def attention_forward(query: Tensor, key: Tensor, value: Tensor, embed_dim_to_ch
 
     if attn_mask is not None and attn_mask.dim() == 2:
         attn_mask = attn_mask.unsqueeze(0)
-    q = q.view(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
-    k = k.view(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
-    v = v.view(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    q = q.reshape(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
+    k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
     src_len = k.size(1)
     if key_padding_mask is not None:
         key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1)
