@@ -30,7 +30,8 @@ route                          accepts
                                layer, no shared parameters, each layer called once, no sample mixing
 ``kronecker_layers``           trainable parameters only in Linear or Conv2d (groups 1) layers, weight
                                trainable, no shared parameters or reused modules, no sample mixing,
-                               nothing random
+                               nothing random (the consumers that read whole ``[W | b]`` blocks; the
+                               Kronecker estimators take every kind of :func:`curvkit.layerkinds.plan`)
 ``mlp_chain``                  ``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
                                activations from :data:`ELEMENTWISE`, all parameters trainable
 ``piecewise_linear_reason``    ``tangent_chain`` models whose activations are piecewise linear, no

@@ -217,6 +217,7 @@ class BlockCapture:
         self._versions: list[list[int]] = [[] for _ in self.specs]
         self._handles: list[Any] = []
         self._kernels: Any = None
+        self.own = False  # set by an estimator whose own forward pass this was (its graph may be freed)
 
     def _emitter(self, layer: int) -> Any:
         first = self._first[layer]

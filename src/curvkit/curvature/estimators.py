@@ -17,8 +17,13 @@ corrected Kronecker one) is one new class here that implements :class:`Curvature
     ``Phi_l = phi'(h_l)`` (Sec. 4.3.2, Eq. 4.7, Algorithm 1 erratum fixed), MLP chains only;
   - ``empirical``: gradients at the DATA labels (empirical Fisher; for comparison, not a GGN estimator).
 
-  Conv2d layers (all methods but ``kfra``) use the KFC "expand" convention: ``A`` sums over the T output
-  locations, ``G`` averages over them.
+  One block per block of a layer kind (:mod:`curvkit.layerkinds`: Linear and convolutions with weight
+  sharing, grouped convolutions, Embedding, normalisation layers, multi-head attention, raw parameters).
+  Positions that share a weight (tokens, patches, convolution locations) follow ``weight_sharing``:
+  ``expand`` (default; ``A`` sums over the R positions, ``G`` averages over them, the KFC convention) or
+  ``reduce`` (``A`` from the mean input, ``G`` from the summed gradient of each sample); see
+  ``docs/architecture.md`` for the relation to curvlinops' factors and the cross-position terms of KFLR
+  with sequence outputs.
 * :class:`DiagonalEstimator` - the diagonal of the GGN (exact, ``ggn``), of the type-2 Fisher with
   sampled labels (``mc_fisher``) or of the empirical Fisher (``empirical``).
 
@@ -27,13 +32,15 @@ curvature of the whole data set (batches weighted by their size; correct for une
 ``ema = rho`` each update replaces the statistics by ``rho * old + (1 - rho) * batch mean`` (the first
 update initialises them), the curvature "momentum" of thesis Sec. 4.5.
 
-Scale. :meth:`operator` has the scale of ``likelihood``'s loss over the data it describes: per-sample
-mean for ``reduction='mean'``; times N (all data seen, or the last batch's size with ``ema``) for
-``'sum'``. So ``kflr`` on one datum equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
+Scale. :meth:`operator` has the scale of ``likelihood``'s loss over the data it describes: the per-sample
+statistics times N (all data seen, or the last batch's size with ``ema``) for ``reduction='sum'``, times
+N / M for ``'mean'`` with M the counted loss terms (positions without padding; M = N for (B, C) outputs).
+So ``kflr`` on one datum (one position) equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
+The SAMPLE stays the unit of ``num_data``, of the means and of batching.
 
 Per-step use inside an optimiser shares the forward pass::
 
-    with est.capture() as cap:
+    with est.capture() as cap:     # also runs the pass under curvature_kernels (math attention)
         f = model(X)
     est.accumulate(cap, f, y)      # back-propagates the estimator's vectors (retain_graph)
     loss = lik(f, y); loss.backward()
@@ -306,6 +313,7 @@ class KroneckerEstimator(CurvatureEstimator):
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad():
             f = self.structure.functional_call(cap.substitute(X.shape[0]), (X,)) if self._raw else self.model(X)
+        cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
     def accumulate(self, capture: BlockCapture, f: Tensor, y: Tensor | None) -> None:
@@ -368,10 +376,15 @@ class KroneckerEstimator(CurvatureEstimator):
                     "input the batch dimension (ids.expand(batch, -1)) or freeze it")
         grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
         A: list[Tensor | None] = [self._input_stat(spec, site, f, grams) for (_, spec), site in zip(self.blocks, sites)]
+        del grams
+        if not self.keep_per_sample:  # the input rows are used: let the backward pass free the activations
+            for (_, spec), site in zip(self.blocks, sites):
+                if spec.form == "kron":
+                    site.inputs = site.inputs.new_empty(0)
         if self.method == "kfra":
             G = self._kfra(sites, f, y)
         else:
-            G = self._backprop(sites, f, y, A)
+            G = self._backprop(sites, f, y, A, free=cap.own)
         return [a for a in A if a is not None] + G, B, terms  # type: ignore[operator]
 
     def _sharing(self, spec: BlockSpec) -> WeightSharing:
@@ -466,32 +479,65 @@ class KroneckerEstimator(CurvatureEstimator):
         for c in range(C):
             yield R[:, :, c], 1.0
 
-    def _backprop(self, sites: list[Site], f: Tensor, y: Tensor | None, A: list[Tensor | None]) -> list[Tensor]:
+    def _backprop(self, sites: list[Site], f: Tensor, y: Tensor | None, A: list[Tensor | None],
+                  free: bool = False) -> list[Tensor]:
         """Back-propagate the vectors to every site: G per Kronecker block (expand: ``sum_n (1/R) sum_r
         g g^T``; reduce: ``sum_n g_hat g_hat^T``, g_hat = sum_r g), the block of per-sample gradients u
-        (``sum_n u u^T`` or its diagonal) for the other blocks (stored as their input statistic, in A)."""
+        (``sum_n u u^T`` or its diagonal) for the other blocks (stored as their input statistic, in A).
+
+        The statistics are formed by tensor hooks on the sites' outputs while the gradient passes through
+        them, and the backward pass asks only for the lowest sites (:func:`_lowest`), so the layer-output
+        gradients are never all held at once; with ``free`` the last vector's pass frees the graph as it
+        goes (the estimator's own forward pass; a caller's graph is kept)."""
         outs: list[Tensor] = []
         where: dict[int, int] = {}
-        for s in sites:
+        feeds: list[list[int]] = []
+        for i, s in enumerate(sites):
             if id(s.output) not in where:
                 where[id(s.output)] = len(outs)
                 outs.append(s.output)
+                feeds.append([])
+            feeds[where[id(s.output)]].append(i)
         stats: list[Tensor | None] = [None] * len(sites)
         per: list[list[Tensor]] = [[] for _ in sites]
-        weights = []
-        for V, w in self._vectors(f.detach(), y):
-            grads = torch.autograd.grad(f, outs, grad_outputs=V.to(f.dtype), retain_graph=True, allow_unused=True)
-            weights.append(w)
-            for i, ((lp, spec), site) in enumerate(zip(self.blocks, sites)):
-                g = grads[where[id(site.output)]]
-                if g is None:
-                    raise UnsupportedModelError(f"{self.method}: the output does not depend on module {lp.label!r}; "
-                                                "freeze it or remove it")
-                r = site.read(g.detach())
-                term = self._output_term(spec, r) * w
+        weights: list[float] = []
+        fired = [False] * len(outs)
+
+        def consume(j: int, g: Tensor) -> None:
+            fired[j] = True
+            w = weights[-1]
+            for i in feeds[j]:
+                r = sites[i].read(g.detach())
+                term = self._output_term(self.blocks[i][1], r) * w
                 stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
                 if self.keep_per_sample:
                     per[i].append(r)
+
+        roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
+        targets = [outs[j] for j in _lowest(outs) if j not in roots] or [f]
+        handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
+        try:
+            vectors = self._vectors(f.detach(), y)
+            current = next(vectors, None)
+            while current is not None:
+                V, w = current
+                following = next(vectors, None)
+                weights.append(w)
+                V = V.to(f.dtype)
+                for j in roots:
+                    consume(j, V)
+                if len(targets) > 1 or targets[0] is not f:
+                    torch.autograd.grad(f, targets, grad_outputs=V, retain_graph=not (free and following is None),
+                                        allow_unused=True)
+                current = following
+        finally:
+            for h in handles:
+                h.remove()
+        for j, ok in enumerate(fired):
+            if not ok:
+                lp = self.blocks[feeds[j][0]][0]
+                raise UnsupportedModelError(f"{self.method}: the output does not depend on module {lp.label!r}; "
+                                            "freeze it or remove it")
         G = []
         for i, (_, spec) in enumerate(self.blocks):
             if spec.form == "grad":
@@ -592,6 +638,39 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
+
+
+def _hook(consume: Any, j: int) -> Any:
+    def hook(g: Tensor) -> None:
+        consume(j, g)
+    return hook
+
+
+def _lowest(outs: list[Tensor]) -> list[int]:
+    """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
+    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``."""
+    nodes: dict[Any, int] = {}
+    for j, o in enumerate(outs):
+        node = o.grad_fn if o.grad_fn is not None else None
+        if node is not None:
+            nodes[node] = j
+    leaves = {id(o): j for j, o in enumerate(outs) if o.grad_fn is None}
+    above: set[int] = set()
+    for j, o in enumerate(outs):
+        if o.grad_fn is None:
+            continue
+        seen: set[Any] = set()
+        stack = [n for n, _ in o.grad_fn.next_functions if n is not None]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in nodes or id(getattr(n, "variable", None)) in leaves:
+                above.add(j)
+                break
+            stack.extend(m for m, _ in n.next_functions if m is not None)
+    return [j for j in range(len(outs)) if j not in above]
 
 
 def _rows(t: Tensor) -> Tensor:

@@ -11,7 +11,8 @@ summed over every position of sample n (tokens, pixels) BEFORE squaring. The blo
 per-sample gradients (``form='grad'``): the exact per-layer block ``sum_n u_n u_n^T`` of the vectors the
 estimator back-propagates (dense, P = 2 D entries: they are small) or its diagonal, as the estimator's
 ``norm_structure`` asks. ``x_hat`` is recomputed from the layer INPUT with the layer's own eps and
-statistics (never from the output as ``(y - b) / w``, which fails for w = 0 or without a bias). BatchNorm
+statistics (never from the output as ``(y - b) / w``, which fails for w = 0 or without a bias), when the
+gradient arrives (no copy of it is kept). BatchNorm
 in training mode (batch statistics couple the samples) is refused by the model reader before this runs.
 """
 
@@ -69,10 +70,11 @@ class NormHandler(LayerHandler):
                 t = t.movedim(1, -1) if t.dim() > 2 else t
             return t.reshape(t.shape[0], -1, width)
 
-        def gradient(xhat: Tensor) -> Callable[[Tensor], Tensor]:
-            def read(g: Tensor) -> Tensor:
+        def gradient(mod: nn.Module, x: Tensor) -> Callable[[Tensor], Tensor]:
+            def read(g: Tensor) -> Tensor:  # x_hat recomputed here: the layer input is alive anyway
                 gr = rows(g)
-                parts = ([(xhat * gr).sum(1)] if with_w else []) + ([gr.sum(1)] if with_b else [])
+                parts = ([(rows(_normalised(mod, x)) * gr).sum(1)] if with_w else []) + (
+                    [gr.sum(1)] if with_b else [])
                 return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             return read
 
@@ -81,9 +83,8 @@ class NormHandler(LayerHandler):
         def hook(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
             if not recording(out):
                 return
-            x = batched_input(mod, label, inputs[0], least + 1, what, "an input with a batch dimension")
-            xhat = rows(_normalised(mod, x.detach()))
-            emit(Site(0, xhat, out, gradient(xhat)))
+            x = batched_input(mod, label, inputs[0], least + 1, what, "an input with a batch dimension").detach()
+            emit(Site(0, x, out, gradient(mod, x)))
 
         return [module.register_forward_hook(hook)]
 

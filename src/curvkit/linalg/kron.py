@@ -19,7 +19,10 @@ returns the matrix in the flat PARAMETER order.
 
 Types:
 
-* :class:`KroneckerBlock` - one layer's factors ``G``, ``A`` and the names of its weight and bias.
+* :class:`KroneckerBlock` - one block's factors ``G``, ``A`` (A may be a vector: a diagonal input factor),
+  the names of its weight and bias and, where the block is not the standard ``[W | b]`` view, the
+  ``index`` of its matrix's entries in them (an embedding's transposed weight, one attention projection or
+  convolution group, a normalisation layer's (1, P) row with ``factored=False``).
 * :class:`KroneckerOperator` - ``blockdiag_l (G_l (x) A_l) + damping * I``, a
   :class:`~curvkit.linalg.operator.CurvatureOperator` with exact diagonal, trace, eigenvalues and logdet,
   damped inverses (exact eigen-based, or factored Tikhonov damping with the trace-norm split, thesis
