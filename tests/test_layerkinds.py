@@ -871,3 +871,36 @@ def test_blocked_gram_equals_the_full_product():
     for n in (5, 383, 384, 513, 1030):
         a = torch.randn(50, n, generator=g)
         assert torch.allclose(_gram(a), a.T @ a, atol=1e-11)
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_attention_forward_equals_torch(case):
+    """The capture's attention_forward gives torch's F.multi_head_attention_forward output and weights
+    (self-, encoder-decoder and general attention; causal, boolean, float and key-padding masks; weights
+    averaged or per head)."""
+    from curvkit.layerkinds.attention import attention_forward
+
+    torch.manual_seed(28)
+    E, h, L, S, N = 8, 2, 5, 4, 3
+    mha = nn.MultiheadAttention(E, h).double()
+    q, k = torch.randn(L, N, E), torch.randn(S, N, E)
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    kpm = torch.zeros(N, L, dtype=torch.bool)
+    kpm[0, -1] = True
+    cases = [dict(query=q, key=q, value=q), dict(query=q, key=q, value=q, need_weights=False),
+             dict(query=q, key=q, value=q, attn_mask=causal, need_weights=False, is_causal=True),
+             dict(query=q, key=q, value=q, attn_mask=causal),
+             dict(query=q, key=q, value=q, key_padding_mask=kpm, need_weights=False),
+             dict(query=q, key=q, value=q, key_padding_mask=kpm, attn_mask=causal, average_attn_weights=False),
+             dict(query=q, key=q, value=q, attn_mask=torch.randn(L, L)),
+             dict(query=q, key=k, value=k), dict(query=q, key=k, value=k.clone(), need_weights=False)]
+    kw = dict(cases[case])
+    args = (kw.pop("query"), kw.pop("key"), kw.pop("value"), E, h, mha.in_proj_weight, mha.in_proj_bias, None,
+            None, False, 0.0, mha.out_proj.weight, mha.out_proj.bias)
+    seen = []
+    with curvature_kernels(), torch.no_grad():
+        ref = nn.functional.multi_head_attention_forward(*args, training=False, **kw)
+        out = attention_forward(*args, training=False, sites=lambda *s: seen.append(s[0]), **kw)
+    assert torch.allclose(out[0], ref[0], atol=1e-14)
+    assert (out[1] is None) == (ref[1] is None) and (ref[1] is None or torch.allclose(out[1], ref[1], atol=1e-14))
+    assert seen == ["q", "k", "v", "out"]

@@ -601,11 +601,15 @@ class KroneckerOperator(CurvatureOperator):
           ``pi = sqrt((||A||_F / sqrt(dim A)) / (||G||_F / sqrt(dim G)))``.
 
         Raises if a factor's norm is not positive (pass an explicit ``pi`` to :meth:`factored_damping`).
+        Blocks with ``factored=False`` are damped exactly and get 1.0.
         """
         if norm not in ("trace", "frobenius"):
             raise ValueError(f"norm must be 'trace' or 'frobenius', got {norm!r}")
         out = []
         for b in self.blocks:
+            if not b.factored:  # damped exactly (factored_damping): no split
+                out.append(1.0)
+                continue
             if norm == "trace":
                 nG, nA = float(b.G.trace()) / b.out_dim, float(_trace(b.A)) / b.in_dim
             else:
