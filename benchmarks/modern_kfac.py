@@ -4,10 +4,10 @@ Models (float32, CPU, train mode with dropout 0, softmax cross-entropy with mean
 baseline included - under the math attention backend, the one curvature passes use):
 
 * ``vit``: ``curvkit.architectures.vit`` on real MNIST (bundled), 28x28 images in 4x4 patches (49 patches
-  and a class token = 50 tokens), width 256, 2 pre-norm blocks of 4 heads, MLP width 512: 1,078,026
+  and a class token = 50 tokens), width 256, 2 pre-norm blocks of 4 heads, MLP width 512: 1,074,698
   parameters; batch 128; (B, 10) outputs.
 * ``gpt``: ``curvkit.architectures.causal_lm`` as a byte-level next-token model (vocabulary 256, 64
-  positions, width 128, 2 blocks of 4 heads, MLP width 512, untied head): 469,248 parameters; batch 16
+  positions, width 128, 2 blocks of 4 heads, MLP width 512, untied head): 470,528 parameters; batch 16
   sequences of 64 bytes of this repository's documentation (1,024 target tokens); (B, 64, 256) outputs.
 
 Quantities (each timed from the model and the batch to the factors):

@@ -75,7 +75,7 @@ DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
 WeightSharing = Literal["expand", "reduce"]
 NormStructure = Literal["full", "diag"]
 
-_BUDGET = 2**24  # scalars of output-space vectors formed at once (KFLR's square-root columns)
+_BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
 
 
 def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:

@@ -7,18 +7,16 @@ its input rows and a tensor whose gradient gives its output rows (:class:`Site`)
 weight-sharing format (B, R, features). The Kronecker estimators
 (:mod:`curvkit.curvature.estimators`) turn those into factors with no kind-specific code.
 
-Built in:
+Built in (module -> handler: blocks):
 
-==========================================  =====================  ==========================================
-module                                       handler                blocks
-==========================================  =====================  ==========================================
-``nn.Linear`` (inputs (B, in) or (B, *S, in)) :class:`LinearHandler`  ``G (x) A`` of ``[W | b]``
-``nn.Conv1d``, ``nn.Conv2d`` (any groups)    :class:`ConvHandler`   one ``G (x) A`` per group
-``nn.Embedding``                             :class:`EmbeddingHandler`  ``G (x) diag(counts)`` of ``W^T``
-``nn.LayerNorm``, ``nn.RMSNorm``,            :class:`NormHandler`   exact (or diagonal) block of (w, b)
-``nn.GroupNorm``, BatchNorm (eval)
-``nn.MultiheadAttention``                    :class:`AttentionHandler`  q, k, v and output projections
-==========================================  =====================  ==========================================
+* ``nn.Linear`` on (B, in) or (B, *S, in) -> :class:`LinearHandler`: ``G (x) A`` of ``[W | b]``;
+* ``nn.Conv1d``, ``nn.Conv2d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
+* ``nn.Embedding`` -> :class:`EmbeddingHandler`: ``G (x) diag(token counts)`` of ``W^T``;
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval) -> :class:`NormHandler`: the exact
+  (or diagonal) block of (weight, bias) from per-sample gradients;
+* ``nn.MultiheadAttention`` -> :class:`AttentionHandler`: query, key, value and output projections;
+* a raw parameter of shape (1, ...) used in a module's own forward -> :class:`ParameterHandler` (not in the
+  registry: :func:`plan` gives it to parameters no handler owns).
 
 Registry. :func:`register` maps a module type to a handler; :func:`handler_for` resolves a module along
 its class's MRO, so a subclass of a registered type gets its parent's handler - unless the subclass

@@ -123,8 +123,7 @@ class LayerHandler:
         raise NotImplementedError
 
 
-def weight_and_bias(handler: LayerHandler, module: nn.Module, label: str, names: Mapping[str, str | None],
-                    what: str) -> tuple[str | None, str | None]:
+def weight_and_bias(module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> tuple[str | None, str | None]:
     """(weight, bias) canonical names of a layer whose block needs its weight: a trainable bias with a
     frozen weight is refused (the block would have no input factor to pair the bias column with)."""
     w, b = names.get("weight"), names.get("bias")

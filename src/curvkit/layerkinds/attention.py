@@ -70,13 +70,13 @@ class AttentionHandler(LayerHandler):
         mod: Any = module
         E = int(mod.embed_dim)
         out: list[BlockSpec] = []
-        w, b = weight_and_bias(self, module, label, {"weight": names.get("in_proj_weight"),
+        w, b = weight_and_bias(module, label, {"weight": names.get("in_proj_weight"),
                                                       "bias": names.get("in_proj_bias")}, what)
         if w is not None:
             index = standard_index((3 * E, E), b is not None)
             out += [BlockSpec(f"{label}.{p}", w, b, E, E, index=index[i * E:(i + 1) * E], roles=(p,))
                     for i, p in enumerate(_PARTS)]
-        w, b = weight_and_bias(self, module, label, {"weight": names.get("out_proj.weight"),
+        w, b = weight_and_bias(module, label, {"weight": names.get("out_proj.weight"),
                                                       "bias": names.get("out_proj.bias")}, what)
         if w is not None:
             out.append(BlockSpec(f"{label}.out_proj", w, b, E, E, roles=("out",)))

@@ -41,7 +41,7 @@ class ConvHandler(LayerHandler):
     kind = "conv"
 
     def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
-        w, b = weight_and_bias(self, module, label, names, what)
+        w, b = weight_and_bias(module, label, names, what)
         assert w is not None
         weight: Any = module.weight
         g = int(module.groups)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ class LinearHandler(LayerHandler):
     kind = "linear"
 
     def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
-        w, b = weight_and_bias(self, module, label, names, what)
+        w, b = weight_and_bias(module, label, names, what)
         assert w is not None
         mod: Any = module
         return [BlockSpec(label, w, b, int(mod.out_features), int(mod.in_features))]
