@@ -319,9 +319,10 @@ class _BlockIndex:
     """Maps a block's ``W_hat`` (out, in_aug) row-major positions to flat parameter indices."""
 
     def __init__(self, layout: ParamLayout, weight_name: str, bias_name: str | None, device: torch.device,
-                 index: Tensor | None = None, label: str | None = None):
-        slices = layout.slices()
-        shapes = dict(zip(layout.names, layout.shapes))
+                 index: Tensor | None = None, label: str | None = None, *,
+                 slices: dict[str, slice] | None = None, shapes: dict[str, Any] | None = None):
+        slices = layout.slices() if slices is None else slices
+        shapes = dict(zip(layout.names, layout.shapes)) if shapes is None else shapes
         wshape = tuple(shapes[weight_name])
         what = label if label is not None else weight_name
         self.has_bias = bias_name is not None
@@ -423,7 +424,9 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: 
     if missing:
         raise ValueError(f"parameter(s) {', '.join(repr(m) for m in missing)} not covered by any {kind} "
                          "block; give every trainable parameter a block (or build the layout without it)")
-    out = [_BlockIndex(layout, s[0], s[1], device, *(s[2:4] if len(s) > 2 else ())) for s in named]
+    slices, shapes = layout.slices(), dict(zip(layout.names, layout.shapes))
+    out = [_BlockIndex(layout, s[0], s[1], device, *(s[2:4] if len(s) > 2 else ()), slices=slices, shapes=shapes)
+           for s in named]
     if partial:  # blocks that hold parts of parameters: every entry exactly once
         counts = torch.zeros(layout.dim, dtype=torch.int64, device=device)
         for ix in out:
