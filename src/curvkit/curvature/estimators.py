@@ -648,29 +648,31 @@ def _hook(consume: Any, j: int) -> Any:
 
 def _lowest(outs: list[Tensor]) -> list[int]:
     """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
-    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``."""
-    nodes: dict[Any, int] = {}
-    for j, o in enumerate(outs):
-        node = o.grad_fn if o.grad_fn is not None else None
-        if node is not None:
-            nodes[node] = j
-    leaves = {id(o): j for j, o in enumerate(outs) if o.grad_fn is None}
-    above: set[int] = set()
-    for j, o in enumerate(outs):
-        if o.grad_fn is None:
-            continue
-        seen: set[Any] = set()
-        stack = [n for n, _ in o.grad_fn.next_functions if n is not None]
+    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``. One memoised
+    pass over the graph below the tensors (iterative: graphs are deep)."""
+    sites = {o.grad_fn for o in outs if o.grad_fn is not None}
+    leaves = {id(o) for o in outs if o.grad_fn is None}
+    holds: dict[Any, bool] = {}  # node -> a tensor of outs is produced at or below it
+
+    def children(n: Any) -> list[Any]:
+        return [m for m, _ in n.next_functions if m is not None]
+
+    def solve(root: Any) -> bool:
+        stack = [(root, False)]
         while stack:
-            n = stack.pop()
-            if n in seen:
+            n, expanded = stack.pop()
+            if n in holds:
                 continue
-            seen.add(n)
-            if n in nodes or id(getattr(n, "variable", None)) in leaves:
-                above.add(j)
-                break
-            stack.extend(m for m, _ in n.next_functions if m is not None)
-    return [j for j in range(len(outs)) if j not in above]
+            if n in sites or id(getattr(n, "variable", None)) in leaves:
+                holds[n] = True
+            elif expanded:
+                holds[n] = any(holds[m] for m in children(n))
+            else:
+                stack.append((n, True))
+                stack.extend((m, False) for m in children(n) if m not in holds)
+        return holds[root]
+
+    return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]
 
 
 def _rows(t: Tensor) -> Tensor:
