@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "curvkit"
 LAYERS = {
     "structure": 0, "validation": 0, "checkpoint": 0,
     "data": 1, "models": 1, "architectures": 1, "likelihoods": 1,
-    "linalg": 2, "distributed": 2,
+    "linalg": 2, "distributed": 2, "layerkinds": 2,
     "curvature": 3,
     "posterior": 4,
     "optim": 5, "laplace": 5,

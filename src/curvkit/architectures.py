@@ -151,7 +151,7 @@ class CausalLM(nn.Module):
                              f"{tuple(ids.shape)}")
         if ids.shape[1] > self.max_len:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds max_len {self.max_len}")
-        pos = torch.arange(ids.shape[1], device=ids.device)
+        pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)  # (B, T): one row per sample
         h = self.tok_embed(ids) + self.pos_embed(pos)
         for block in self.blocks:
             h = block(h)

@@ -5,7 +5,8 @@ errors, what the rest of curvkit needs to know before it takes a cheaper route o
 approximation:
 
 * its **layers** (modules that own trainable parameters) and their **kind**: ``linear``, ``conv1d``,
-  ``conv2d``, ``norm`` (BatchNorm/LayerNorm/GroupNorm/InstanceNorm) or ``other``;
+  ``conv2d``, ``embedding``, ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
+  (``nn.MultiheadAttention``) or ``other``;
 * its **parameters** under their canonical names (the first name ``named_parameters()`` gives, which
   is the name every :class:`~curvkit.linalg.layout.ParamLayout` uses), with **shared parameters**
   (one tensor owned by two modules: weight tying) and **reused modules** (one module registered under
@@ -29,7 +30,8 @@ route                          accepts
                                layer, no shared parameters, each layer called once, no sample mixing
 ``kronecker_layers``           trainable parameters only in Linear or Conv2d (groups 1) layers, weight
                                trainable, no shared parameters or reused modules, no sample mixing,
-                               nothing random
+                               nothing random (the consumers that read whole ``[W | b]`` blocks; the
+                               Kronecker estimators take every kind of :func:`curvkit.layerkinds.plan`)
 ``mlp_chain``                  ``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
                                activations from :data:`ELEMENTWISE`, all parameters trainable
 ``piecewise_linear_reason``    ``tangent_chain`` models whose activations are piecewise linear, no
@@ -71,7 +73,7 @@ __all__ = [
     "read_model",
 ]
 
-LayerKind = Literal["linear", "conv1d", "conv2d", "norm", "other"]
+LayerKind = Literal["linear", "conv1d", "conv2d", "embedding", "norm", "attention", "other"]
 
 # Elementwise activations (output i depends on input i only), with whether each is piecewise linear.
 ELEMENTWISE: dict[type[nn.Module], bool] = {
@@ -89,7 +91,7 @@ POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d
                                         nn.AdaptiveMaxPool2d)
 DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
                                          nn.AlphaDropout, nn.FeatureAlphaDropout)
-NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
+NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
                                       nn.modules.instancenorm._InstanceNorm)
 
 
@@ -132,7 +134,7 @@ class LayerInfo:
     Attributes:
         label: its qualified name (``'<root>'`` for the model itself).
         module: the module.
-        kind: ``linear`` | ``conv1d`` | ``conv2d`` | ``norm`` | ``other``.
+        kind: ``linear`` | ``conv1d`` | ``conv2d`` | ``embedding`` | ``norm`` | ``attention`` | ``other``.
         weight: canonical name of its trainable ``weight``, or None (absent or frozen).
         bias: canonical name of its trainable ``bias``, or None.
         params: canonical names of all its trainable parameters (own, not recursive).
@@ -190,6 +192,10 @@ def _kind(mod: nn.Module) -> LayerKind:
         return AFFINE[type(mod)]
     if isinstance(mod, NORMS):
         return "norm"
+    if type(mod) is nn.Embedding:
+        return "embedding"
+    if type(mod) is nn.MultiheadAttention:
+        return "attention"
     return "other"
 
 
@@ -262,6 +268,13 @@ class ModelStructure:
         if names is None:
             raise ValueError(f"{type(module).__name__} is not a submodule of the model")
         return _label(names[0])
+
+    @staticmethod
+    def kind_of(module: nn.Module) -> LayerKind:
+        """The kind of a module: ``linear``/``conv1d``/``conv2d`` (exactly those types), ``embedding``,
+        ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
+        (``nn.MultiheadAttention``) or ``other``."""
+        return _kind(module)
 
     def canonical_name(self, tensor: Tensor) -> str | None:
         """The layout name of a parameter tensor of the model (None if it is not one)."""
@@ -536,12 +549,20 @@ def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None
     return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
 
 
-def conv_patches(conv: nn.Conv2d, x: Tensor) -> Tensor:
-    """Conv2d input (B, C, H, W) -> patches (B, T, C*kh*kw) in the order of ``weight.reshape(out, -1)``
-    (any padding mode); T is the number of output locations."""
-    if x.dim() != 4:
-        raise ValueError(f"Conv2d expects a (B, C, H, W) input, got shape {tuple(x.shape)}")
+def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
+    """Conv2d input (B, C, H, W) or Conv1d input (B, C, L) -> patches (B, T, C*k) in the order of
+    ``weight.reshape(out, -1)`` (all groups' channels; any padding mode); T is the number of output
+    locations and k the kernel's size."""
+    one_d = isinstance(conv, nn.Conv1d)
+    c: Any = conv
+    if x.dim() != (3 if one_d else 4):
+        layout = "(B, C, L)" if one_d else "(B, C, H, W)"
+        raise ValueError(f"{type(conv).__name__} expects a {layout} input, got shape {tuple(x.shape)}")
     x, pad = _conv_pad(conv, x)
-    cols = F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=pad, stride=conv.stride)
+    if one_d:  # a 1 x k convolution of a 1 x L image
+        pad = pad if pad == 0 else (0, pad[0])
+        cols = F.unfold(x[:, :, None, :], (1, c.kernel_size[0]), dilation=(1, c.dilation[0]), padding=pad,
+                        stride=(1, c.stride[0]))
+    else:
+        cols = F.unfold(x, c.kernel_size, dilation=c.dilation, padding=pad, stride=c.stride)
     return cols.transpose(1, 2)
-

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches
+from curvkit.layerkinds import Site
+from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches, curvature_kernels
 
-__all__ = ["CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
+__all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
 
 
 def input_rows(layer: LayerInfo, x: Tensor) -> tuple[Tensor, int]:
@@ -189,3 +190,106 @@ class LayerCapture:
         """The recorded layer outputs (on the graph), in layer order."""
         self.check()
         return [rec.output for rec in self.records]  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------- layer kinds
+class BlockCapture:
+    """The hooks of the layer-kind handlers (:mod:`curvkit.layerkinds`) on a planned model, for one forward
+    pass: every block gets one :class:`~curvkit.layerkinds.Site` (input rows, an output on the graph and how
+    to read its gradient). Entering also enters :func:`curvkit.structure.curvature_kernels`, so the forward
+    pass inside runs with kernels that have every derivative (math attention, no fast path).
+
+    Args:
+        plans: from :func:`curvkit.layerkinds.plan`.
+        what: the name used in error messages.
+    """
+
+    def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture"):
+        self.plans = list(plans)
+        self.what = what
+        self.specs = [(lp, spec) for lp in self.plans for spec in lp.blocks]
+        self._first = []  # first global block position of each layer
+        k = 0
+        for lp in self.plans:
+            self._first.append(k)
+            k += len(lp.blocks)
+        self._sites: list[list[Any]] = [[] for _ in self.specs]
+        self._versions: list[list[int]] = [[] for _ in self.specs]
+        self._handles: list[Any] = []
+        self._kernels: Any = None
+        self.own = False  # set by an estimator whose own forward pass this was (its graph may be freed)
+
+    def _emitter(self, layer: int) -> Any:
+        first = self._first[layer]
+
+        def emit(site: Any) -> None:
+            self._sites[first + site.block].append(site)
+            self._versions[first + site.block].append(site.output._version)
+        return emit
+
+    def __enter__(self) -> BlockCapture:
+        self.reset()
+        try:
+            for i, lp in enumerate(self.plans):
+                self._handles += lp.handler.attach(lp.module, lp.label, lp.blocks, self._emitter(i), self.what)
+            self._kernels = curvature_kernels()
+            self._kernels.__enter__()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and leave the kernel settings."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._kernels is not None:
+            kernels, self._kernels = self._kernels, None
+            kernels.__exit__(None, None, None)
+
+    def reset(self) -> None:
+        for s in self._sites:
+            s.clear()
+        for v in self._versions:
+            v.clear()
+
+    def substitute(self, batch: int) -> dict[str, Tensor]:
+        """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a
+        :class:`~curvkit.layerkinds.ParameterHandler`), each emitted as its block's site (the gradient with
+        respect to P is the per-sample gradient); returns {name: P} for the forward pass to use."""
+        out: dict[str, Tensor] = {}
+        for i, lp in enumerate(self.plans):
+            if lp.handler.kind != "parameter":
+                continue
+            p = getattr(lp.module, lp.handler.attr)
+            P = p.detach().expand(batch, *p.shape[1:]).requires_grad_()
+            name = lp.blocks[0].weight
+            out[name] = P
+            self._emitter(i)(Site(0, P.detach(), P, _flat_rows(batch)))
+        return out
+
+    def sites(self) -> list[Any]:
+        """One site per block (global block order), checked: each block fed exactly once, outputs not
+        modified in place afterwards."""
+        out = []
+        for (lp, _), sites, versions in zip(self.specs, self._sites, self._versions):
+            if len(sites) != 1:
+                raise UnsupportedModelError(
+                    f"{self.what}: module {lp.label!r} was called {len(sites)} times in "
+                    "one forward pass (with autograd on); a Kronecker block pairs one input with one output gradient, "
+                    "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)")
+            if sites[0].output._version != versions[0]:
+                raise UnsupportedModelError(
+                    f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass "
+                    "(e.g. nn.ReLU(inplace=True)); use inplace=False")
+            out.append(sites[0])
+        return out
+
+
+def _flat_rows(batch: int) -> Any:
+    return lambda g: g.reshape(batch, -1)
+

@@ -28,9 +28,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature.estimators import CurvatureEstimator, KroneckerEstimator, KroneckerMethod
+from curvkit.curvature.estimators import (
+    CurvatureEstimator,
+    KroneckerEstimator,
+    KroneckerMethod,
+    NormStructure,
+    PerSample,
+    WeightSharing,
+)
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.kron import KroneckerOperator, KroneckerSpectralOperator
+from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator
 
 __all__ = ["EKFACEstimator"]
 
@@ -51,12 +58,13 @@ class EKFACEstimator(CurvatureEstimator):
     def __init__(self, model: nn.Module, likelihood: Likelihood,
                  method: Literal["kflr", "kfac", "projection", "empirical"] = "kflr", *,
                  basis: KroneckerOperator | None = None, ema: float | None = None, mc_samples: int = 1,
-                 seed: int = 0):
+                 seed: int = 0, weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full"):
         if method == "kfra":
             raise ValueError("EKFAC needs per-sample output vectors; kfra propagates batch means only: use "
                              "'kflr', 'kfac', 'projection' or 'empirical'")
         self.vectors = KroneckerEstimator(model, likelihood, method, mc_samples=mc_samples, seed=seed,  # type: ignore[arg-type]
-                                          keep_per_sample=True)
+                                          keep_per_sample=True, weight_sharing=weight_sharing,
+                                          norm_structure=norm_structure)
         if basis is not None and not isinstance(basis, KroneckerOperator):
             raise TypeError(f"basis must be a KroneckerOperator, got {type(basis).__name__}")
         self.basis = basis
@@ -66,21 +74,18 @@ class EKFACEstimator(CurvatureEstimator):
     def method(self) -> KroneckerMethod:
         return self.vectors.method
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
+    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
         est = self.vectors
         est.reset()
         est.update((X, y))
         if self.basis is None:
             self.basis = est.operator()  # the first batch's factors fix the eigenbasis
-        stats = []
-        for lay, e in zip(est.layers, self.basis.eigh()):
-            a, V, w = est.per_sample[str(lay.weight)]  # (B*T, in_aug), (V, B*T, out), (V,)
-            T = a.shape[0] // X.shape[0]
-            stats.append(_projected_squares(a, V, w, e.G_eigvecs, e.A_eigvecs, T))
-        return stats, int(X.shape[0])
+        stats = [_projected_squares(est.per_sample[spec.label], e)
+                 for (_, spec), e in zip(est.blocks, self.basis.eigh())]
+        return stats, int(X.shape[0]), est.num_terms
 
     def _stat_names(self) -> list[str]:
-        return [f"scalings of layer {lay.label!r}" for lay in self.vectors.layers]
+        return [f"scalings of block {spec.label!r}" for _, spec in self.vectors.blocks]
 
     def operator(self) -> KroneckerSpectralOperator:
         return self._operator(self._means(), self.scale())
@@ -95,20 +100,38 @@ class EKFACEstimator(CurvatureEstimator):
         return out
 
 
-def _projected_squares(a: Tensor, V: Tensor, w: Tensor, QG: Tensor, QA: Tensor, T: int) -> Tensor:
-    """sum_n sum_v w_v (QG^T dW_{n,v} QA)^2 with dW_{n,v} = sum_t g_{n,v,t} a_{n,t}^T, (out, in_aug).
+def _projected_squares(ps: PerSample, e: KroneckerEigh) -> Tensor:
+    """sum_n sum_v w_v (QG^T dW_{n,v} QA)^2 with dW_{n,v} = sum_r g_{n,v,r} a_{n,r}^T, (out, in_aug).
 
-    ``a`` (B*T, in_aug) and ``V`` (V, B*T, out) hold the rows of B samples times T locations."""
-    pa = a @ QA  # (B*T, in_aug): a_hat projected
-    pg = V @ QG  # (V, B*T, out)
-    if T == 1:  # a rank-one per-sample gradient: the square factorises
-        return torch.einsum("v,vbo,bi->oi", w, pg.square(), pa.square())
-    B = a.shape[0] // T
-    pa = pa.reshape(B, T, -1)
-    pg = pg.reshape(pg.shape[0], B, T, -1)
-    out = torch.zeros(QG.shape[0], QA.shape[0], dtype=a.dtype, device=a.device)
+    ``ps.inputs`` (B, R, in_aug) input rows, (B, R) token ids (QA is the identity: a one-hot row selects a
+    column) or None (``ps.vectors`` are then the per-sample gradients (V, B, P) of a (1, P) block);
+    ``ps.vectors`` (V, B, R, out) the output rows of each vector."""
+    QG, QA, w = e.G_eigvecs, e.A_eigvecs, ps.weights
+    if ps.inputs is None:  # dW = u (1, P); QG is (1, 1) with entry +-1
+        pu = ps.vectors if QA is None else ps.vectors @ QA
+        return torch.einsum("v,vbp->p", w, pu.square())[None, :]
+    pg = ps.vectors @ QG  # (V, B, R, out)
+    if QA is None:  # token ids: sum the projected rows of each (sample, token) pair, then square
+        return _projected_counts(ps.inputs, pg, w, int(e.A_eigvals.numel()))
+    pa = ps.inputs @ QA  # (B, R, in_aug): a_hat projected
+    B, R = pa.shape[0], pa.shape[1]
+    if R == 1:  # a rank-one per-sample gradient: the square factorises
+        return torch.einsum("v,vbo,bi->oi", w, pg[:, :, 0].square(), pa[:, 0].square())
+    out = torch.zeros(QG.shape[0], QA.shape[0], dtype=pa.dtype, device=pa.device)
     step = max(1, _BUDGET // (pg.shape[0] * QG.shape[0] * QA.shape[0]))
     for s in range(0, B, step):  # per-sample projected gradients (V, b, out, in_aug), in chunks
         M = torch.einsum("vbto,bti->vboi", pg[:, s:s + step], pa[s:s + step])
         out += torch.einsum("v,vboi->oi", w, M.square())
     return out
+
+
+def _projected_counts(ids: Tensor, pg: Tensor, w: Tensor, vocab: int) -> Tensor:
+    """The embedding case of :func:`_projected_squares`: ``dW_n`` has column ``v`` = the sum of the
+    projected rows of the positions holding token v; (out, V) without a (B, out, V) tensor."""
+    B = ids.shape[0]
+    keep = ids >= 0
+    keys = (torch.arange(B, device=ids.device)[:, None] * vocab + ids)[keep]
+    uniq, inv = torch.unique(keys, return_inverse=True)
+    acc = pg.new_zeros(pg.shape[0], uniq.numel(), pg.shape[-1]).index_add_(1, inv, pg[:, keep])
+    sq = torch.einsum("v,vuo->uo", w, acc.square())  # (pairs, out)
+    return pg.new_zeros(pg.shape[-1], vocab).index_add_(1, uniq % vocab, sq.T)

@@ -19,8 +19,13 @@ corrected Kronecker one) is one new class here that implements :class:`Curvature
     no block;
   - ``empirical``: gradients at the DATA labels (empirical Fisher; for comparison, not a GGN estimator).
 
-  Conv2d layers (all methods but ``kfra``) use the KFC "expand" convention: ``A`` sums over the T output
-  locations, ``G`` averages over them.
+  One block per block of a layer kind (:mod:`curvkit.layerkinds`: Linear and convolutions with weight
+  sharing, grouped convolutions, Embedding, normalisation layers, multi-head attention, raw parameters).
+  Positions that share a weight (tokens, patches, convolution locations) follow ``weight_sharing``:
+  ``expand`` (default; ``A`` sums over the R positions, ``G`` averages over them, the KFC convention) or
+  ``reduce`` (``A`` from the mean input, ``G`` from the summed gradient of each sample); see
+  ``docs/architecture.md`` for the relation to curvlinops' factors and the cross-position terms of KFLR
+  with sequence outputs.
 * :class:`DiagonalEstimator` - the diagonal of the GGN (exact, ``ggn``), of the type-2 Fisher with
   sampled labels (``mc_fisher``) or of the empirical Fisher (``empirical``).
 
@@ -29,13 +34,15 @@ curvature of the whole data set (batches weighted by their size; correct for une
 ``ema = rho`` each update replaces the statistics by ``rho * old + (1 - rho) * batch mean`` (the first
 update initialises them), the curvature "momentum" of thesis Sec. 4.5.
 
-Scale. :meth:`operator` has the scale of ``likelihood``'s loss over the data it describes: per-sample
-mean for ``reduction='mean'``; times N (all data seen, or the last batch's size with ``ema``) for
-``'sum'``. So ``kflr`` on one datum equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
+Scale. :meth:`operator` has the scale of ``likelihood``'s loss over the data it describes: the per-sample
+statistics times N (all data seen, or the last batch's size with ``ema``) for ``reduction='sum'``, times
+N / M for ``'mean'`` with M the counted loss terms (positions without padding; M = N for (B, C) outputs).
+So ``kflr`` on one datum (one position) equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
+The SAMPLE stays the unit of ``num_data``, of the means and of batching.
 
 Per-step use inside an optimiser shares the forward pass::
 
-    with est.capture() as cap:
+    with est.capture() as cap:     # also runs the pass under curvature_kernels (math attention)
         f = model(X)
     est.accumulate(cap, f, y)      # back-propagates the estimator's vectors (retain_graph)
     loss = lik(f, y); loss.backward()
@@ -43,35 +50,34 @@ Per-step use inside an optimiser shares the forward pass::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal, Self
 
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature.capture import LayerCapture, output_rows, with_bias_column
+from curvkit import layerkinds
+from curvkit.curvature.capture import BlockCapture
 from curvkit.curvature.recursion import activation_derivatives
+from curvkit.layerkinds import BlockSpec, Site
 from curvkit.likelihoods import BernoulliBCE, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
-from curvkit.structure import UnsupportedModelError, read_model
+from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, refuse
 from curvkit.validation import integer, iter_batches, unit_interval
 
-__all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator"]
+__all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "PerSample"]
 
 Data = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
+WeightSharing = Literal["expand", "reduce"]
+NormStructure = Literal["full", "diag"]
 
-
-def _output_hessian_sqrt(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
-    """S (B, C, R) with S S^T = H_L per sample; a head whose H_L depends on the label (attribute
-    ``hessian_needs_target``, e.g. the Bernoulli mixture of thesis Eq. 4.28) is evaluated at the labels y."""
-    if getattr(lik, "hessian_needs_target", False):
-        return lik.output_hessian_sqrt(f, y)  # type: ignore[call-arg]
-    return lik.output_hessian_sqrt(f)
+_BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
 
 
 def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
@@ -96,8 +102,11 @@ def _check_likelihood(likelihood: Any) -> Likelihood:
 class CurvatureEstimator:
     """Base class: statistics updated batch by batch (optionally as a moving average), an operator out.
 
-    Subclasses implement ``_batch_statistics(data) -> (list of statistic tensors summed over the batch,
-    batch size)`` and ``_operator(stats, scale) -> CurvatureOperator`` from per-sample MEAN statistics.
+    Subclasses implement ``_batch_statistics(X, y) -> (list of statistic tensors summed over the batch,
+    batch size, loss terms)`` and ``_operator(stats, scale) -> CurvatureOperator`` from per-sample MEAN
+    statistics. The loss terms are the batch's counted positions (``likelihood.num_terms``; = the batch
+    size for (B, C) outputs without padding): ``reduction='mean'`` divides by their number over all the
+    data, while the sample stays the unit of ``num_data``, of the means and of batching.
 
     Data-parallel (``distributed=`` a :class:`curvkit.distributed.Reducer`): every update's statistics
     (sums over the rank's batch) and its batch size are all-reduced in one message before they are
@@ -121,18 +130,18 @@ class CurvatureEstimator:
         """Forget every statistic."""
         self._stats: list[Tensor] | None = None
         self.num_data = 0  # data points behind the statistics (the last batch's size with ema)
+        self.num_terms = 0  # loss terms (counted positions) behind them (the last batch's with ema)
         self.num_updates = 0
 
     def update(self, data: Data) -> Self:
         """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs); returns self."""
         for X, y in iter_batches(data):
-            stats, B = self._batch_statistics(X, y)
-            self._combine(stats, B)
+            self._combine(*self._batch_statistics(X, y))
         return self
 
-    def _combine(self, stats: list[Tensor], B: int) -> None:
+    def _combine(self, stats: list[Tensor], B: int, terms: int) -> None:
         if self.distributed is not None:
-            stats, B = self._reduce(stats, B)
+            stats, B, terms = self._reduce(stats, B, terms)
         for t, name in zip(stats, self._stat_names()):
             if not bool(torch.isfinite(t.sum())):
                 raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
@@ -140,12 +149,14 @@ class CurvatureEstimator:
         if self.ema is None:
             self._stats = stats if self._stats is None else [a + b for a, b in zip(self._stats, stats)]
             self.num_data += B
+            self.num_terms += terms
         else:
             means = [t / B for t in stats]
             rho = self.ema
             self._stats = means if self._stats is None else [rho * a + (1 - rho) * b
                                                              for a, b in zip(self._stats, means)]
             self.num_data = B
+            self.num_terms = terms
         self.num_updates += 1
 
     def _stat_names(self) -> list[str]:
@@ -155,12 +166,13 @@ class CurvatureEstimator:
         """Which statistics are symmetric matrices (sent as upper triangles by :meth:`_reduce`)."""
         return [False] * len(stats)
 
-    def _reduce(self, stats: list[Tensor], B: int) -> tuple[list[Tensor], int]:
-        """(sum over the ranks of ``stats``, sum of the batch sizes): one all-reduce (class docstring)."""
-        count = stats[0].new_tensor([float(B)])
+    def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
+        """(sum over the ranks of ``stats``, of the batch sizes, of the loss terms): one all-reduce (class
+        docstring)."""
+        count = stats[0].new_tensor([float(B), float(terms)])
         out = self.distributed.sum_symmetric([*stats, count], [*self._symmetric(stats), False],
                                              f"{type(self).__name__} statistics")
-        return out[:-1], round(float(out[-1][0]))
+        return out[:-1], round(float(out[-1][0])), round(float(out[-1][1]))
 
     def _means(self) -> list[Tensor]:
         if self._stats is None:
@@ -168,14 +180,15 @@ class CurvatureEstimator:
         return list(self._stats) if self.ema is not None else [t / self.num_data for t in self._stats]
 
     def scale(self) -> float:
-        """The factor on per-sample means: 1 for ``reduction='mean'``, N for ``'sum'``."""
-        return 1.0 if self.likelihood.reduction == "mean" else float(self.num_data)
+        """The factor on per-sample means: N for ``reduction='sum'``; N / M for ``'mean'``, M the loss terms
+        (counted positions) of the data (= 1 for (B, C) outputs without padding)."""
+        return float(self.num_data) * self.likelihood.scale(self.num_terms)
 
     def operator(self) -> CurvatureOperator:
         """The current curvature estimate (scale as the module docstring)."""
         return self._operator(self._means(), self.scale())
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
+    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
         raise NotImplementedError
 
     def _operator(self, means: list[Tensor], scale: float) -> CurvatureOperator:
@@ -184,7 +197,8 @@ class CurvatureEstimator:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, "stats": None if self._stats is None else [t.clone() for t in self._stats],
-                "num_data": self.num_data, "num_updates": self.num_updates, "ema": self.ema}
+                "num_data": self.num_data, "num_terms": self.num_terms, "num_updates": self.num_updates,
+                "ema": self.ema}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != type(self).__name__:
@@ -198,20 +212,30 @@ class CurvatureEstimator:
                 raise ValueError("state_dict statistics do not match this model's layers")
         self._stats = None if stats is None else [t.clone() for t in stats]
         self.num_data, self.num_updates = int(state["num_data"]), int(state["num_updates"])
+        self.num_terms = int(state.get("num_terms", self.num_data))
 
     def _reference_shapes(self) -> list[tuple[int, ...]] | None:
         return None
 
 
 class KroneckerEstimator(CurvatureEstimator):
-    """Kronecker-factored curvature ``blockdiag_l G_l (x) A_l`` (module docstring for the methods).
+    """Kronecker-factored curvature ``blockdiag_b G_b (x) A_b``, one block per layer kind's block (module
+    docstring for the methods, the layer kinds and the scaling conventions).
 
     Args:
-        model: Linear/Conv2d layers carry every trainable parameter (``kfra``: an MLP chain);
-            :meth:`curvkit.structure.ModelStructure.kronecker_layers` names any module it cannot take.
-        likelihood: the loss head (its ``reduction`` sets the scale).
+        model: every trainable parameter must belong to a layer kind of :mod:`curvkit.layerkinds`
+            (``kfra``: an MLP chain); :func:`curvkit.layerkinds.plan` names any module it cannot take.
+        likelihood: the loss head (its ``reduction`` sets the scale; outputs (B, C) or (B, *P, C)).
         method: ``kfac`` (default, the Monte Carlo Fisher) | ``kflr`` | ``kfra`` | ``projection`` |
             ``empirical``.
+        weight_sharing: ``expand`` (default) or ``reduce``: how the R positions that share a weight
+            (tokens, patches, time steps, convolution locations) enter the factors (module docstring;
+            Eschenhagen et al. 2023). An ``nn.Embedding`` always uses expand.
+        norm_structure: ``full`` (default: the exact per-layer block of a normalisation layer's
+            parameters, 2D x 2D) or ``diag`` (its diagonal).
+        parameter_structure: ``diag`` (default) or ``full``: the block of a raw parameter (a ViT's class
+            token and position table, :class:`curvkit.layerkinds.ParameterHandler`): the diagonal of its
+            per-sample-gradient block, or the dense block (P x P; for small P).
         mc_samples: labels (``kfac``) or projections (``projection``) per datum (default 1, the thesis's).
         distribution: ``rademacher`` | ``gaussian`` probe vectors for ``projection``.
         ema: moving-average factor rho in [0, 1) (None: sum over all data).
@@ -222,13 +246,18 @@ class KroneckerEstimator(CurvatureEstimator):
             factors of the union of the ranks' batches. ``kfra`` is not linear in the batch (its
             recursion multiplies batch means), so its batch means of H_L and of Phi_l^T Phi_l are
             all-reduced first (one message): the factors of the union batch as one batch.
-        keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (name ->
-            (inputs (B*T, in_aug), back-propagated vectors (V, B*T, out), weights (V,))) for estimators
-            built on top (e.g. eigenbasis corrections or diagonal Fishers of Kronecker layers).
+        keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (block label ->
+            :class:`PerSample`) for estimators built on top (e.g. eigenbasis corrections).
+
+    Attributes:
+        plans: the model's layers (:class:`curvkit.layerkinds.LayerPlan`), each with its blocks.
+        blocks: (layer plan, block spec) per block, in the operator's block order.
+        layers: the :class:`~curvkit.structure.LayerInfo` of every planned layer.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
-                 mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
+                 weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
+                 parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
                  keep_per_sample: bool = False, distributed: Any = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
@@ -236,63 +265,164 @@ class KroneckerEstimator(CurvatureEstimator):
                              "or 'empirical'")
         if distribution not in ("rademacher", "gaussian"):
             raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
+        if weight_sharing not in ("expand", "reduce"):
+            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
+        if norm_structure not in ("full", "diag"):
+            raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
+        if parameter_structure not in ("full", "diag"):
+            raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
         self.method = method
+        self.weight_sharing: WeightSharing = weight_sharing
+        self.norm_structure: NormStructure = norm_structure
+        self.parameter_structure: NormStructure = parameter_structure
         self.mc_samples = integer("mc_samples", mc_samples)
         self.distribution = distribution
         self.seed = int(seed) if distributed is None else distributed.seed(int(seed))
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
-        self.per_sample: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        self.per_sample: dict[str, PerSample] = {}
         structure = read_model(model)
-        self.layers = structure.kronecker_layers(method, allow_conv=method != "kfra")
-        self.chain = structure.mlp_chain(method, frozen=True) if method == "kfra" else None
-        if self.chain is not None:
+        self.structure = structure
+        self.chain = _kfra_chain(structure) if method == "kfra" else None
+        self.plans = layerkinds.plan(structure, method)
+        self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
+        self._raw_checked = False
+        self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
+        self.layers = [lp.info for lp in self.plans]
+        if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
             position = {id(m): i for i, m in enumerate(self.chain.linears)}
-            if any(id(lay.module) not in position for lay in self.layers):
+            if any(id(lp.module) not in position for lp in self.plans):
                 raise UnsupportedModelError("kfra: the trainable layers must be nn.Linear layers of the chain")
-            self._chain_pos = [position[id(lay.module)] for lay in self.layers]  # increasing (module order)
+            self._chain_pos = [position[id(lp.module)] for lp in self.plans]  # increasing (module order)
         super().__init__(model, likelihood, ema, distributed)
 
-    # ------------------------------------------------------------------ per-batch statistics
-    def capture(self) -> LayerCapture:
-        """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``)."""
-        return LayerCapture(self.layers, self.method)
+    def require_weight_matrix_blocks(self, what: str) -> None:
+        """Raise unless every block is one whole layer's ``G (x) A`` of ``[W.reshape(out, -1) | b]`` with
+        dense factors (Linear, Conv1d/Conv2d with groups 1): for consumers that read the factors in that
+        layout (they name ``what``). Embedding, normalisation, attention and grouped-convolution blocks
+        have other views (:class:`~curvkit.linalg.kron.KroneckerBlock` ``index``)."""
+        for lp, spec in self.blocks:
+            if spec.index is not None or spec.ids or spec.form != "kron":
+                raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "
+                             "one [W | b] Kronecker block of the whole layer, which this consumer reads",
+                             "freeze it (requires_grad_(False)), or use the estimator's operator directly")
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
+    # ------------------------------------------------------------------ per-batch statistics
+    def capture(self) -> BlockCapture:
+        """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``); the pass
+        inside runs under :func:`curvkit.structure.curvature_kernels`."""
+        return BlockCapture(self.plans, self.method)
+
+    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+        if self._raw and not self._raw_checked:
+            self._check_raw(X)
         with self.capture() as cap, torch.enable_grad():
-            f = self.model(X)
+            f = self.structure.functional_call(cap.substitute(X.shape[0]), (X,)) if self._raw else self.model(X)
+        cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
-    def accumulate(self, capture: LayerCapture, f: Tensor, y: Tensor) -> None:
+    def accumulate(self, capture: BlockCapture, f: Tensor, y: Tensor | None) -> None:
         """Add the statistics of a forward pass the caller ran inside ``capture`` (output ``f``, targets y);
         f's graph is kept for the caller's own backward pass."""
-        stats, B = self._statistics(capture, f, y)
-        self._combine(stats, B)
+        if self._raw:
+            raw = [lp.label for lp in self.plans if lp.handler.kind == "parameter"]
+            raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
+                                        "per-sample gradients from the estimator's own forward pass: use "
+                                        "update((X, y)), or freeze them")
+        self._combine(*self._statistics(capture, f, y))
 
-    def _statistics(self, cap: LayerCapture, f: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
-        if not isinstance(f, Tensor) or f.dim() != 2:
-            raise ValueError(f"{self.method}: the model must return a single (batch, outputs) tensor, got "
+    def _check_raw(self, X: Tensor) -> None:
+        """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
+        two samples with independently perturbed copies of p give the outputs of two one-sample passes."""
+        x = X[:2] if X.shape[0] >= 2 else X[[0, 0]]
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        raw = [lp for lp in self.plans if lp.handler.kind == "parameter"]
+        copies = {}
+        for lp in raw:
+            p = getattr(lp.module, lp.handler.attr).detach()  # type: ignore[attr-defined]
+            noise = torch.randn((2, *p.shape[1:]), generator=gen, device=p.device, dtype=p.dtype)
+            copies[lp.label] = p + noise * (0.1 * float(p.abs().mean()) + 0.1)
+        names = ", ".join(repr(lp.label) for lp in raw)
+        error: Exception | None = None
+        try:
+            with torch.no_grad():
+                both = self.structure.functional_call(copies, (x,))
+                ones = [self.structure.functional_call({n: c[i:i + 1] for n, c in copies.items()}, (x[i:i + 1],))
+                        for i in range(2)]
+            ok = all(torch.allclose(both[i:i + 1], ones[i], rtol=1e-4, atol=1e-5 * float(ones[i].abs().max()) + 1e-7)
+                     for i in range(2))
+        except Exception as exc:  # an operation that cannot take per-sample copies
+            ok, error = False, exc
+        if not ok:
+            raise UnsupportedModelError(
+                f"{self.method}: raw parameter(s) {names} (used directly in a forward pass, owned by no layer kind) "
+                "do not act per sample along their leading dimension of size 1 (a sample's output depends on another "
+                "sample's copy, or the copies cannot be used); freeze them (requires_grad_(False)) or use an exact "
+                "or diagonal curvature") from error
+        self._raw_checked = True
+
+    def _statistics(self, cap: BlockCapture, f: Tensor, y: Tensor | None) -> tuple[list[Tensor], int, int]:
+        if not isinstance(f, Tensor) or f.dim() < 2:
+            raise ValueError(f"{self.method}: the model must return a single (batch, outputs) or (batch, "
+                             f"positions..., outputs) tensor, got "
                              f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
+        if self.method == "kfra" and f.dim() != 2:
+            raise ValueError(f"kfra: the recursion needs (batch, outputs) outputs, got shape {tuple(f.shape)}; use "
+                             "method='kflr' or 'kfac' for outputs with positions")
         self.likelihood.check(f.detach(), y)
-        outs = cap.outputs()
-        B = int(f.shape[0])
-        A = [self._input_gram(rec.a, rec.has_bias) for rec in cap.records]
+        sites = cap.sites()
+        B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
+        for (lp, _), site in zip(self.blocks, sites):
+            if site.inputs.shape[0] != B:
+                raise UnsupportedModelError(
+                    f"{self.method}: module {lp.label!r} ({type(lp.module).__name__}) ran on an input whose first "
+                    f"dimension ({site.inputs.shape[0]}) is not the batch ({B}), e.g. position ids without a batch "
+                    "dimension, so its output is shared by every sample and has no per-sample statistics; give its "
+                    "input the batch dimension (ids.expand(batch, -1)) or freeze it")
+        grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
+        A: list[Tensor | None] = [self._input_stat(spec, site, f, grams) for (_, spec), site in zip(self.blocks, sites)]
+        del grams
+        if not self.keep_per_sample:  # the input rows are used: let the backward pass free the activations
+            for (_, spec), site in zip(self.blocks, sites):
+                if spec.form == "kron":
+                    site.inputs = site.inputs.new_empty(0)
         if self.method == "kfra":
-            G = self._kfra(cap, f, y)
+            G = self._kfra(sites, f, y)
         else:
-            G = self._backprop(cap, f, y, outs)
-        return A + G, B
+            G = self._backprop(sites, f, y, A, free=cap.own)
+        return [a for a in A if a is not None] + G, B, terms  # type: ignore[operator]
+
+    def _sharing(self, spec: BlockSpec) -> WeightSharing:
+        return self.weight_sharing if spec.sharing == "any" else "expand"
+
+    def _input_stat(self, spec: BlockSpec, site: Site, f: Tensor,
+                    cache: dict[tuple[int, str, bool], Tensor]) -> Tensor | None:
+        """The input statistic of one batch: ``sum_n sum_r a_hat a_hat^T`` (expand; a_hat = [a, 1]) or
+        ``sum_n a_bar a_bar^T`` (reduce; a_bar = [mean_r a, 1]); token counts for an embedding; None for a
+        block from per-sample gradients (formed with the output side). Blocks with the same input rows share
+        one statistic (``cache``)."""
+        if spec.form == "grad":
+            return None
+        a = site.inputs
+        if spec.ids:
+            keep = a[a >= 0]
+            return torch.bincount(keep, minlength=spec.in_features).to(f.dtype)
+        mode = self._sharing(spec)
+        key = (id(a), mode, spec.bias is not None)
+        if key not in cache:
+            rows = a.mean(1) if mode == "reduce" else _rows(a)
+            cache[key] = self._input_gram(rows, spec.bias is not None)
+        return cache[key]
 
     @staticmethod
-    def _input_gram(a: Tensor | None, bias: bool) -> Tensor:
+    def _input_gram(a: Tensor, bias: bool) -> Tensor:
         """sum over rows of a_hat a_hat^T (in_aug, in_aug), a_hat = [a, 1] with a bias; the bias row and
         column come from sum(a) and the count (no concatenated copy of the inputs)."""
-        assert a is not None
         if not bias:
-            return a.T @ a
+            return _gram(a)
         n = a.shape[1]
         out = a.new_empty(n + 1, n + 1)
-        out[:n, :n] = a.T @ a  # (mm into the strided slice directly is slower: 9.7 vs 7.8 ms at 500 x 784)
+        out[:n, :n] = _gram(a)  # (mm into the strided slice directly is slower: 9.7 vs 7.8 ms at 500 x 784)
         s = a.sum(0)
         out[:n, n] = s
         out[n, :n] = s
@@ -304,65 +434,153 @@ class KroneckerEstimator(CurvatureEstimator):
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
-    def _vectors(self, f: Tensor, y: Tensor) -> list[tuple[Tensor, float]]:
-        """Output-space vectors (B, C) with weights w: G accumulates sum_n w c_n c_n^T at the output."""
+    def _vectors(self, f: Tensor, y: Tensor | None) -> Iterator[tuple[Tensor, float]]:
+        """Output-space vectors shaped like f, with weights w: G accumulates ``sum w c c^T`` at the output.
+
+        With positions, one vector holds a value at EVERY position (as curvlinops' type-2 and MC): ``kflr``
+        back-propagates column c of every position's square root at once (C passes, not C * T), so its G
+        has the cross-position terms ``S_t S_t'^T`` (module docstring)."""
         lik = self.likelihood
         if self.method == "kflr":
-            S = _output_hessian_sqrt(lik, f, y)
-            return [(S[:, :, r], 1.0) for r in range(S.shape[2])]
+            rank = lik.sqrt_rank(f)
+            step = max(1, _BUDGET // max(1, f.numel()))
+            for c0 in range(0, rank, step):
+                S = lik.output_hessian_sqrt_columns(f, slice(c0, min(rank, c0 + step)), y)  # (..., C, r)
+                for column in S.movedim(-1, 0).contiguous():  # contiguous columns: no copies downstream
+                    yield column, 1.0
+            return
         if self.method == "empirical":
-            return [(lik.output_grad(f, y), 1.0)]
-        K, (B, C) = self.mc_samples, f.shape
+            if y is None:
+                raise ValueError("empirical: the empirical Fisher needs the data targets y")
+            yield lik.output_grad(f, y), 1.0
+            return
+        K = self.mc_samples
         if self.method == "projection":
-            S = _output_hessian_sqrt(lik, f, y)  # (B, C, R); E[S v v^T S^T] = S S^T = H_L
+            S = lik.output_hessian_sqrt(f, y)  # (..., C, R); E[S v v^T S^T] = S S^T = H_L per position
             gen = self._gen(f.device)
-            shape = (K, B, S.shape[2])
+            shape = (K, *S.shape[:-2], S.shape[-1])
             if self.distribution == "gaussian":
                 v = torch.randn(shape, generator=gen, device=f.device, dtype=f.dtype)
             else:
                 v = torch.randint(0, 2, shape, generator=gen, device=f.device).to(f.dtype).mul_(2).sub_(1)
-            return [(torch.einsum("bcr,br->bc", S, v[k]), 1.0 / K) for k in range(K)]
+            for k in range(K):
+                yield torch.einsum("...cr,...r->...c", S, v[k]), 1.0 / K
+            return
         # kfac: all K draws in one call on f repeated K times (sample-major: row k * B + n)
-        f_rep = f.repeat(K, 1)
-        Vs = lik.output_grad(f_rep, lik.sample(f_rep, self._gen(f.device))).reshape(K, B, C)
-        if K <= C:
-            return [(v, 1.0 / K) for v in Vs]
+        reps = (K,) + (1,) * (f.dim() - 1)
+        f_rep = f.repeat(*reps)
+        y_rep = None if y is None else y.repeat(*((K,) + (1,) * (y.dim() - 1)))
+        Vs = lik.output_grad(f_rep, lik.sample(f_rep, self._gen(f.device), y_rep)).reshape(K, *f.shape)
+        C = f.shape[-1]
+        if K <= C or f.dim() != 2:
+            for v in Vs:
+                yield v, 1.0 / K
+            return
         # More draws than outputs: back-propagate a square root of each datum's sampled output Fisher
         # (1/K) sum_k v_k v_k^T instead (C passes instead of K; the same G in exact arithmetic).
         Fn = torch.einsum("sbc,sbd->bcd", Vs, Vs) / K
         lam, U = torch.linalg.eigh(Fn)
         R = U * lam.clamp_min(0).sqrt()[:, None, :]
-        return [(R[:, :, c], 1.0) for c in range(C)]
+        for c in range(C):
+            yield R[:, :, c], 1.0
 
-    def _backprop(self, cap: LayerCapture, f: Tensor, y: Tensor, outs: list[Tensor]) -> list[Tensor]:
-        G: list[Tensor | None] = [None] * len(cap.records)
-        per: list[list[Tensor]] = [[] for _ in cap.records]
-        weights = []
-        for V, w in self._vectors(f.detach(), y):
-            grads = torch.autograd.grad(f, outs, grad_outputs=V.to(f.dtype), retain_graph=True, allow_unused=True)
-            weights.append(w)
-            for i, (rec, g) in enumerate(zip(cap.records, grads)):
-                if g is None:
-                    raise UnsupportedModelError(f"{self.method}: the output does not depend on module "
-                                                f"{rec.info.label!r}; freeze it or remove it")
-                rows = output_rows(rec.info, g.detach())  # (B*T, out); mean over the T locations below
-                term = (rows.T @ rows) * (w / rec.positions)
-                G[i] = term if G[i] is None else G[i] + term  # type: ignore[operator]
+    def _backprop(self, sites: list[Site], f: Tensor, y: Tensor | None, A: list[Tensor | None],
+                  free: bool = False) -> list[Tensor]:
+        """Back-propagate the vectors to every site: G per Kronecker block (expand: ``sum_n (1/R) sum_r
+        g g^T``; reduce: ``sum_n g_hat g_hat^T``, g_hat = sum_r g), the block of per-sample gradients u
+        (``sum_n u u^T`` or its diagonal) for the other blocks (stored as their input statistic, in A).
+
+        The statistics are formed by tensor hooks on the sites' outputs while the gradient passes through
+        them, and the backward pass asks only for the lowest sites (:func:`_lowest`), so the layer-output
+        gradients are never all held at once; with ``free`` the last vector's pass frees the graph as it
+        goes (the estimator's own forward pass; a caller's graph is kept)."""
+        outs: list[Tensor] = []
+        where: dict[int, int] = {}
+        feeds: list[list[int]] = []
+        for i, s in enumerate(sites):
+            if id(s.output) not in where:
+                where[id(s.output)] = len(outs)
+                outs.append(s.output)
+                feeds.append([])
+            feeds[where[id(s.output)]].append(i)
+        stats: list[Tensor | None] = [None] * len(sites)
+        per: list[list[Tensor]] = [[] for _ in sites]
+        weights: list[float] = []
+        fired = [False] * len(outs)
+
+        def consume(j: int, g: Tensor) -> None:
+            fired[j] = True
+            w = weights[-1]
+            for i in feeds[j]:
+                r = sites[i].read(g.detach())
+                term = self._output_term(self.blocks[i][1], r) * w
+                stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
                 if self.keep_per_sample:
-                    per[i].append(rows)
+                    per[i].append(r)
+
+        roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
+        targets = [outs[j] for j in _lowest(outs) if j not in roots] or [f]
+        handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
+        try:
+            vectors = self._vectors(f.detach(), y)
+            current = next(vectors, None)
+            while current is not None:
+                V, w = current
+                following = next(vectors, None)
+                weights.append(w)
+                V = V.to(f.dtype)
+                for j in roots:
+                    consume(j, V)
+                if len(targets) > 1 or targets[0] is not f:
+                    torch.autograd.grad(f, targets, grad_outputs=V, retain_graph=not (free and following is None),
+                                        allow_unused=True)
+                current = following
+        finally:
+            for h in handles:
+                h.remove()
+        for j, ok in enumerate(fired):
+            if not ok:
+                lp = self.blocks[feeds[j][0]][0]
+                raise UnsupportedModelError(f"{self.method}: the output does not depend on module {lp.label!r}; "
+                                            "freeze it or remove it")
+        G = []
+        for i, (_, spec) in enumerate(self.blocks):
+            if spec.form == "grad":
+                A[i] = stats[i]
+                G.append(f.new_full((1, 1), float(f.shape[0])))
+            else:
+                G.append(stats[i])  # type: ignore[arg-type]
         if self.keep_per_sample:
             wt = torch.tensor(weights, dtype=f.dtype, device=f.device)
-            self.per_sample = {
-                str(rec.info.weight): (with_bias_column(rec.a, rec.has_bias), torch.stack(p), wt)  # type: ignore[arg-type]
-                for rec, p in zip(cap.records, per)}
-        return G  # type: ignore[return-value]
+            self.per_sample = {spec.label: PerSample(self._per_sample_inputs(spec, site), torch.stack(p), wt)
+                               for (_, spec), site, p in zip(self.blocks, sites, per)}
+        return G
 
-    def _kfra(self, cap: LayerCapture, f: Tensor, y: Tensor) -> list[Tensor]:
+    def _grad_structure(self, spec: BlockSpec) -> NormStructure:
+        return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
+
+    def _output_term(self, spec: BlockSpec, r: Tensor) -> Tensor:
+        if spec.form == "grad":  # per-sample gradients (B, P)
+            return (r * r).sum(0) if self._grad_structure(spec) == "diag" else r.T @ r
+        if self._sharing(spec) == "reduce":
+            return _gram(r.sum(1))
+        return _gram(_rows(r)).div_(r.shape[1])
+
+    @staticmethod
+    def _per_sample_inputs(spec: BlockSpec, site: Site) -> Tensor | None:
+        if spec.form == "grad":
+            return None
+        if spec.ids or spec.bias is None:
+            return site.inputs
+        a = site.inputs
+        return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+
+    def _kfra(self, sites: list[Site], f: Tensor, y: Tensor | None) -> list[Tensor]:
         assert self.chain is not None
         B = f.shape[0]
         G = _mean_output_hessian(self.likelihood, f.detach(), y)
         chain, L, first = self.chain, len(self.chain.linears), self._chain_pos[0]
-        h = {l: rec.output.detach() for l, rec in zip(self._chain_pos, cap.records)}  # type: ignore[union-attr]
+        h = {l: site.output.detach() for l, site in zip(self._chain_pos, sites)}
         grams = {}
         a_prev: Tensor | None = None  # the previous layer's activation
         for l in range(first, L - 1):  # the recursion stops at the first trainable layer
@@ -387,43 +605,141 @@ class KroneckerEstimator(CurvatureEstimator):
 
     # ------------------------------------------------------------------ output
     def _stat_names(self) -> list[str]:
-        return [f"A of layer {lay.label!r}" for lay in self.layers] + [f"G of layer {lay.label!r}"
-                                                                       for lay in self.layers]
+        return ([f"A of block {spec.label!r}" for _, spec in self.blocks] +
+                [f"G of block {spec.label!r}" for _, spec in self.blocks])
 
     def _symmetric(self, stats: list[Tensor]) -> list[bool]:
-        return [True] * len(stats)
+        return [t.dim() == 2 for t in stats]
 
-    def _reduce(self, stats: list[Tensor], B: int) -> tuple[list[Tensor], int]:
+    def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
         if self.method != "kfra":
-            return super()._reduce(stats, B)
+            return super()._reduce(stats, B, terms)
         # kfra's G are already the union's (N times its batch means, computed from identical all-reduced
-        # means, so bitwise the same on every rank): only A and the count travel
-        L = len(self.layers)
-        A, N = super()._reduce(stats[:L], B)
-        return A + list(stats[L:]), N
+        # means, so bitwise the same on every rank): only A and the counts travel
+        L = len(self.blocks)
+        A, N, T = super()._reduce(stats[:L], B, terms)
+        return A + list(stats[L:]), N, T
 
     def _reference_shapes(self) -> list[tuple[int, ...]] | None:
         a_shapes: list[tuple[int, ...]] = []
         g_shapes: list[tuple[int, ...]] = []
-        for lay in self.layers:
-            w: Any = lay.module.weight
-            n = int(math.prod(w.shape[1:])) + (lay.bias is not None)
-            a_shapes.append((n, n))
-            g_shapes.append((int(w.shape[0]), int(w.shape[0])))
+        for _, spec in self.blocks:
+            n = spec.in_features + int(spec.bias is not None and spec.form == "kron")
+            if spec.form == "grad":
+                a_shapes.append((n,) if self._grad_structure(spec) == "diag" else (n, n))
+                g_shapes.append((1, 1))
+            else:
+                a_shapes.append((n,) if spec.ids else (n, n))
+                g_shapes.append((spec.out_features, spec.out_features))
         return a_shapes + g_shapes
 
     def factors(self) -> list[tuple[str, Tensor, Tensor]]:
-        """(weight name, G, A) per layer at the operator's scale (G carries the 'sum' factor N)."""
+        """(weight name, G, A) per block at the operator's scale (G carries the 'sum' factor N)."""
         return [(b.weight_name, b.G, b.A) for b in self.operator().blocks]
 
     def operator(self) -> KroneckerOperator:
         return self._operator(self._means(), self.scale())
 
     def _operator(self, means: list[Tensor], scale: float) -> KroneckerOperator:
-        L = len(self.layers)
-        blocks = [KroneckerBlock.from_gram(G, A, lay.weight, lay.bias, scale_G=scale)  # type: ignore[arg-type]
-                  for lay, A, G in zip(self.layers, means[:L], means[L:])]
+        K = len(self.blocks)
+        blocks = []
+        for (_, spec), A, G in zip(self.blocks, means[:K], means[K:]):
+            explicit = spec.index is not None
+            blocks.append(KroneckerBlock.from_gram(G, A, spec.weight, spec.bias, scale_G=scale, index=spec.index,
+                                                   label=spec.label if explicit else None,
+                                                   factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
+
+
+def _hook(consume: Any, j: int) -> Any:
+    def hook(g: Tensor) -> None:
+        consume(j, g)
+    return hook
+
+
+def _lowest(outs: list[Tensor]) -> list[int]:
+    """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
+    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``. One memoised
+    pass over the graph below the tensors (iterative: graphs are deep)."""
+    sites = {o.grad_fn for o in outs if o.grad_fn is not None}
+    leaves = {id(o) for o in outs if o.grad_fn is None}
+    holds: dict[Any, bool] = {}  # node -> a tensor of outs is produced at or below it
+
+    def children(n: Any) -> list[Any]:
+        return [m for m, _ in n.next_functions if m is not None]
+
+    def solve(root: Any) -> bool:
+        stack = [(root, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in holds:
+                continue
+            if n in sites or id(getattr(n, "variable", None)) in leaves:
+                holds[n] = True
+            elif expanded:
+                holds[n] = any(holds[m] for m in children(n))
+            else:
+                stack.append((n, True))
+                stack.extend((m, False) for m in children(n) if m not in holds)
+        return holds[root]
+
+    return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it): a view when the
+    strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), a
+    copy otherwise."""
+    for u in (t, t.transpose(0, 1)):
+        try:
+            return u.view(-1, t.shape[-1])
+        except RuntimeError:
+            continue
+    return t.reshape(-1, t.shape[-1])
+
+
+def _gram(a: Tensor, block: int = 128) -> Tensor:
+    """a^T a (n, n) for rows a (m, n). For n >= 3 * block only the upper block triangle is multiplied (one
+    product per block row, about (k + 1) / 2k of the full product with k blocks) and mirrored: the Gram
+    matrices of the wide layers (an MLP's 4 d factors) dominate the cost of KFAC-expand."""
+    n = a.shape[1]
+    k = n // block
+    if k < 3:
+        return a.T @ a
+    edges = [n * i // k for i in range(k + 1)]
+    out = a.new_empty(n, n)
+    for lo, hi in pairwise(edges):
+        part = a[:, lo:hi].T @ a[:, lo:]  # rows lo:hi, columns lo:n
+        out[lo:hi, lo:] = part
+        out[hi:, lo:hi] = part[:, hi - lo:].T
+    return out
+
+
+def _kfra_chain(structure: Any) -> Any:
+    """The MLP chain KFRA's recursion runs on (thesis Eq. 4.7), or the chain reader's error (naming the first
+    module that breaks the chain) pointing to the methods that take any model."""
+    try:
+        return structure.mlp_chain("kfra", frozen=True)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
+                                    "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc
+
+
+@dataclass
+class PerSample:
+    """One block's per-sample rows of the last batch (``keep_per_sample``).
+
+    Attributes:
+        inputs: input rows (B, R, in_aug) with the bias column, token ids (B, R) (-1: no row), or None for a
+            block from per-sample gradients.
+        vectors: per back-propagated vector, the output rows (V, B, R, out), or the per-sample gradients
+            (V, B, P).
+        weights: (V,) the vectors' weights.
+    """
+
+    inputs: Tensor | None
+    vectors: Tensor
+    weights: Tensor
 
 
 class DiagonalEstimator(CurvatureEstimator):
@@ -445,7 +761,7 @@ class DiagonalEstimator(CurvatureEstimator):
         self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
         super().__init__(model, likelihood, ema, distributed)
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int]:
+    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
         from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
 
         lik = self.likelihood.with_reduction("sum")
@@ -457,7 +773,9 @@ class DiagonalEstimator(CurvatureEstimator):
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed)
-        return [op.diagonal().flat], int(X.shape[0])
+        with torch.no_grad(), curvature_kernels():  # the loss terms of the batch (counted positions)
+            terms = self.likelihood.num_terms(self.model(X), y)
+        return [op.diagonal().flat], int(X.shape[0]), terms
 
     def _stat_names(self) -> list[str]:
         return ["diagonal"]

@@ -26,24 +26,27 @@ the scale of the exact GGN of ``likelihood.nll`` over the data: ``s = 1`` for ``
 ``s = N`` for ``reduction='sum'`` (the factor N is put on G). So ``kflr`` on ONE datum equals the exact
 diagonal GGN block (Lemma 3.21/3.22), for either reduction.
 
-Layers. Works on any module tree whose parameter-bearing modules are ``nn.Linear`` (with or without bias;
-input (B, in)) or, except for KFRA, ``nn.Conv2d`` (groups = 1, any padding mode); all other modules must be
-parameter-free, deterministic and must not mix samples (BatchNorm only in eval mode). The model structure
-reader decides (:meth:`curvkit.structure.ModelStructure.kronecker_layers`), and a module it cannot take
-raises an error naming it - nothing is skipped silently. KFRA needs an MLP chain.
+Layers. Every trainable parameter must belong to a layer kind of :mod:`curvkit.layerkinds` (Linear and
+convolutions with weight sharing, grouped convolutions, Embedding, normalisation layers, multi-head
+attention, raw (1, ...) parameters; ``docs/architecture.md`` has the table); other modules must be
+deterministic and must not mix samples (BatchNorm only in eval mode). :func:`curvkit.layerkinds.plan`
+decides, and a module it cannot take raises an error naming it - nothing is skipped silently. KFRA needs an
+MLP chain. Outputs may have positions ((B, T, C) logits): the weight-sharing convention and the
+cross-position terms of KFLR are in ``docs/architecture.md`` ("Weight sharing", "Outputs with positions").
 
 These functions are one-shot conveniences over :class:`curvkit.curvature.estimators.KroneckerEstimator`
 (which also updates batch by batch, keeps a moving average and feeds optimisers and posteriors).
 
-Conv2d (KFC, Grosse & Martens 2016, "expand" convention). With T output locations, patches
-``a_hat_{n,t}`` (C*kh*kw unfolded inputs in the weight's (C, kh, kw) order, then 1 for the bias) and
-pre-activation vectors ``g_{n,t}`` (out,):
+Weight sharing (KFC, Grosse & Martens 2016; Eschenhagen et al. 2023). With T positions sharing a weight
+(convolution locations, tokens, patches), rows ``a_hat_{n,t}`` (then 1 for the bias) and pre-activation
+vectors ``g_{n,t}`` (out,), the default ``weight_sharing='expand'`` of the estimator is
 
-    A = (1/N) sum_n sum_t a_hat_{n,t} a_hat_{n,t}^T     (SUM over locations),
-    G = (1/N) sum_n (1/T) sum_t g_{n,t} g_{n,t}^T       (MEAN over locations).
+    A = (1/N) sum_n sum_t a_hat_{n,t} a_hat_{n,t}^T     (SUM over positions),
+    G = (1/N) sum_n (1/T) sum_t g_{n,t} g_{n,t}^T       (MEAN over positions),
 
-This is KFC's Omega (x) Gamma under spatial homogeneity and spatially uncorrelated derivatives, so that
-``G (x) A ~ sum_t E[g_t g_t^T] (x) E[a_t a_t^T]``; for a 1x1 output (T = 1) it equals the Linear case.
+KFC's Omega (x) Gamma under spatial homogeneity and uncorrelated derivatives (``G (x) A ~ sum_t E[g_t
+g_t^T] (x) E[a_t a_t^T]``; for T = 1 it equals the Linear case); ``'reduce'`` uses the mean input and the
+summed gradient of each sample (:class:`~curvkit.curvature.estimators.KroneckerEstimator`).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def kflr(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOpera
     """KFLR (thesis Sec. 4.3.1): back-propagate the R columns of ``likelihood.output_hessian_sqrt(f)``.
 
     ``G_l = s/N sum_n sum_r g_r^n g_r^{nT}`` is the exact data-mean of the pre-activation GGNs (Eq. 4.6);
-    costs R backward passes per batch (R = number of outputs). Conv2d layers use the KFC convention of the
-    module docstring (then the block is no longer exact for one datum).
+    costs R backward passes per batch (R = the number of classes C: one per column of the output Hessian's
+    square root, every position at once; for a vocabulary of 50,000 use :func:`kfac`). Weight-shared layers
+    use the convention of the module docstring (then the block is no longer exact for one datum).
     """
     return KroneckerEstimator(model, likelihood, "kflr").update(data).operator()
 

@@ -45,6 +45,7 @@ class KroneckerSource:
         with only_trainable(model, self.names):
             self.estimator = KroneckerEstimator(model, likelihood.with_reduction("mean"), method,  # type: ignore[arg-type]
                                                 mc_samples=mc_samples, seed=seed)
+        self.estimator.require_weight_matrix_blocks("Kronecker Laplace")
         self.layers: list[LayerInfo] = list(self.estimator.layers)
 
     def update(self, X: Tensor, y: Tensor) -> Tensor:

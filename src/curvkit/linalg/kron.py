@@ -19,7 +19,10 @@ returns the matrix in the flat PARAMETER order.
 
 Types:
 
-* :class:`KroneckerBlock` - one layer's factors ``G``, ``A`` and the names of its weight and bias.
+* :class:`KroneckerBlock` - one block's factors ``G``, ``A`` (A may be a vector: a diagonal input factor),
+  the names of its weight and bias and, where the block is not the standard ``[W | b]`` view, the
+  ``index`` of its matrix's entries in them (an embedding's transposed weight, one attention projection or
+  convolution group, a normalisation layer's (1, P) row with ``factored=False``).
 * :class:`KroneckerOperator` - ``blockdiag_l (G_l (x) A_l) + damping * I``, a
   :class:`~curvkit.linalg.operator.CurvatureOperator` with exact diagonal, trace, eigenvalues and logdet,
   damped inverses (exact eigen-based, or factored Tikhonov damping with the trace-norm split, thesis
@@ -56,6 +59,7 @@ __all__ = [
     "kron_matvec",
     "psd_eigh",
     "stable_eigh",
+    "standard_index",
     "vec_row",
 ]
 
@@ -150,46 +154,75 @@ def psd_eigh(C: Tensor, previous: Tensor | None = None) -> tuple[Tensor, Tensor]
 # ---------------------------------------------------------------------------------------------- blocks
 @dataclass
 class KroneckerBlock:
-    """One layer's curvature block ``G (x) A`` in the row-major layout of ``W_hat = [W | b]``.
+    """One curvature block ``G (x) A`` in the row-major layout of a matrix view ``W_hat`` (out, in_aug).
 
     Attributes:
         G: (out, out) symmetric output-side factor (pre-activation curvature, e.g. the GGN ``G_l``).
-        A: (in_aug, in_aug) symmetric input-side factor; ``in_aug = in + 1`` when ``bias_name`` is given
-            (bias column LAST), else ``in``. For a ``nn.Conv2d`` layer ``in = C * kh * kw``.
-        weight_name: name of the weight in the operator's :class:`ParamLayout`.
-        bias_name: name of the bias, or None.
+        A: (in_aug, in_aug) symmetric input-side factor, or an (in_aug,) vector: a DIAGONAL input factor
+            ``diag(A)`` (an ``nn.Embedding``'s token counts; never a V x V matrix). By default
+            ``in_aug = in + 1`` when ``bias_name`` is given (bias column LAST), else ``in``; for a
+            ``nn.Conv2d`` layer ``in = C * kh * kw``.
+        weight_name: name of the (first) parameter in the operator's :class:`ParamLayout`.
+        bias_name: name of the bias (second parameter), or None.
+        index: which parameter entries ``W_hat`` holds: an integer (out, in_aug) tensor of positions in the
+            concatenation ``[weight.flatten(), bias.flatten()]`` of this block's own parameters, or None
+            for the standard view ``[W.reshape(out, -1) | b]``. Lets a block be a transposed view (an
+            embedding's (V, D) weight as (D, V)), a slice of rows (one query/key/value projection of a
+            packed attention weight, one group of a grouped convolution) or a row vector (1, P) of a
+            normalisation layer's parameters. Every layout entry must belong to exactly one block.
+        label: a name for messages (the layer and, for a slice, which one), or None.
+        factored: False for a plain matrix block written as ``[[g]] (x) A`` with a (1, 1) ``G`` (the exact
+            or diagonal block of a normalisation layer or of raw parameters): damping is then added to
+            the block exactly, never split between the factors.
 
-    ``G`` and ``A`` are validated (square, finite, symmetric up to rounding) and stored symmetrised.
-    Their agreement with the weight's shape is checked by :class:`KroneckerOperator`.
+    ``G`` and ``A`` are validated (square - or a vector for A -, finite, symmetric up to rounding) and
+    stored symmetrised. Their agreement with the parameter shapes is checked by :class:`KroneckerOperator`.
     """
 
     G: Tensor
     A: Tensor
     weight_name: str
     bias_name: str | None = None
+    index: Tensor | None = None
+    label: str | None = None
+    factored: bool = True
 
     def __post_init__(self) -> None:
-        _check_square_symmetric(self.G, f"KroneckerBlock({self.weight_name!r}).G")
-        _check_square_symmetric(self.A, f"KroneckerBlock({self.weight_name!r}).A")
+        what = f"KroneckerBlock({self.name!r})"
+        _check_square_symmetric(self.G, f"{what}.G")
+        if isinstance(self.A, Tensor) and self.A.dim() == 1:
+            _check_diagonal_factor(self.A, f"{what}.A")
+        else:
+            _check_square_symmetric(self.A, f"{what}.A")
         if self.G.dtype != self.A.dtype or self.G.device != self.A.device:
-            raise ValueError(f"KroneckerBlock({self.weight_name!r}): G and A must share dtype and device, got "
+            raise ValueError(f"{what}: G and A must share dtype and device, got "
                              f"{self.G.dtype}/{self.G.device} and {self.A.dtype}/{self.A.device}")
+        if not self.factored and self.G.shape != (1, 1):
+            raise ValueError(f"{what}: a block with factored=False is [[g]] (x) A and needs a (1, 1) G, got "
+                             f"{tuple(self.G.shape)}")
         self.G = _symmetrise(self.G)
-        self.A = _symmetrise(self.A)
+        self.A = self.A.clone() if self.A.dim() == 1 else _symmetrise(self.A)
 
     @classmethod
     def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
-                  scale_G: float = 1.0, scale_A: float = 1.0) -> KroneckerBlock:
+                  scale_G: float = 1.0, scale_A: float = 1.0, *, index: Tensor | None = None,
+                  label: str | None = None, factored: bool = True) -> KroneckerBlock:
         """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
         ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
         several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
-        result is exactly symmetric in floating point, as a validated block is.
+        result is exactly symmetric in floating point, as a validated block is (a diagonal A: ``scale * A``).
         """
         blk = cls.__new__(cls)
         blk.G = torch.add(G, G.T).mul_(0.5 * scale_G)
-        blk.A = torch.add(A, A.T).mul_(0.5 * scale_A)
+        blk.A = A * scale_A if A.dim() == 1 else torch.add(A, A.T).mul_(0.5 * scale_A)
         blk.weight_name, blk.bias_name = weight_name, bias_name
+        blk.index, blk.label, blk.factored = index, label, factored
         return blk
+
+    @property
+    def name(self) -> str:
+        """The block's label, or its weight's name."""
+        return self.label if self.label is not None else self.weight_name
 
     @property
     def out_dim(self) -> int:
@@ -201,8 +234,17 @@ class KroneckerBlock:
         return int(self.A.shape[0])
 
     @property
+    def diagonal_input(self) -> bool:
+        """A is stored as the vector of a diagonal input factor."""
+        return self.A.dim() == 1
+
+    @property
     def names(self) -> tuple[str, ...]:
         return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
+
+    def with_factors(self, G: Tensor, A: Tensor) -> KroneckerBlock:
+        """The same block (names, index, label, kind) with other factors (validated)."""
+        return KroneckerBlock(G, A, self.weight_name, self.bias_name, self.index, self.label, self.factored)
 
 
 @dataclass
@@ -223,37 +265,90 @@ class KroneckerEigh:
     """Eigendecompositions of one block's factors: ``G = QG diag(lG) QG^T``, ``A = QA diag(lA) QA^T``.
 
     The block ``G (x) A + delta I`` has eigenvalues ``outer(lG, lA) + delta`` (row-major (out, in_aug)) with
-    eigenvectors ``vec_row(QG[:, i] QA[:, j]^T)``.
+    eigenvectors ``vec_row(QG[:, i] QA[:, j]^T)``. ``A_eigvecs`` is None for a diagonal input factor (its
+    eigenvectors are the identity, never formed).
     """
 
     G_eigvals: Tensor
     G_eigvecs: Tensor
     A_eigvals: Tensor
-    A_eigvecs: Tensor
+    A_eigvecs: Tensor | None
 
     def eigenvalues(self, damping: float = 0.0) -> Tensor:
         """(out, in_aug) eigenvalues of ``G (x) A + damping I``."""
         return torch.outer(self.G_eigvals, self.A_eigvals) + damping
 
 
-class _BlockIndex:
-    """Maps a layer's ``W_hat`` (out, in_aug) row-major positions to flat parameter indices."""
+def _check_diagonal_factor(a: Tensor, what: str) -> None:
+    if not a.dtype.is_floating_point or a.numel() == 0:
+        raise ValueError(f"{what} must be a non-empty floating-point vector, got dtype {a.dtype} shape {tuple(a.shape)}")
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError(f"{what} contains NaN or inf entries")
 
-    def __init__(self, layout: ParamLayout, weight_name: str, bias_name: str | None, device: torch.device):
-        slices = layout.slices()
-        shapes = dict(zip(layout.names, layout.shapes))
+
+def _trace(M: Tensor) -> Tensor:
+    """Trace of a factor (a vector is a diagonal factor)."""
+    return M.sum() if M.dim() == 1 else M.trace()
+
+
+def _fro(M: Tensor) -> float:
+    return float(torch.linalg.vector_norm(M)) if M.dim() == 1 else float(torch.linalg.matrix_norm(M))
+
+
+def _diag(M: Tensor) -> Tensor:
+    return M if M.dim() == 1 else M.diagonal()
+
+
+def _eye_like(M: Tensor) -> Tensor:
+    """The identity in the form of factor M (ones for a diagonal factor)."""
+    if M.dim() == 1:
+        return torch.ones_like(M)
+    return torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
+
+
+def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The (out, in_aug) positions of ``W_hat = [W.reshape(out, -1) | b]`` in ``[W.flatten(), b]``."""
+    out, n = int(weight_shape[0]), int(math.prod(weight_shape[1:]))
+    idx = torch.arange(out * n, device=device).reshape(out, n)
+    if bias:
+        idx = torch.cat([idx, (out * n + torch.arange(out, device=device))[:, None]], dim=1)
+    return idx
+
+
+class _BlockIndex:
+    """Maps a block's ``W_hat`` (out, in_aug) row-major positions to flat parameter indices."""
+
+    def __init__(self, layout: ParamLayout, weight_name: str, bias_name: str | None, device: torch.device,
+                 index: Tensor | None = None, label: str | None = None, *,
+                 slices: dict[str, slice] | None = None, shapes: dict[str, Any] | None = None):
+        slices = layout.slices() if slices is None else slices
+        shapes = dict(zip(layout.names, layout.shapes)) if shapes is None else shapes
         wshape = tuple(shapes[weight_name])
-        if len(wshape) < 2:
-            raise ValueError(f"parameter {weight_name!r} of shape {wshape} is not a weight matrix "
-                             "(need at least 2 dimensions: (out, in) or (out, C, kh, kw))")
-        self.out = int(wshape[0])
-        self.in_w = int(math.prod(wshape[1:]))
+        what = label if label is not None else weight_name
         self.has_bias = bias_name is not None
-        if bias_name is not None and tuple(shapes[bias_name]) != (self.out,):
-            raise ValueError(f"bias {bias_name!r} has shape {tuple(shapes[bias_name])}, expected ({self.out},) "
-                             f"to match weight {weight_name!r} of shape {wshape}")
-        self.in_aug = self.in_w + int(self.has_bias)
+        if index is None:
+            if len(wshape) < 2:
+                raise ValueError(f"parameter {weight_name!r} of shape {wshape} is not a weight matrix "
+                                 "(need at least 2 dimensions: (out, in) or (out, C, kh, kw)); pass the block "
+                                 "an explicit index")
+            if bias_name is not None and tuple(shapes[bias_name]) != (wshape[0],):
+                raise ValueError(f"bias {bias_name!r} has shape {tuple(shapes[bias_name])}, expected ({wshape[0]},) "
+                                 f"to match weight {weight_name!r} of shape {wshape}")
+            self.out, self.in_aug = int(wshape[0]), int(math.prod(wshape[1:])) + int(self.has_bias)
+            self._local: Tensor | None = None
+        else:
+            total = int(math.prod(wshape)) + (int(math.prod(shapes[bias_name])) if bias_name is not None else 0)
+            if not isinstance(index, Tensor) or index.dim() != 2 or index.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"block {what!r}: index must be a 2-D integer tensor, got "
+                                 f"{type(index).__name__ if not isinstance(index, Tensor) else (index.dtype, tuple(index.shape))}")
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= total):
+                raise ValueError(f"block {what!r}: index entries must lie in [0, {total - 1}] (the entries of its "
+                                 "parameters), got values outside")
+            self.out, self.in_aug = int(index.shape[0]), int(index.shape[1])
+            self._local = index.to(device=device, dtype=torch.int64)
+        self.in_w = self.in_aug - int(self.has_bias)  # the weight columns of the standard view
         self._w0 = slices[weight_name].start
+        self._wn = int(math.prod(wshape))
         self._b0 = slices[bias_name].start if bias_name is not None else None
         self._device = device
         self._perm: Tensor | None = None
@@ -263,10 +358,17 @@ class _BlockIndex:
     def perm(self) -> Tensor:
         """W_hat row-major position -> flat parameter index (built on first use)."""
         if self._perm is None:
-            idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
-            if self._b0 is not None:
-                idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
-            self._perm = idx.reshape(-1)
+            if self._local is None:
+                idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
+                if self._b0 is not None:
+                    idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
+                self._perm = idx.reshape(-1)
+            else:
+                loc = self._local.reshape(-1)
+                glob = loc + self._w0
+                if self._b0 is not None:
+                    glob = torch.where(loc < self._wn, glob, loc - self._wn + self._b0)
+                self._perm = glob
         return self._perm
 
     def gather(self, M: Tensor) -> Tensor:
@@ -278,36 +380,64 @@ class _BlockIndex:
         out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
 
 
-def _sandwich(L: Tensor, X: Tensor, R: Tensor) -> Tensor:
+def _sandwich(L: Tensor, X: Tensor, R: Tensor | None) -> Tensor:
     """``L X[:, :, j] R`` for every column j of X (m, n, k), with two plain 2-D matrix products.
 
-    (Avoids broadcast batched matmuls, which are slow for small factors.)
+    ``R`` may be a vector (``diag(R)``) or None (the identity). (Avoids broadcast batched matmuls, which are
+    slow for small factors.)
     """
     m, n, k = X.shape
     Z = (L @ X.reshape(m, n * k)).reshape(L.shape[0], n, k)
+    if R is None:
+        return Z
+    if R.dim() == 1:
+        return Z * R[None, :, None]
     Y = R.T @ Z.transpose(0, 1).reshape(n, -1)  # (n', m' k)
     return Y.reshape(R.shape[1], L.shape[0], k).transpose(0, 1)
 
 
-def _build_index(layout: ParamLayout, named: Sequence[tuple[str, str | None]], device: torch.device,
+def _transpose(Q: Tensor | None) -> Tensor | None:
+    return None if Q is None else Q.T
+
+
+def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: torch.device,
                  kind: str) -> list[_BlockIndex]:
-    """Check that the blocks cover every layout parameter exactly once; build their index maps."""
+    """Check that the blocks cover every layout entry exactly once; build their index maps.
+
+    ``named``: per block (weight name, bias name) or (weight name, bias name, index, label)."""
     known = set(layout.names)
     seen: dict[str, int] = {}
-    for i, (w, b) in enumerate(named):
+    partial = False
+    for i, spec in enumerate(named):
+        w, b = spec[0], spec[1]
+        explicit = len(spec) > 2 and spec[2] is not None
+        partial |= explicit
         for name in (w,) if b is None else (w, b):
             if name not in known:
                 raise ValueError(f"{kind} block {i} refers to parameter {name!r}, which is not in the layout "
                                  f"(parameters: {', '.join(layout.names)})")
-            if name in seen:
+            if name in seen and not explicit:
                 raise ValueError(f"parameter {name!r} is covered by two {kind} blocks ({seen[name]} and {i}); "
                                  "every parameter must belong to exactly one block")
-            seen[name] = i
+            seen.setdefault(name, i)
     missing = [n for n in layout.names if n not in seen]
     if missing:
         raise ValueError(f"parameter(s) {', '.join(repr(m) for m in missing)} not covered by any {kind} "
                          "block; give every trainable parameter a block (or build the layout without it)")
-    return [_BlockIndex(layout, w, b, device) for w, b in named]
+    slices, shapes = layout.slices(), dict(zip(layout.names, layout.shapes))
+    out = [_BlockIndex(layout, s[0], s[1], device, *(s[2:4] if len(s) > 2 else ()), slices=slices, shapes=shapes)
+           for s in named]
+    if partial:  # blocks that hold parts of parameters: every entry exactly once
+        counts = torch.zeros(layout.dim, dtype=torch.int64, device=device)
+        for ix in out:
+            counts.index_add_(0, ix.perm, torch.ones_like(ix.perm))
+        bad = torch.nonzero(counts != 1)
+        if bad.numel():
+            pos = int(bad[0, 0])
+            name = next(n for n, sl in layout.slices().items() if sl.start <= pos < sl.stop)
+            raise ValueError(f"entry {pos - layout.slices()[name].start} of parameter {name!r} is covered by "
+                             f"{int(counts[pos])} {kind} blocks; every entry must belong to exactly one block")
+    return out
 
 
 _check_damping = check_damping
@@ -342,15 +472,17 @@ class KroneckerOperator(CurvatureOperator):
         super().__init__(layout, dtype, device)
         self.blocks = blocks
         self.damping = _check_damping(damping)
-        self._index = _build_index(layout, [(b.weight_name, b.bias_name) for b in blocks], self.device,
-                                   "Kronecker")
+        self._index = _build_index(layout, [(b.weight_name, b.bias_name, b.index, b.label) for b in blocks],
+                                   self.device, "Kronecker")
         for b, ix in zip(blocks, self._index):
             if (b.out_dim, b.in_dim) != (ix.out, ix.in_aug):
-                bias = "+1 for the bias column" if ix.has_bias else "no bias"
+                view = ("its index" if b.index is not None else
+                        f"the weight viewed as W_hat ({ix.in_w} inputs, "
+                        f"{'+1 for the bias column' if ix.has_bias else 'no bias'})")
                 raise ValueError(
-                    f"block for {b.weight_name!r}: G is {tuple(b.G.shape)} and A is {tuple(b.A.shape)}, but the "
-                    f"weight viewed as W_hat has shape ({ix.out}, {ix.in_aug}) ({ix.in_w} inputs, {bias}); "
-                    f"expected G ({ix.out}, {ix.out}) and A ({ix.in_aug}, {ix.in_aug})"
+                    f"block for {b.name!r}: G is {tuple(b.G.shape)} and A is {tuple(b.A.shape)}, but "
+                    f"{view} has shape ({ix.out}, {ix.in_aug}); expected G ({ix.out}, {ix.out}) and A "
+                    f"({ix.in_aug}, {ix.in_aug})"
                 )
         self._eigh: list[KroneckerEigh] | None = None
 
@@ -367,7 +499,8 @@ class KroneckerOperator(CurvatureOperator):
         d = self.layout.dim
         D = torch.zeros(d, d, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
-            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(b.G.contiguous(), b.A.contiguous())
+            A = torch.diag(b.A) if b.diagonal_input else b.A
+            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(b.G.contiguous(), A.contiguous())
         if self.damping != 0:
             D.diagonal().add_(self.damping)
         return D
@@ -376,7 +509,7 @@ class KroneckerOperator(CurvatureOperator):
         """Exact: the diagonal of ``G (x) A`` is ``vec_row(outer(diag G, diag A))``."""
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
-            flat[ix.perm] = torch.outer(b.G.diagonal(), b.A.diagonal()).reshape(-1)
+            flat[ix.perm] = torch.outer(b.G.diagonal(), _diag(b.A)).reshape(-1)
         return DiagonalOperator.from_flat(self.layout, flat + self.damping)
 
     def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
@@ -385,7 +518,7 @@ class KroneckerOperator(CurvatureOperator):
         """``sum_l tr(G_l) tr(A_l) + damping * d`` for ``method='exact'``; estimators otherwise."""
         if method != "exact":
             return super().trace(method, num_probes, generator, distribution)
-        t = sum((b.G.trace() * b.A.trace() for b in self.blocks), torch.zeros((), dtype=self.dtype,
+        t = sum((b.G.trace() * _trace(b.A) for b in self.blocks), torch.zeros((), dtype=self.dtype,
                                                                               device=self.device))
         return t + self.damping * self.layout.dim
 
@@ -394,8 +527,11 @@ class KroneckerOperator(CurvatureOperator):
         if self._eigh is None:
             out = []
             for b in self.blocks:
-                lG, QG = stable_eigh(b.G, f"factor G of {b.weight_name!r}")
-                lA, QA = stable_eigh(b.A, f"factor A of {b.weight_name!r}")
+                lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
+                if b.diagonal_input:
+                    out.append(KroneckerEigh(lG, QG, b.A.clone(), None))
+                    continue
+                lA, QA = stable_eigh(b.A, f"factor A of {b.name!r}")
                 out.append(KroneckerEigh(lG, QG, lA, QA))
             self._eigh = out
         return self._eigh
@@ -428,7 +564,7 @@ class KroneckerOperator(CurvatureOperator):
             ok = (delta > 0 or low > noise) if low >= -noise else bool((lam > 0).all())
             if not ok:
                 raise NotPositiveDefiniteError(
-                    f"{what}: block {b.weight_name!r} is not positive definite after damping {delta:g} "
+                    f"{what}: block {b.name!r} is not positive definite after damping {delta:g} "
                     f"(smallest eigenvalue {low + delta:.3g}, rounding level {noise:.2g}); increase the damping"
                 )
             spectra.append(lam)
@@ -452,7 +588,7 @@ class KroneckerOperator(CurvatureOperator):
         s = float(scale)
         if not math.isfinite(s):
             raise ValueError(f"scale must be finite, got {s}")
-        blocks = [KroneckerBlock(s * b.G, b.A, b.weight_name, b.bias_name) for b in self.blocks]
+        blocks = [b.with_factors(s * b.G, b.A) for b in self.blocks]
         return KroneckerOperator(self.layout, blocks, s * self.damping)
 
     __rmul__ = __mul__
@@ -468,19 +604,23 @@ class KroneckerOperator(CurvatureOperator):
           ``pi = sqrt((||A||_F / sqrt(dim A)) / (||G||_F / sqrt(dim G)))``.
 
         Raises if a factor's norm is not positive (pass an explicit ``pi`` to :meth:`factored_damping`).
+        Blocks with ``factored=False`` are damped exactly and get 1.0.
         """
         if norm not in ("trace", "frobenius"):
             raise ValueError(f"norm must be 'trace' or 'frobenius', got {norm!r}")
         out = []
         for b in self.blocks:
+            if not b.factored:  # damped exactly (factored_damping): no split
+                out.append(1.0)
+                continue
             if norm == "trace":
-                nG, nA = float(b.G.trace()) / b.out_dim, float(b.A.trace()) / b.in_dim
+                nG, nA = float(b.G.trace()) / b.out_dim, float(_trace(b.A)) / b.in_dim
             else:
-                nG = float(torch.linalg.matrix_norm(b.G)) / math.sqrt(b.out_dim)
-                nA = float(torch.linalg.matrix_norm(b.A)) / math.sqrt(b.in_dim)
+                nG = _fro(b.G) / math.sqrt(b.out_dim)
+                nA = _fro(b.A) / math.sqrt(b.in_dim)
             if not (nG > 0 and nA > 0 and math.isfinite(nG) and math.isfinite(nA)):
                 raise ValueError(
-                    f"block {b.weight_name!r}: the {norm}-norm split needs positive finite factor norms, got "
+                    f"block {b.name!r}: the {norm}-norm split needs positive finite factor norms, got "
                     f"||G||/dim = {nG:.3g}, ||A||/dim = {nA:.3g}; pass an explicit pi"
                 )
             out.append(math.sqrt(nA / nG))
@@ -496,7 +636,8 @@ class KroneckerOperator(CurvatureOperator):
             (G + (k / pi) I) (x) (A + pi k I),   pi = sqrt( (tr(A) / dim A) / (tr(G) / dim G) )
 
         (the trace-norm split of Eq. 4.27 as used in all the thesis's experiments; the INPUT factor A gets
-        ``pi k``, the output factor G gets ``k / pi``). ``pi``: None for the split of :meth:`damping_split`
+        ``pi k``, the output factor G gets ``k / pi``). A block with ``factored=False`` (a plain matrix
+        ``[[g]] (x) A``) gets its damping exactly: ``[[g]] (x) (A + delta / g I)``. ``pi``: None for the split of :meth:`damping_split`
         with ``norm``; one number for every block (``pi=1.0``: the unbalanced split of the Laplace factors,
         thesis Eq. 5.14); or one number per block. Returns an undamped KroneckerOperator.
         """
@@ -517,11 +658,17 @@ class KroneckerOperator(CurvatureOperator):
         k = math.sqrt(delta)
         blocks = []
         for b, p in zip(self.blocks, pis):
-            eG = torch.eye(b.out_dim, dtype=self.dtype, device=self.device)
-            eA = torch.eye(b.in_dim, dtype=self.dtype, device=self.device)
             # symmetric and finite by construction (validated factors plus a multiple of I): the fast path
-            blocks.append(KroneckerBlock.from_gram(b.G + (k / p) * eG, b.A + (p * k) * eA, b.weight_name,
-                                                   b.bias_name))
+            if not b.factored:  # [[g]] (x) A + delta I = [[g]] (x) (A + delta / g I): exact
+                g = float(b.G[0, 0])
+                if not g > 0:
+                    raise ValueError(f"block {b.name!r}: its scale {g:g} must be positive to carry damping")
+                G, A = b.G, b.A + (delta / g) * _eye_like(b.A)
+            else:
+                G = b.G + (k / p) * _eye_like(b.G)
+                A = b.A + (p * k) * _eye_like(b.A)
+            blocks.append(KroneckerBlock.from_gram(G, A, b.weight_name, b.bias_name, index=b.index, label=b.label,
+                                                   factored=b.factored))
         return KroneckerOperator(self.layout, blocks)
 
     def inverse(self, damping: float = 0.0, method: Literal["eigen", "factored"] = "eigen",
@@ -541,9 +688,10 @@ class KroneckerOperator(CurvatureOperator):
             damped = self.factored_damping(damping, pi, norm)
             blocks = []
             for b in damped.blocks:
-                blocks.append(KroneckerBlock.from_gram(_spd_inverse(b.G, f"{b.weight_name!r} G"),
-                                                       _spd_inverse(b.A, f"{b.weight_name!r} A"),
-                                                       b.weight_name, b.bias_name))
+                blocks.append(KroneckerBlock.from_gram(_spd_inverse(b.G, f"{b.name!r} G"),
+                                                       _spd_inverse(b.A, f"{b.name!r} A"),
+                                                       b.weight_name, b.bias_name, index=b.index, label=b.label,
+                                                       factored=b.factored))
             return KroneckerOperator(self.layout, blocks)
         raise ValueError(f"unknown inverse method {method!r}; use 'eigen' or 'factored'")
 
@@ -562,8 +710,9 @@ class KroneckerOperator(CurvatureOperator):
         """The restriction to ``names``: a KroneckerOperator when the names are whole blocks (weight and
         bias of some layers), else the general restricted operator."""
         sub = sub_layout(self.layout, names)
-        keep = [b for b in self.blocks if b.weight_name in sub.names]
-        if sorted(n for b in keep for n in b.names) != sorted(sub.names):
+        wanted = set(sub.names)
+        keep = [b for b in self.blocks if wanted.intersection(b.names)]
+        if any(not wanted.issuperset(b.names) for b in keep):
             return super().block(names)
         return KroneckerOperator(sub, keep, self.damping)
 
@@ -598,18 +747,22 @@ class KroneckerOperator(CurvatureOperator):
         noise = torch.empty(self.layout.dim, S, dtype=self.dtype, device=self.device)
         for e, lam, ix in zip(self.eigh(), spectra, self._index):
             Z = torch.randn(ix.out, ix.in_aug, S, dtype=self.dtype, device=self.device, generator=generator)
-            ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], e.A_eigvecs.T), noise)
+            ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], _transpose(e.A_eigvecs)), noise)
         samples = mean.to(self.dtype)[None, :] + scale * noise.T
         if as_list:
             return [t.movedim(-1, 0) for t in self.layout.unflatten(samples.T)]
         return samples
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{b.weight_name}: G{tuple(b.G.shape)} (x) A{tuple(b.A.shape)}" for b in self.blocks)
+        shapes = ", ".join(f"{b.name}: G{tuple(b.G.shape)} (x) A{tuple(b.A.shape)}" for b in self.blocks)
         return f"KroneckerOperator(d={self.layout.dim}, damping={self.damping:g}, [{shapes}])"
 
 
 def _spd_inverse(M: Tensor, what: str) -> Tensor:
+    if M.dim() == 1:  # a diagonal factor
+        if not bool((M > 0).all()):
+            raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
+        return 1.0 / M
     L, info = torch.linalg.cholesky_ex(M)
     if int(info) != 0:
         raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
@@ -641,22 +794,23 @@ class KroneckerSpectralOperator(CurvatureOperator):
         for b, e, lam in zip(op.blocks, eigh, spectra):
             shape = (e.G_eigvals.numel(), e.A_eigvals.numel())
             if tuple(lam.shape) != shape:
-                raise ValueError(f"spectrum of block {b.weight_name!r} has shape {tuple(lam.shape)}, expected {shape}")
-            _finite(lam, f"spectrum of block {b.weight_name!r}")
-        return cls(op.layout, op._index, eigh, spectra, [b.weight_name for b in op.blocks])
+                raise ValueError(f"spectrum of block {b.name!r} has shape {tuple(lam.shape)}, expected {shape}")
+            _finite(lam, f"spectrum of block {b.name!r}")
+        return cls(op.layout, op._index, eigh, spectra, [b.name for b in op.blocks])
 
     def _matmat(self, M: Tensor) -> Tensor:
         M = M.to(self.dtype)
         out = torch.empty_like(M)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
             QG, QA = e.G_eigvecs, e.A_eigvecs
-            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) * lam[:, :, None], QA.T), out)
+            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) * lam[:, :, None], _transpose(QA)), out)
         return out
 
     def _exact_diagonal(self) -> DiagonalOperator:
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
-            flat[ix.perm] = ((e.G_eigvecs**2) @ lam @ (e.A_eigvecs**2).T).reshape(-1)
+            GL = (e.G_eigvecs**2) @ lam
+            flat[ix.perm] = (GL if e.A_eigvecs is None else GL @ (e.A_eigvecs**2).T).reshape(-1)
         return DiagonalOperator.from_flat(self.layout, flat)
 
     def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
@@ -710,7 +864,7 @@ class KroneckerInverseOperator(KroneckerSpectralOperator):
         self.added_damping = check_damping(damping)
         spectra = op._damped_spectra(self.added_damping, "inverse")
         super().__init__(op.layout, op._index, op.eigh(), [1.0 / lam for lam in spectra],
-                         [b.weight_name for b in op.blocks])
+                         [b.name for b in op.blocks])
 
     def inverse(self, damping: float = 0.0) -> CurvatureOperator:
         """With ``damping = 0``: the damped operator ``C + damping I`` this is the inverse of."""

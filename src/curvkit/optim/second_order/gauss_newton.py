@@ -233,6 +233,7 @@ class GaussNewton(CurvatureOptimizer):
         self.estimator = KroneckerEstimator(model, likelihood, method=curvature, mc_samples=defaults["mc_samples"],
                                             distribution=distribution, ema=ema_f,
                                             generator=self._generator, distributed=distributed)
+        self.estimator.require_weight_matrix_blocks(type(self).__name__)
         if distributed is not None:
             distributed.sync_tensors_(self.ordered_params())
         self._structure = read_model(model)

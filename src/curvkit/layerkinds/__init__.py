@@ -1,0 +1,202 @@
+"""Layer kinds for the Kronecker engine: one handler per kind, found through a registry.
+
+A handler (:class:`LayerHandler`, one module per kind) knows what one kind of module computes and
+nothing about curvature estimation: which parameters it owns, which configurations it refuses, its
+curvature blocks (:class:`BlockSpec`: a matrix view of some parameter entries) and, on every forward pass,
+its input rows and a tensor whose gradient gives its output rows (:class:`Site`), all in one
+weight-sharing format (B, R, features). The Kronecker estimators
+(:mod:`curvkit.curvature.estimators`) turn those into factors with no kind-specific code.
+
+Built in (module -> handler: blocks):
+
+* ``nn.Linear`` on (B, in) or (B, *S, in) -> :class:`LinearHandler`: ``G (x) A`` of ``[W | b]``;
+* ``nn.Conv1d``, ``nn.Conv2d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
+* ``nn.Embedding`` -> :class:`EmbeddingHandler`: ``G (x) diag(token counts)`` of ``W^T``;
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval) -> :class:`NormHandler`: the exact
+  (or diagonal) block of (weight, bias) from per-sample gradients;
+* ``nn.MultiheadAttention`` -> :class:`AttentionHandler`: query, key, value and output projections;
+* a raw parameter of shape (1, ...) used in a module's own forward -> :class:`ParameterHandler` (not in the
+  registry: :func:`plan` gives it to parameters no handler owns).
+
+Registry. :func:`register` maps a module type to a handler; :func:`handler_for` resolves a module along
+its class's MRO, so a subclass of a registered type gets its parent's handler - unless the subclass
+defines its own ``forward`` (then what it computes is not what the handler knows, and the module is
+refused until a handler is registered for it). A new kind is one module with its handler, a
+``register`` call, and a test (the conformance tests of ``tests/test_layerkinds.py``).
+
+:func:`plan` reads a model (through :func:`curvkit.structure.read_model`) into :class:`LayerPlan` entries:
+one per module that owns trainable parameters, with its handler and blocks. Frozen parameters get no
+block; a module whose trainable parameters no handler owns, a parameter shared by two modules (weight
+tying), a module registered under two names, random or sample-coupling modules are refused with an
+:class:`~curvkit.structure.UnsupportedModelError` that names the module and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site
+from curvkit.layerkinds.attention import AttentionHandler
+from curvkit.layerkinds.conv import ConvHandler
+from curvkit.layerkinds.embedding import EmbeddingHandler
+from curvkit.layerkinds.linear import LinearHandler
+from curvkit.layerkinds.norm import NormHandler
+from curvkit.layerkinds.parameter import ParameterHandler
+from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
+
+__all__ = [
+    "AttentionHandler",
+    "BlockSpec",
+    "ConvHandler",
+    "EmbeddingHandler",
+    "Emit",
+    "LayerHandler",
+    "LayerPlan",
+    "LinearHandler",
+    "NormHandler",
+    "ParameterHandler",
+    "Site",
+    "handler_for",
+    "plan",
+    "register",
+    "registered",
+]
+
+_REGISTRY: dict[type[nn.Module], LayerHandler] = {}
+
+
+def register(module_type: type[nn.Module], handler: LayerHandler) -> None:
+    """Let ``handler`` take modules of ``module_type`` (and of subclasses that keep its ``forward``);
+    replaces an earlier registration of that type."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    if not isinstance(handler, LayerHandler):
+        raise TypeError(f"handler must be a curvkit.layerkinds.LayerHandler, got {type(handler).__name__}")
+    _REGISTRY[module_type] = handler
+
+
+def registered() -> dict[type[nn.Module], LayerHandler]:
+    """A copy of the registry (module type -> handler)."""
+    return dict(_REGISTRY)
+
+
+def handler_for(module: nn.Module) -> tuple[LayerHandler | None, str | None]:
+    """(handler, None) for a module of a registered kind; (None, why) otherwise (None when the type and
+    its bases are simply unknown)."""
+    cls = type(module)
+    for base in cls.__mro__:
+        handler = _REGISTRY.get(base)
+        if handler is None:
+            continue
+        if base is not cls and getattr(cls, "forward", None) is not getattr(base, "forward", None):
+            return None, (f"is a subclass of {base.__name__} with its own forward, so the {handler.kind} handler "
+                          "does not know what it computes")
+        return handler, None
+    return None, None
+
+
+for _t, _h in ((nn.Linear, LinearHandler()), (nn.Conv1d, ConvHandler()), (nn.Conv2d, ConvHandler()),
+               (nn.Embedding, EmbeddingHandler()), (nn.LayerNorm, NormHandler()), (nn.RMSNorm, NormHandler()),
+               (nn.GroupNorm, NormHandler()), (nn.modules.batchnorm._BatchNorm, NormHandler()),
+               (nn.MultiheadAttention, AttentionHandler())):
+    register(_t, _h)
+
+
+@dataclass
+class LayerPlan:
+    """One module with trainable parameters, its handler and its blocks (in order)."""
+
+    label: str
+    module: nn.Module
+    handler: LayerHandler
+    blocks: list[BlockSpec]
+    info: LayerInfo
+
+
+def _get(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def plan(structure: ModelStructure, what: str, raw: bool = True) -> list[LayerPlan]:
+    """The blocks of every module that owns trainable parameters (module docstring), or an error naming
+    the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
+    module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
+    block (one :class:`LayerPlan` per parameter, labelled by its name)."""
+    _refuse_sharing(structure, what)
+    structure.require_deterministic(what)
+    structure.require_independent_samples(what)
+    trainable = set(structure.trainable)
+    owned: dict[str, str] = {}  # canonical parameter name -> the layer that owns it
+    infos = {lay.label: lay for lay in structure.layers}
+    out: list[LayerPlan] = []
+    for mname, mod in structure.modules:
+        label = mname or "<root>"
+        handler, _ = handler_for(mod)
+        if handler is None:
+            continue
+        paths = handler.owned(mod)
+        names: dict[str, str | None] = {}
+        for path in paths:
+            p = _get(mod, path)
+            cname = structure.canonical_name(p) if p is not None else None
+            names[path] = cname if cname in trainable else None
+        if not any(n is not None for n in names.values()) or all(n in owned for n in names.values() if n):
+            continue
+        handler.check(mod, label, what)
+        blocks = handler.blocks(mod, label, names, what)
+        for n in names.values():
+            if n is not None:
+                owned[n] = label
+        info = infos.get(label) or LayerInfo(label, mod, structure.kind_of(mod), None, None,
+                                              tuple(n for n in names.values() if n is not None))
+        out.append(LayerPlan(label, mod, handler, blocks, info))
+    for lay in structure.layers:
+        loose = [n for n in lay.params if n not in owned]
+        if not loose:
+            continue
+        handler, _ = handler_for(lay.module)
+        params = dict(lay.module.named_parameters(recurse=False))
+        attrs = {structure.canonical_name(t): a for a, t in params.items()}
+        if handler is not None or not raw or any(params[attrs[n]].dim() < 2 or params[attrs[n]].shape[0] != 1
+                                                 for n in loose):
+            _refuse_unowned(what, lay, loose, raw)
+        for n in loose:
+            ph = ParameterHandler(attrs[n])
+            out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
+    if not out:
+        raise UnsupportedModelError(f"{what}: {type(structure.model).__name__} has no trainable parameters")
+    return out
+
+
+def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool) -> None:
+    _, why = handler_for(lay.module)
+    params = ", ".join(repr(n) for n in loose)
+    if why is not None:
+        raise refuse(what, lay.label, lay.module, why, "register a handler for it (curvkit.layerkinds.register), "
+                     "freeze its parameters (requires_grad_(False)) or use an exact or diagonal curvature")
+    kinds = ", ".join(sorted({t.__name__ for t in _REGISTRY}))
+    extra = " (raw parameters are taken when they have a leading dimension of size 1: (1, ...))" if raw else ""
+    raise refuse(what, lay.label, lay.module, f"owns trainable parameter(s) {params} that no layer kind handles "
+                 f"(handled: {kinds}){extra}", "freeze them (requires_grad_(False)), register a handler "
+                 "(curvkit.layerkinds.register) or use an exact or diagonal curvature")
+
+
+def _refuse_sharing(structure: ModelStructure, what: str) -> None:
+    modules = dict(structure.modules)
+    if structure.reused_modules:
+        name, aliases = next(iter(structure.reused_modules.items()))
+        raise refuse(what, name or "<root>", modules[name], f"is registered under {len(aliases)} names "
+                     f"({', '.join(aliases)}), so it runs more than once per forward pass and its input and "
+                     "output gradient cannot be paired", "use one module per call")
+    for pname, owners in structure.shared_parameters.items():
+        uses = ", ".join(f"{o!r} ({type(modules[o if o != '<root>' else '']).__name__})" for o in owners)
+        raise UnsupportedModelError(
+            f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); a Kronecker block belongs "
+            "to one use, not to the tied parameter; untie the weights (e.g. causal_lm(tie_weights=False)), "
+            "freeze the shared parameter (requires_grad_(False)) or use an exact operator")

@@ -1,0 +1,147 @@
+"""What a layer-kind handler is: the blocks it owns and the rows it hands the Kronecker estimators.
+
+A handler knows one kind of module (``nn.Linear``, a convolution, ``nn.Embedding``, a normalisation layer,
+``nn.MultiheadAttention``, ...) and nothing about curvature estimation. For a module of its kind it says
+
+* which parameters it owns (:meth:`LayerHandler.owned`, attribute paths relative to the module: an
+  attention module owns ``out_proj.weight`` too), and which configurations it refuses (:meth:`check`);
+* its curvature **blocks** (:class:`BlockSpec`): each one a matrix view ``W_hat`` (out, in_aug) of some
+  of the parameters' entries, given as an ``index`` into them (see :class:`curvkit.linalg.kron.KroneckerBlock`),
+  and how its statistics are formed (``form``);
+* per forward pass, one :class:`Site` per block (:meth:`attach` installs the hooks that emit them): the
+  block's INPUT ROWS ``(B, R, in)`` in the weight-sharing format (R positions share the weight: tokens,
+  patches, time steps; R = 1 without sharing), or token ids ``(B, R)`` for a diagonal input factor, and
+  a tensor on the autograd graph whose gradient the estimator reads back as the block's OUTPUT ROWS
+  ``(B, R, out)`` (``form='kron'``) or as per-sample gradients ``(B, P)`` of the block's parameters
+  (``form='grad'``: normalisation layers, whose blocks are exact).
+
+Everything after that point (expand/reduce, the vectors back-propagated, scales, the operator) is written
+once in :mod:`curvkit.curvature.estimators` and has no layer kinds in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.structure import UnsupportedModelError, refuse
+
+__all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "recording"]
+
+Form = Literal["kron", "grad"]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One curvature block of a layer.
+
+    Attributes:
+        label: a name for messages and keys: the layer's label, plus which part (``'attn.q'``,
+            ``'conv.group1'``) where a layer has several blocks.
+        weight: canonical name of the block's first parameter (the weight, or a norm's scale).
+        bias: canonical name of its second parameter (the bias), or None.
+        out_features: rows of ``W_hat`` (1 for ``form='grad'``).
+        in_features: columns of ``W_hat`` without the bias column (the vocabulary for token ids; all
+            parameter entries P for ``form='grad'``).
+        form: ``'kron'`` (G from output rows, A from input rows) or ``'grad'`` (a block from per-sample
+            gradients; G is the (1, 1) unit).
+        ids: the input rows are token ids (a one-hot input): the input factor is diagonal (token counts).
+        index: positions (out, in_aug) of ``W_hat``'s entries in ``[weight.flatten(), bias.flatten()]``;
+            None for the standard ``[W.reshape(out, -1) | b]`` (bias column appended by the estimator).
+        sharing: how the estimator may treat positions: ``'any'`` (expand or reduce, the estimator's
+            keyword) or ``'expand'`` (always expand; an embedding's reduce input factor would be a dense
+            V x V matrix of count products).
+        roles: the attribute paths (relative to the layer) of the block's parameters, in order, where the
+            handler needs them (e.g. ``('bias',)`` for a norm layer whose scale is frozen).
+    """
+
+    label: str
+    weight: str
+    bias: str | None
+    out_features: int
+    in_features: int
+    form: Form = "kron"
+    ids: bool = False
+    index: Tensor | None = None
+    sharing: Literal["any", "expand"] = "any"
+    roles: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+
+@dataclass
+class Site:
+    """What one call of a layer gives one of its blocks.
+
+    Attributes:
+        block: the position of the block in the layer's :meth:`LayerHandler.blocks` list.
+        inputs: detached input rows (B, R, in) without a bias column (``form='kron'``), token ids (B, R)
+            (``ids``; -1 marks a position that selects no trainable row, e.g. ``padding_idx``), or whatever
+            ``read`` needs (``form='grad'``).
+        output: a tensor on the autograd graph (the layer's output, or an intermediate of it).
+        read: the gradient of ``output`` -> output rows (B, R, out) (``form='kron'``) or per-sample
+            gradients (B, P) of the block's parameters, in its index order (``form='grad'``).
+    """
+
+    block: int
+    inputs: Tensor
+    output: Tensor
+    read: Callable[[Tensor], Tensor]
+
+
+Emit = Callable[[Site], None]
+
+
+class LayerHandler:
+    """Base class of the handlers (module docstring). Subclasses set :attr:`kind` and implement
+    :meth:`blocks` and :meth:`attach`; :meth:`owned` and :meth:`check` have defaults."""
+
+    #: the kind's name in the support table and in errors
+    kind: ClassVar[str] = "layer"
+
+    def owned(self, module: nn.Module) -> tuple[str, ...]:
+        """Attribute paths (relative to ``module``) of the parameters this handler owns."""
+        return tuple(a for a in ("weight", "bias") if getattr(module, a, None) is not None)
+
+    def check(self, module: nn.Module, label: str, what: str) -> None:
+        """Raise an :class:`UnsupportedModelError` for a configuration the handler cannot take exactly."""
+
+    def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
+        """The layer's blocks; ``names`` maps each owned attribute path to its canonical parameter name, or
+        None when that parameter is frozen (a frozen parameter gets no curvature)."""
+        raise NotImplementedError
+
+    def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:
+        """Install hooks on ``module`` that call ``emit(Site)`` once per block on every forward pass with
+        autograd enabled; return the removable handles."""
+        raise NotImplementedError
+
+
+def weight_and_bias(module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> tuple[str | None, str | None]:
+    """(weight, bias) canonical names of a layer whose block needs its weight: a trainable bias with a
+    frozen weight is refused (the block would have no input factor to pair the bias column with)."""
+    w, b = names.get("weight"), names.get("bias")
+    if w is None and b is not None:
+        raise refuse(what, label, module, "has a trainable bias but a frozen weight",
+                     "the Kronecker block needs the weight: freeze both or neither")
+    return w, b
+
+
+def batched_input(module: nn.Module, label: str, x: Any, least: int, what: str, expect: str) -> Tensor:
+    """The layer's first input, checked to be a tensor with a batch dimension (at least ``least`` dims)."""
+    if not isinstance(x, Tensor) or x.dim() < least:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise UnsupportedModelError(f"{what}: module {label!r} ({type(module).__name__}) got an input of shape "
+                                    f"{shape}; its curvature blocks need {expect} (samples first)")
+    return x
+
+
+def recording(out: Any) -> bool:
+    """Whether a forward pass is one to record: autograd on and the output on the graph."""
+    return torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad

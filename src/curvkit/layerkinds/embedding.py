@@ -1,0 +1,66 @@
+"""``nn.Embedding``: a lookup ``h_{n,r} = W[id_{n,r}]`` is a linear layer with one-hot inputs.
+
+The weight W is (V, D) = (in, out), transposed relative to ``nn.Linear``: the block views it as
+``W_hat = W^T`` (D, V) (its ``index``), so ``G`` is (D, D) and the input factor, the second moment of
+one-hot rows, is DIAGONAL: under expand ``A = (1/N) sum_{n,r} e_{id} e_{id}^T = diag(token counts) / N``,
+stored as a V-vector (never a V x V matrix: GPT-2's V is 50,257). Positions always use expand: under
+reduce the input factor would be a dense V x V matrix of count products (ASDL's choice), so an
+embedding ignores ``weight_sharing='reduce'`` (documented in docs/architecture.md).
+
+``padding_idx``: torch never updates that row (its gradient is zero), so positions holding it count as a
+zero input row: the row gets no curvature. Refused: ``max_norm`` (renormalises W in place during the
+forward pass, so the function changes while it is evaluated), ``scale_grad_by_freq`` and ``sparse`` (the
+gradient torch returns is then not the loss gradient the curvature belongs to, or not a dense tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batched_input, recording
+from curvkit.structure import refuse
+
+__all__ = ["EmbeddingHandler"]
+
+
+class EmbeddingHandler(LayerHandler):
+    """``nn.Embedding`` (module docstring)."""
+
+    kind = "embedding"
+
+    def check(self, module: nn.Module, label: str, what: str) -> None:
+        for attr, why in (("max_norm", "renormalises its weight in place during the forward pass"),
+                          ("scale_grad_by_freq", "scales its gradient by token frequency (not the loss gradient)"),
+                          ("sparse", "has sparse gradients")):
+            value = getattr(module, attr)
+            if value not in (None, False):
+                raise refuse(what, label, module, f"has {attr}={value!r}: it {why}",
+                             f"build it with {attr}={None if attr == 'max_norm' else False}, or freeze it")
+
+    def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
+        w = names["weight"]
+        assert w is not None
+        mod: Any = module
+        V, D = int(mod.num_embeddings), int(mod.embedding_dim)
+        index = torch.arange(V * D).reshape(V, D).T  # W_hat[d, v] = W[v, d]
+        return [BlockSpec(label, w, None, D, V, ids=True, index=index, sharing="expand")]
+
+    def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:
+        m: Any = module
+        D, pad = int(m.embedding_dim), m.padding_idx
+
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
+            if not recording(out):
+                return
+            ids = batched_input(mod, label, inputs[0], 1, what, "token ids (batch, ...)")
+            B = ids.shape[0]
+            ids = ids.detach().reshape(B, -1).long()
+            if pad is not None:
+                ids = ids.masked_fill(ids == pad, -1)
+            emit(Site(0, ids, out, lambda g: g.reshape(B, -1, D)))
+
+        return [module.register_forward_hook(hook)]
