@@ -534,3 +534,18 @@ def test_forward_mode_tangents_in_pieces_of_the_batch(which, monkeypatch):
     assert op._split_tangents is (which == "tagger")
     torch.testing.assert_close(op @ v, ref @ v, atol=ATOL, rtol=0)
     assert sizes[2:] == ([8, 8] if which == "tagger" else [16, 16])  # the mixing model: whole from then on
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_diagonal_estimator_over_unequal_padded_batches_equals_the_exact_diagonal(reduction):
+    """DiagonalEstimator('ggn') on per-token outputs with padding, accumulated over two unequal batches, equals
+    the exact GGN diagonal of all the data (mean: over the counted tokens of both batches)."""
+    from curvkit.curvature.estimators import DiagonalEstimator
+
+    m = causal_lm(vocab_size=11, max_len=6, dim=8, depth=1, heads=2, mlp_dim=8, seed=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randint(0, 11, (3, 5), generator=g), torch.randint(0, 11, (3, 5), generator=g)
+    y[0, 3:] = -100
+    lik = CrossEntropy(reduction, ignore_index=-100)
+    est = DiagonalEstimator(m, lik, "ggn").update([(X[:2], y[:2]), (X[2:], y[2:])])
+    torch.testing.assert_close(est.operator().flat, dense_ggn_flat(m, lik, (X, y)).diagonal(), atol=1e-12, rtol=1e-10)
