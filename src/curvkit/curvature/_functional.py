@@ -1,7 +1,8 @@
 """Functional-call machinery shared by the exact curvature operators.
 
 * :func:`as_batches` turns ``data`` (an ``(X, y)`` pair or an iterable of pairs) into a list of validated
-  pairs (:func:`curvkit.validation.iter_batches`, materialised).
+  pairs (:func:`curvkit.validation.iter_batches`, materialised). ``X`` is a tensor or a mapping of tensors
+  (:data:`curvkit.validation.Inputs`); the model is called as ``model(X)`` either way.
 * :class:`FunctionalModel` snapshots a module's parameters and buffers and evaluates the module as a pure
   function ``f(params, X)`` of a tuple of trainable-parameter tensors (``torch.func.functional_call``),
   which is what ``torch.func.jvp`` / ``vjp`` / ``grad`` / ``vmap`` need.
@@ -12,24 +13,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from curvkit.hf import require_wrapped
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
 from curvkit.structure import read_model
-from curvkit.validation import iter_batches
+from curvkit.validation import Inputs, describe_inputs, iter_batches, map_inputs, num_samples
 
 Params = tuple[Tensor, ...]
-Batch = tuple[Tensor, Tensor]
+Batch = tuple[Inputs, Tensor]
 
 
 def as_batches(data: Any, device: torch.device | None = None) -> list[Batch]:
-    """:func:`iter_batches` materialised into a list (for operators that re-read the data per product)."""
-    return list(iter_batches(data, device))
+    """:func:`iter_batches` materialised into a list (for operators that re-read the data per product); X a
+    tensor or a mapping of tensors."""
+    return list(iter_batches(data, device, mappings=True))
+
+
+def as_tensor_batches(data: Any) -> list[tuple[Tensor, Tensor]]:
+    """:func:`as_batches` for readers that take tensor inputs only (a mapping batch is refused)."""
+    return list(iter_batches(data))
 
 
 class FunctionalModel:
@@ -49,6 +57,7 @@ class FunctionalModel:
     def __init__(self, module: nn.Module, what: str = "curvature operator"):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        require_wrapped(module, what)
         self.module = module
         self.structure = read_model(module)
         self.structure.require_deterministic(what)
@@ -71,15 +80,16 @@ class FunctionalModel:
                                           if n not in trainable}
         self.buffers: dict[str, Tensor] = {n: b.detach().clone() for n, b in module.named_buffers()}
 
-    def __call__(self, params: Params, X: Tensor) -> Tensor:
+    def __call__(self, params: Params, X: Inputs) -> Tensor:
         state = dict(self.frozen)
         state.update(zip(self.names, params))
         buffers = {n: b.clone() for n, b in self.buffers.items()} if self.batch_coupled else self.buffers
         return self.structure.functional_call(state, (X,), buffers)  # type: ignore[no-any-return]
 
-    def single(self, params: Params, x: Tensor) -> Tensor:
-        """Output for ONE sample ``x`` (no batch dimension), shape (C,) or (*P, C)."""
-        return self(params, x.unsqueeze(0))[0]
+    def single(self, params: Params, x: Inputs) -> Tensor:
+        """Output for ONE sample ``x`` (no batch dimension; a mapping: every tensor without it), shape (C,)
+        or (*P, C)."""
+        return self(params, map_inputs(lambda t: t.unsqueeze(0), x))[0]
 
 
 def cols_to_params(layout: ParamLayout, M: Tensor) -> Params:
@@ -102,7 +112,7 @@ def params_to_rows(tensors: Iterable[Tensor], lead: int) -> Tensor:
     return torch.cat([t.reshape(*lead_shape, -1) for t in tensors], dim=-1)
 
 
-def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Tensor, y: Tensor | None,
+def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Inputs, y: Tensor | None,
                    batch_index: int) -> Tensor:
     """Model output at the snapshot, validated: (B, C) or (B, *P, C), finite, targets as the head needs."""
     with torch.no_grad():
@@ -110,21 +120,31 @@ def checked_output(fmodel: FunctionalModel, likelihood: Likelihood, X: Tensor, y
     return check_output(f, likelihood, X, y, batch_index)
 
 
-def check_output(f: Any, likelihood: Likelihood, X: Tensor, y: Tensor | None, batch_index: int) -> Tensor:
+def check_output(f: Any, likelihood: Likelihood, X: Inputs, y: Tensor | None, batch_index: int) -> Tensor:
     """Validate an already computed model output ``f`` for batch ``X`` (see :func:`checked_output`): one
     tensor whose first dimension is the batch and whose LAST is the outputs (classes), with any position
     dimensions between them; the likelihood checks finiteness and that the targets match."""
     if not isinstance(f, Tensor):
         raise TypeError(f"the model must return one tensor of shape (batch, outputs) or (batch, positions..., "
-                        f"outputs), got {type(f).__name__}")
-    if f.dim() < 2 or f.shape[0] != X.shape[0]:
+                        f"outputs), got {type(f).__name__}{_adapter_hint(f)}")
+    B = num_samples(X)
+    if f.dim() < 2 or f.shape[0] != B:
         raise ValueError(
-            f"batch {batch_index}: the model output must have shape (batch, outputs) = ({X.shape[0]}, C) or "
-            f"(batch, positions..., outputs) = ({X.shape[0]}, ..., C), got {tuple(f.shape)}; flatten or reshape "
-            "it inside the model (e.g. end with nn.Flatten())"
+            f"batch {batch_index}: the model output must have shape (batch, outputs) = ({B}, C) or "
+            f"(batch, positions..., outputs) = ({B}, ..., C), got {tuple(f.shape)} for inputs "
+            f"{describe_inputs(X)}; flatten or reshape it inside the model (e.g. end with nn.Flatten())"
         )
     try:
         likelihood.check(f.detach(), y)
     except ValueError as err:
         raise ValueError(f"batch {batch_index}: {err}") from None
     return f
+
+
+def _adapter_hint(out: Any) -> str:
+    """A hint for a model that returns a mapping (a Hugging Face ``ModelOutput``) instead of a tensor."""
+    if isinstance(out, Mapping):
+        keys = ", ".join(repr(k) for k in out)
+        return (f" with keys {keys}; wrap the model so that it returns the logits tensor, e.g. "
+                "curvkit.hf.HuggingFace(model, output='logits')")
+    return ""

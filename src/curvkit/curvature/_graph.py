@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._functional import FunctionalModel
+from curvkit.validation import Inputs
 
 __all__ = ["UnusedParameterWarning", "graph_leaves", "warn_unused", "warn_unused_functional"]
 
@@ -83,7 +84,7 @@ def _caller_level() -> int:
     return level
 
 
-def warn_unused_functional(what: str, fmodel: FunctionalModel, X: Tensor) -> list[str]:
+def warn_unused_functional(what: str, fmodel: FunctionalModel, X: Inputs) -> list[str]:
     """:func:`warn_unused` for a functional snapshot: one forward pass of ``X`` with fresh leaves (the
     snapshot and the module are not changed)."""
     leaves = tuple(p.detach().requires_grad_() for p in fmodel.params)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from curvkit.curvature._functional import FunctionalModel
 from curvkit.structure import conv_patches
+from curvkit.validation import Inputs
 
 _BUDGET = 2**24  # scalars per chunk of per-sample Conv2d gradients
 
@@ -51,7 +52,7 @@ def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
     return [LayerSpec(lay.module, lay.weight, lay.bias) for lay in layers]  # type: ignore[arg-type]
 
 
-def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Tensor,
+def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Inputs,
                        S: Tensor | Callable[[Tensor], Iterable[Tensor]]) -> dict[str, Tensor]:
     """sum_{n,r} (per-sample gradient of s_{n,r}^T f_n)^2 per parameter name; S is (B, C, R).
 

@@ -38,6 +38,7 @@ from curvkit.curvature.estimators import (
 )
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator
+from curvkit.validation import Inputs, num_samples
 
 __all__ = ["EKFACEstimator"]
 
@@ -74,7 +75,7 @@ class EKFACEstimator(CurvatureEstimator):
     def method(self) -> KroneckerMethod:
         return self.vectors.method
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         est = self.vectors
         est.reset()
         est.update((X, y))
@@ -82,7 +83,7 @@ class EKFACEstimator(CurvatureEstimator):
             self.basis = est.operator()  # the first batch's factors fix the eigenbasis
         stats = [_projected_squares(est.per_sample[spec.label], e)
                  for (_, spec), e in zip(est.blocks, self.basis.eigh())]
-        return stats, int(X.shape[0]), est.num_terms
+        return stats, num_samples(X), est.num_terms
 
     def _stat_names(self) -> list[str]:
         return [f"scalings of block {spec.label!r}" for _, spec in self.vectors.blocks]

@@ -61,17 +61,18 @@ from torch import Tensor, nn
 from curvkit import layerkinds
 from curvkit.curvature.capture import BlockCapture
 from curvkit.curvature.recursion import activation_derivatives
+from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site
 from curvkit.likelihoods import BernoulliBCE, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, refuse
-from curvkit.validation import integer, iter_batches, unit_interval
+from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "PerSample"]
 
-Data = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
+Data = tuple[Inputs, Tensor] | Iterable[tuple[Inputs, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
 WeightSharing = Literal["expand", "reduce"]
@@ -119,6 +120,7 @@ class CurvatureEstimator:
     def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        require_wrapped(model, type(self).__name__)
         self.distributed = distributed
         self.model = model
         self.likelihood = _check_likelihood(likelihood)
@@ -135,7 +137,7 @@ class CurvatureEstimator:
 
     def update(self, data: Data) -> Self:
         """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs); returns self."""
-        for X, y in iter_batches(data):
+        for X, y in iter_batches(data, mappings=True):
             self._combine(*self._batch_statistics(X, y))
         return self
 
@@ -188,7 +190,7 @@ class CurvatureEstimator:
         """The current curvature estimate (scale as the module docstring)."""
         return self._operator(self._means(), self.scale())
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         raise NotImplementedError
 
     def _operator(self, means: list[Tensor], scale: float) -> CurvatureOperator:
@@ -271,6 +273,7 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
         if parameter_structure not in ("full", "diag"):
             raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
+        require_wrapped(model, "KroneckerEstimator")
         self.method = method
         self.weight_sharing: WeightSharing = weight_sharing
         self.norm_structure: NormStructure = norm_structure
@@ -313,11 +316,11 @@ class KroneckerEstimator(CurvatureEstimator):
         inside runs under :func:`curvkit.structure.curvature_kernels`."""
         return BlockCapture(self.plans, self.method)
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         if self._raw and not self._raw_checked:
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad():
-            f = self.structure.functional_call(cap.substitute(X.shape[0]), (X,)) if self._raw else self.model(X)
+            f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,)) if self._raw else self.model(X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
@@ -331,12 +334,12 @@ class KroneckerEstimator(CurvatureEstimator):
                                         "update((X, y)), or freeze them")
         self._combine(*self._statistics(capture, f, y))
 
-    def _check_raw(self, X: Tensor) -> None:
+    def _check_raw(self, X: Inputs) -> None:
         """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
         two samples with independently perturbed copies of p give the outputs of two one-sample passes."""
-        x = X[:2] if X.shape[0] >= 2 else X[[0, 0]]
-        gen = torch.Generator(device=x.device).manual_seed(0)
+        x = take_samples(X, slice(0, 2) if num_samples(X) >= 2 else [0, 0])
         raw = [lp for lp in self.plans if lp.handler.kind == "parameter"]
+        gen = torch.Generator(device=getattr(raw[0].module, raw[0].handler.attr).device).manual_seed(0)  # type: ignore[attr-defined]
         copies = {}
         for lp in raw:
             p = getattr(lp.module, lp.handler.attr).detach()  # type: ignore[attr-defined]
@@ -347,8 +350,8 @@ class KroneckerEstimator(CurvatureEstimator):
         try:
             with torch.no_grad():
                 both = self.structure.functional_call(copies, (x,))
-                ones = [self.structure.functional_call({n: c[i:i + 1] for n, c in copies.items()}, (x[i:i + 1],))
-                        for i in range(2)]
+                ones = [self.structure.functional_call({n: c[i:i + 1] for n, c in copies.items()},
+                                                       (take_samples(x, slice(i, i + 1)),)) for i in range(2)]
             ok = all(torch.allclose(both[i:i + 1], ones[i], rtol=1e-4, atol=1e-5 * float(ones[i].abs().max()) + 1e-7)
                      for i in range(2))
         except Exception as exc:  # an operation that cannot take per-sample copies
@@ -761,7 +764,7 @@ class DiagonalEstimator(CurvatureEstimator):
         self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
         super().__init__(model, likelihood, ema, distributed)
 
-    def _batch_statistics(self, X: Tensor, y: Tensor) -> tuple[list[Tensor], int, int]:
+    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
 
         lik = self.likelihood.with_reduction("sum")
@@ -775,7 +778,7 @@ class DiagonalEstimator(CurvatureEstimator):
             op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed)
         with torch.no_grad(), curvature_kernels():  # the loss terms of the batch (counted positions)
             terms = self.likelihood.num_terms(self.model(X), y)
-        return [op.diagonal().flat], int(X.shape[0]), terms
+        return [op.diagonal().flat], num_samples(X), terms
 
     def _stat_names(self) -> list[str]:
         return ["diagonal"]

@@ -122,6 +122,7 @@ from curvkit.curvature.output_space import (
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
 from curvkit.structure import read_model
+from curvkit.validation import Inputs, num_samples, split_samples, take_samples
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -158,7 +159,7 @@ class ExactCurvatureOperator(CurvatureOperator):
         super().__init__(self.fmodel.layout, self.fmodel.dtype, self.fmodel.device)
         self.likelihood = likelihood
         self.batches = as_batches(data, self.device)
-        self.num_data = sum(int(X.shape[0]) for X, _ in self.batches)
+        self.num_data = sum(num_samples(X) for X, _ in self.batches)
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
         outputs = [self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)]
@@ -167,7 +168,7 @@ class ExactCurvatureOperator(CurvatureOperator):
         self._setup(outputs)
         warn_unused_functional(type(self).__name__, self.fmodel, self.batches[0][0])
 
-    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+    def _construction_output(self, batch_index: int, X: Inputs, y: Tensor) -> Tensor:
         """The validated output (B, [*P,] C) of one batch at construction (subclasses may keep its graph)."""
         return checked_output(self.fmodel, self.likelihood, X, y, batch_index)
 
@@ -260,7 +261,7 @@ class HessianOperator(ExactCurvatureOperator):
         """Whether differentiable gradients are kept between products (see the class doc)."""
         return self.cache_graph if self.cache_graph is not None else len(self.batches) == 1
 
-    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+    def _construction_output(self, batch_index: int, X: Inputs, y: Tensor) -> Tensor:
         if not self.caches_graph:
             return super()._construction_output(batch_index, X, y)
         leaves = self._leaves()
@@ -269,11 +270,11 @@ class HessianOperator(ExactCurvatureOperator):
         self._graphs[batch_index] = (leaves, f)  # the gradient is formed lazily on the first product
         return f.detach()
 
-    def _batch_loss(self, params: Params, X: Tensor, y: Tensor) -> Tensor:
+    def _batch_loss(self, params: Params, X: Inputs, y: Tensor) -> Tensor:
         f = self.fmodel(params, X)
         return self.likelihood.nll_per_sample(f, y).sum() * self.weight
 
-    def _batch_gradient(self, i: int, X: Tensor, y: Tensor) -> tuple[Params, Params]:
+    def _batch_gradient(self, i: int, X: Inputs, y: Tensor) -> tuple[Params, Params]:
         """(leaves, differentiable gradient of batch i's weighted loss w.r.t. the leaves)."""
         cached = self._graphs.get(i)
         if cached is not None and isinstance(cached[1], tuple):
@@ -481,7 +482,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def _lin_cache(self) -> dict[int, dict[str, Any]]:
         return self.__dict__.setdefault("_lin", {})  # type: ignore[no-any-return]
 
-    def _construction_output(self, batch_index: int, X: Tensor, y: Tensor) -> Tensor:
+    def _construction_output(self, batch_index: int, X: Inputs, y: Tensor) -> Tensor:
         if not self.caches_linearisation:
             return super()._construction_output(batch_index, X, y)
         entry = self._forward(X, graph=True)
@@ -489,7 +490,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         self._lin_cache()[batch_index] = entry
         return entry["f"].detach()  # type: ignore[no-any-return]
 
-    def _forward(self, X: Tensor, graph: bool) -> dict[str, Any]:
+    def _forward(self, X: Inputs, graph: bool) -> dict[str, Any]:
         """One forward pass at the snapshot: {"leaves", "f", "tangent"}.
 
         ``graph``: record the autograd graph of f w.r.t. fresh leaves (for J^T u by one backward pass).
@@ -511,19 +512,19 @@ class OutputFactorOperator(ExactCurvatureOperator):
                     f = self.fmodel(leaves, X)
         return {"leaves": leaves, "f": f, "tangent": tangent}
 
-    def _cached(self, i: int, X: Tensor) -> dict[str, Any]:
+    def _cached(self, i: int, X: Inputs) -> dict[str, Any]:
         """Batch i's cache (leaves, output f with its graph, tangent), built on first use for a sibling."""
         c = self._lin_cache().get(i)
         if c is None:  # e.g. a sibling operator sharing an already validated snapshot
             c = self._lin_cache()[i] = self._forward(X, graph=True)
         return c
 
-    def _entry(self, i: int, X: Tensor, graph: bool) -> dict[str, Any]:
+    def _entry(self, i: int, X: Inputs, graph: bool) -> dict[str, Any]:
         """Batch i's forward pass: the cache, or a fresh pass (with its graph if ``graph``)."""
         return self._cached(i, X) if self.caches_linearisation else self._forward(X, graph=graph)
 
     # ------------------------------------------------------------------ tangents J v
-    def _tangents(self, X: Tensor, entry: dict[str, Any], V: Params, k: int) -> Tensor:
+    def _tangents(self, X: Inputs, entry: dict[str, Any], V: Params, k: int) -> Tensor:
         """J v for every column (k, B, *P, C) at the forward pass ``entry`` (class doc for the routes)."""
         if entry["tangent"] is not None:
             return entry["tangent"](V)  # type: ignore[no-any-return]
@@ -546,7 +547,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             entry = self._forward(X, graph=True)
         return self._reverse_tangents(entry, V, k)
 
-    def _forward_mode(self, X: Tensor, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _forward_mode(self, X: Inputs, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column, ``jvp``
         vmapped over several (the primal computed once per block).
 
@@ -557,9 +558,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         only if the pieces' outputs equal ``full``: a model that mixes the samples of a batch (undetected by
         the structure reader) is then evaluated whole, from then on.
         """
-        pieces = min(int(X.shape[0]) // _TANGENT_PIECE_MIN, _TANGENT_PIECES)
+        pieces = min(num_samples(X) // _TANGENT_PIECE_MIN, _TANGENT_PIECES)
         if full is not None and pieces > 1 and self._split_tangents and not self.fmodel.batch_coupled:
-            parts = [self._forward_mode_pass(Xs, V, k) for Xs in X.tensor_split(pieces)]
+            parts = [self._forward_mode_pass(Xs, V, k) for Xs in split_samples(X, pieces)]
             f = torch.cat([part[0] for part in parts])
             tol = torch.finfo(f.dtype).eps ** 0.5 * (1 + float(full.abs().max()))
             if f.shape == full.shape and float((f - full).abs().max()) <= tol:
@@ -567,7 +568,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             self._split_tangents = False
         return self._forward_mode_pass(X, V, k)
 
-    def _forward_mode_pass(self, X: Tensor, V: Params, k: int) -> tuple[Tensor, Tensor]:
+    def _forward_mode_pass(self, X: Inputs, V: Params, k: int) -> tuple[Tensor, Tensor]:
         def fn(p: Params) -> Tensor:
             return self.fmodel(p, X)
 
@@ -683,11 +684,11 @@ class OutputFactorOperator(ExactCurvatureOperator):
             for S in self._sqrt_chunks(i, f, y):
                 rows = math.prod(S.shape[1:-2]) * S.shape[-1]  # per sample: positions x columns
                 n = max(1, _ROW_BUDGET // (rows * max(d, math.prod(S.shape[1:-1]))))
-                for s in range(0, X.shape[0], n):
-                    Xs, Ss = X[s:s + n], S[s:s + n]
-                    yield self._map(self._sample_rows, (Xs, Ss), Xs.shape[0]).reshape(-1, d)
+                for s in range(0, num_samples(X), n):
+                    Xs, Ss = take_samples(X, slice(s, s + n)), S[s:s + n]
+                    yield self._map(self._sample_rows, (Xs, Ss), Ss.shape[0]).reshape(-1, d)
 
-    def _sample_rows(self, x: Tensor, s: Tensor) -> Tensor:
+    def _sample_rows(self, x: Inputs, s: Tensor) -> Tensor:
         """(T r, d) rows J_p^T s_pr for one sample x (no batch dim) and its factor s (*P, C, r), T = prod(P):
         one backward pass per (position, column), the cotangent s_pr placed at position p."""
         vjp_fn = vjp(lambda p: self.fmodel.single(p, x), self.params)[1]

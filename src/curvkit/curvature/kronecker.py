@@ -51,17 +51,13 @@ summed gradient of each sample (:class:`~curvkit.curvature.estimators.KroneckerE
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from torch import nn
 
-from torch import Tensor, nn
-
-from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.curvature.estimators import Data, KroneckerEstimator
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 
 __all__ = ["empirical_kfac", "kfac", "kflr", "kfra"]
-
-Data = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
 
 
 def kflr(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOperator:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp
 
-from curvkit.curvature._functional import as_batches
+from curvkit.curvature._functional import as_tensor_batches
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import BlockDiagonalOperator, DenseBlock
 from curvkit.linalg.layout import ParamLayout
@@ -142,15 +142,15 @@ def chain_forward(chain: MLPChain, X: Tensor) -> ChainForward:
 def iterate_data(data: tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]],
                  y: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
     """Normalise ``data`` (an ``(X, y)`` pair, an iterable of pairs, or ``X`` with ``y`` given) to a list of
-    validated pairs (:func:`curvkit.curvature._functional.as_batches`)."""
+    validated pairs (:func:`curvkit.curvature._functional.as_tensor_batches`)."""
     if y is not None:
         if not isinstance(data, Tensor):
             raise TypeError("when y is given, the third argument must be the input tensor X")
-        return as_batches((data, y))
+        return as_tensor_batches((data, y))
     if isinstance(data, Tensor):
         raise TypeError("data must be an (X, y) pair or an iterable of (X, y) pairs, got a single tensor; "
                         "pass the targets too")
-    return as_batches(data)
+    return as_tensor_batches(data)
 
 
 # ---------------------------------------------------------------------------------------------- result

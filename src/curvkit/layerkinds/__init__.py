@@ -15,6 +15,9 @@ Built in (module -> handler: blocks):
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval) -> :class:`NormHandler`: the exact
   (or diagonal) block of (weight, bias) from per-sample gradients;
 * ``nn.MultiheadAttention`` -> :class:`AttentionHandler`: query, key, value and output projections;
+* GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight stored (in, out)) ->
+  :class:`TransposedLinearHandler`: ``G (x) A`` of ``[W^T | b]``, registered when first met (recognised by
+  its class's qualified name, :data:`curvkit.layerkinds.transposed.LAZY`; ``transformers`` stays optional);
 * a raw parameter of shape (1, ...) used in a module's own forward -> :class:`ParameterHandler` (not in the
   registry: :func:`plan` gives it to parameters no handler owns).
 
@@ -45,6 +48,7 @@ from curvkit.layerkinds.embedding import EmbeddingHandler
 from curvkit.layerkinds.linear import LinearHandler
 from curvkit.layerkinds.norm import NormHandler
 from curvkit.layerkinds.parameter import ParameterHandler
+from curvkit.layerkinds.transposed import LAZY, TransposedLinearHandler
 from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "NormHandler",
     "ParameterHandler",
     "Site",
+    "TransposedLinearHandler",
     "handler_for",
     "plan",
     "register",
@@ -89,6 +94,9 @@ def handler_for(module: nn.Module) -> tuple[LayerHandler | None, str | None]:
     cls = type(module)
     for base in cls.__mro__:
         handler = _REGISTRY.get(base)
+        if handler is None and (base.__module__, base.__qualname__) in LAZY:  # an optional library's class
+            handler = LAZY[base.__module__, base.__qualname__]()
+            register(base, handler)
         if handler is None:
             continue
         if base is not cls and getattr(cls, "forward", None) is not getattr(base, "forward", None):
@@ -198,5 +206,6 @@ def _refuse_sharing(structure: ModelStructure, what: str) -> None:
         uses = ", ".join(f"{o!r} ({type(modules[o if o != '<root>' else '']).__name__})" for o in owners)
         raise UnsupportedModelError(
             f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); a Kronecker block belongs "
-            "to one use, not to the tied parameter; untie the weights (e.g. causal_lm(tie_weights=False)), "
-            "freeze the shared parameter (requires_grad_(False)) or use an exact operator")
+            "to one use, not to the tied parameter; untie the weights (e.g. causal_lm(tie_weights=False), or a "
+            "Hugging Face model built with config.tie_word_embeddings=False), freeze the shared parameter "
+            "(requires_grad_(False)) or use an exact operator")

@@ -31,15 +31,19 @@ class LinearHandler(LayerHandler):
 
     kind = "linear"
 
+    def sizes(self, module: nn.Module) -> tuple[int, int]:
+        """(in, out) features of the layer."""
+        mod: Any = module
+        return int(mod.in_features), int(mod.out_features)
+
     def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
         w, b = weight_and_bias(module, label, names, what)
         assert w is not None
-        mod: Any = module
-        return [BlockSpec(label, w, b, int(mod.out_features), int(mod.in_features))]
+        n_in, n_out = self.sizes(module)
+        return [BlockSpec(label, w, b, n_out, n_in)]
 
     def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:
-        mod: Any = module
-        n_in, n_out = int(mod.in_features), int(mod.out_features)
+        n_in, n_out = self.sizes(module)
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
             if not recording(out):

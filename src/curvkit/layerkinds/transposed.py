@@ -1,0 +1,64 @@
+"""A linear layer that stores its weight transposed: GPT-2's ``transformers.pytorch_utils.Conv1D``.
+
+``Conv1D(nf, nx)`` computes ``y = x W + b`` with ``W`` of shape (nx, nf) = (in, out) and ``b`` (out,) on
+inputs (B, *S, in): an ``nn.Linear`` whose weight is ``W^T``. Its block is the Linear block of
+``W_hat = [W^T | b]`` (out, in + 1): ``G (x) A`` with G (out, out) and A (in + 1, in + 1), the same factors
+as the layer written with ``nn.Linear(in, out)`` and weight ``W^T``; only the ``index`` differs, which
+places ``W_hat[o, i] = W[i, o]`` at position ``i * out + o`` of ``W.flatten()`` and the bias column after
+it (:class:`curvkit.linalg.kron.KroneckerBlock`). Positions share the weight as for ``nn.Linear``
+(expand or reduce).
+
+GPT-2's fused query/key/value projection ``c_attn`` is one ``Conv1D(3E, E)``: it gets ONE block, with a
+(3E, 3E) output factor that keeps the correlations between the query, key and value outputs, as the same
+layer written as one ``nn.Linear(E, 3E)`` would (``nn.MultiheadAttention``'s packed projection is split
+into three blocks instead because its rows act through separate projections inside one module whose other
+parts (the output projection) are blocks too; a ``Conv1D`` is one layer, and which ``Conv1D`` packs q, k,
+v is not part of the module).
+
+``transformers`` is optional: :mod:`curvkit.layerkinds` recognises the class by its qualified name
+(:data:`LAZY`) without importing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvkit.layerkinds._base import BlockSpec, LayerHandler, weight_and_bias
+from curvkit.layerkinds.linear import LinearHandler
+
+__all__ = ["LAZY", "TransposedLinearHandler", "transposed_index"]
+
+
+def transposed_index(n_in: int, n_out: int, bias: bool) -> Tensor:
+    """(out, in_aug) positions of ``W_hat = [W^T | b]`` in ``[W.flatten(), b]`` for ``W`` of shape (in, out)."""
+    idx = torch.arange(n_in * n_out).reshape(n_in, n_out).T
+    if bias:
+        idx = torch.cat([idx, (n_in * n_out + torch.arange(n_out))[:, None]], dim=1)
+    return idx
+
+
+class TransposedLinearHandler(LinearHandler):
+    """A linear layer with weight (in, out) and bias (out,): GPT-2's ``Conv1D`` (module docstring). The
+    sizes are read from the weight; the rows are the Linear handler's."""
+
+    kind = "transposed_linear"
+
+    def sizes(self, module: nn.Module) -> tuple[int, int]:
+        mod: Any = module
+        return int(mod.weight.shape[0]), int(mod.weight.shape[1])
+
+    def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
+        w, b = weight_and_bias(module, label, names, what)
+        assert w is not None
+        n_in, n_out = self.sizes(module)
+        return [BlockSpec(label, w, b, n_out, n_in, index=transposed_index(n_in, n_out, b is not None))]
+
+
+#: Module classes of optional libraries, by (module, qualified name): registered on first sight.
+LAZY: dict[tuple[str, str], type[LayerHandler]] = {
+    ("transformers.pytorch_utils", "Conv1D"): TransposedLinearHandler,
+}

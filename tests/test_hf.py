@@ -1,0 +1,370 @@
+"""Hugging Face transformers models (tiny configurations, random weights, float64, no download) through
+curvkit.hf.HuggingFace: a GPT-2-style causal LM (untied, per-token padding by labels -100), a BERT-style
+sequence classifier with an attention mask, a ViT classifier. Exact products and diagonals against dense
+references, Kronecker factors covering every parameter, GPT-2's Conv1D blocks against the same model written
+with nn.Linear and against the exact GGN block, the adapter's calling conventions, and bad input (no logits,
+missing or unknown keys, labels in the batch, tied embeddings, padding without an attention mask), with the
+user's model unchanged."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from curvkit.curvature import GGNOperator, HessianOperator
+from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
+from curvkit.hf import HuggingFace, is_transformers_model
+from curvkit.layerkinds import TransposedLinearHandler, handler_for
+from curvkit.likelihoods import CrossEntropy
+from curvkit.linalg.layout import ParamLayout
+from curvkit.structure import UnsupportedModelError
+from reference import dense_ggn_flat, dense_hessian_ror
+
+transformers = pytest.importorskip("transformers")
+
+D64 = torch.float64
+ATOL = 1e-10
+pytestmark = pytest.mark.filterwarnings("ignore:GGNOperator. torch.func.vmap failed:RuntimeWarning")
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+def gpt2(tie: bool = False, seed: int = 0, layers: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=layers, n_head=2,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
+    return transformers.GPT2LMHeadModel(cfg).to(D64).eval()
+
+
+def bert(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=13, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=16, num_labels=3, max_position_embeddings=8, pad_token_id=0)
+    return transformers.BertForSequenceClassification(cfg).to(D64).eval()
+
+
+def vit(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=16, num_labels=4)
+    return transformers.ViTForImageClassification(cfg).to(D64).eval()
+
+
+def lm_batch(B: int = 3, T: int = 5, V: int = 11, seed: int = 0, short: int = 3):
+    """Right-padded token ids (sample 0 has ``short`` tokens), its mask, batch-shaped position ids, and the
+    next-token labels with -100 at the last position and the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, short:] = 0
+    ids[0, short:] = 0
+    y = ids.roll(-1, 1)
+    y[:, -1] = -100
+    y[0, short - 1:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(T).expand(B, T)}, y
+
+
+def cls_batch(B: int = 3, T: int = 5, V: int = 13, seed: int = 0):
+    X, _ = lm_batch(B, T, V, seed)
+    return X, torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(seed + 1))
+
+
+def image_batch(B: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(B, 1, 8, 8, generator=g, dtype=D64)}, torch.randint(0, 4, (B,), generator=g)
+
+
+def state(model: nn.Module):
+    """Everything a curvature computation must leave alone."""
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [m.training for m in model.modules()],
+            [(id(p), p.requires_grad) for p in model.parameters()], model.config.to_dict(),
+            [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+
+
+def assert_same_state(model: nn.Module, before) -> None:
+    after = state(model)
+    assert after[1:] == before[1:]
+    for k in before[0]:
+        torch.testing.assert_close(after[0][k], before[0][k], atol=0, rtol=0)
+
+
+def probe(d: int, k: int = 2, seed: int = 0) -> Tensor:
+    return torch.randn(d, k, generator=torch.Generator().manual_seed(seed), dtype=D64)
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+def test_adapter_calling_conventions_and_output():
+    model = gpt2()
+    hf = HuggingFace(model)
+    X, _ = lm_batch()
+    with torch.no_grad():
+        ref = model(**X).logits
+        for out in (hf(X), hf(**X), hf(X["input_ids"], attention_mask=X["attention_mask"],
+                                         position_ids=X["position_ids"])):
+            assert isinstance(out, Tensor)
+            torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        hidden = HuggingFace(transformers.GPT2Model(model.config).eval(), output="last_hidden_state")(X)
+    assert hidden.shape == (3, 5, 8)
+    assert dict(hf.named_parameters()).keys() == {f"model.{n}" for n, _ in model.named_parameters()}
+    assert all(p is q for p, q in zip(hf.parameters(), model.parameters()))  # wrapped, not copied
+    assert is_transformers_model(model) and not is_transformers_model(hf)
+    with pytest.raises(ValueError, match=r"not parameters of ViTForImageClassification.forward.*pixel_values"):
+        HuggingFace(vit(), dropout=0.0)  # its **kwargs are declared (TransformersKwargs): checked against them
+    assert HuggingFace(vit(), output_attentions=True)._fixed == {"return_dict": True, "output_attentions": True}
+    with pytest.raises(ValueError, match="given both"):
+        hf(X, input_ids=X["input_ids"])
+    with pytest.raises(TypeError, match=r"mapping of tensors .* or one tensor"):
+        hf([X["input_ids"]])
+
+
+# ---------------------------------------------------------------------------------------------- exact operators
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gpt2_exact_products_and_diagonal_equal_dense_references(reduction):
+    """Per-token cross-entropy with padding (labels -100, attention mask): GGN and Hessian products, the GGN
+    diagonal (per-sample rows over mapping samples) equal the dense references."""
+    hf = HuggingFace(gpt2(seed=1))
+    data = lm_batch(seed=2)
+    lik = CrossEntropy(reduction, ignore_index=-100)
+    G = GGNOperator(hf, lik, data)
+    ref = dense_ggn_flat(hf, lik, data)
+    V = probe(G.layout.dim)
+    assert G.num_terms == 2 + 4 + 4
+    torch.testing.assert_close(G @ V, ref @ V, atol=ATOL, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # HF's mask code cannot be vmapped: a loop over samples
+        torch.testing.assert_close(G.diagonal().flat, ref.diagonal(), atol=ATOL, rtol=0)
+    H = HessianOperator(hf, lik, data)
+    torch.testing.assert_close(H @ V, dense_hessian_ror(hf, lik, data) @ V, atol=ATOL, rtol=0)
+
+
+def test_gpt2_right_padding_equals_the_truncated_sequence():
+    """A padded position (label -100, mask 0) adds no curvature: the padded batch's GGN equals that of the same
+    data with sample 0 cut to its tokens (two batches), products and diagonal; the forward-mode pass takes the
+    16-sample batch in pieces."""
+    hf = HuggingFace(gpt2(seed=3))
+    (X, y) = lm_batch(B=16, seed=4)
+    lik = CrossEntropy("mean", ignore_index=-100)
+    cut = ({k: v[:1, :3] for k, v in X.items()}, y[:1, :3])
+    rest = ({k: v[1:] for k, v in X.items()}, y[1:])
+    padded, split = GGNOperator(hf, lik, (X, y)), GGNOperator(hf, lik, [cut, rest])
+    V = probe(padded.layout.dim, seed=1)
+    assert padded.num_terms == split.num_terms == 2 + 15 * 4
+    torch.testing.assert_close(padded @ V, split @ V, atol=ATOL, rtol=0)
+    assert padded._split_tangents  # the pieces gave the whole batch's outputs
+
+
+def test_bert_classifier_with_attention_mask_equals_dense_references():
+    hf = HuggingFace(bert(seed=1))
+    data = cls_batch(seed=3)
+    lik = CrossEntropy("mean")
+    G = GGNOperator(hf, lik, data)
+    ref = dense_ggn_flat(hf, lik, data)
+    V = probe(G.layout.dim)
+    torch.testing.assert_close(G @ V, ref @ V, atol=ATOL, rtol=0)
+    est = DiagonalEstimator(hf, lik, "ggn").update(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        torch.testing.assert_close(est.operator().flat, ref.diagonal(), atol=ATOL, rtol=0)
+    H = HessianOperator(hf, lik, data)
+    torch.testing.assert_close(H @ V, dense_hessian_ror(hf, lik, data) @ V, atol=ATOL, rtol=0)
+
+
+def test_vit_classifier_equals_dense_references_with_either_batch_form():
+    hf = HuggingFace(vit(seed=2))
+    X, y = image_batch(seed=5)
+    lik = CrossEntropy("sum")
+    ref = dense_ggn_flat(hf, lik, (X, y))
+    V = probe(ref.shape[0])
+    for inputs in (X, X["pixel_values"]):  # a mapping, or the main input as one tensor
+        G = GGNOperator(hf, lik, (inputs, y))
+        torch.testing.assert_close(G @ V, ref @ V, atol=ATOL, rtol=0)
+    torch.testing.assert_close(G.diagonal().flat, ref.diagonal(), atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- Kronecker
+def _names(est: KroneckerEstimator) -> set[str]:
+    return {n for b in est.operator().blocks for n in (b.weight_name, b.bias_name) if n}
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
+def test_kronecker_factors_cover_every_parameter(which, sharing):
+    """kfac and kflr on each model: one block per layer kind's block, every trainable parameter in exactly one,
+    finite, and the model unchanged (its hooks removed)."""
+    model = {"gpt2": gpt2, "bert": bert, "vit": vit}[which]()
+    data = {"gpt2": lm_batch, "bert": cls_batch, "vit": image_batch}[which]()
+    hf = HuggingFace(model)
+    before = state(model)
+    lik = CrossEntropy("mean", ignore_index=-100)
+    for method in ("kfac", "kflr"):
+        est = KroneckerEstimator(hf, lik, method, weight_sharing=sharing).update(data)
+        K = est.operator()
+        assert _names(est) == {n for n, _ in hf.named_parameters()}
+        assert torch.isfinite(K @ torch.ones(K.layout.dim, dtype=D64)).all()
+    if which == "gpt2":
+        kinds = {lp.label: lp.handler.kind for lp in est.plans}
+        assert kinds["model.transformer.h.0.attn.c_attn"] == "transposed_linear"
+        assert kinds["model.lm_head"] == "linear"
+    assert_same_state(model, before)
+
+
+def linear_twin(model: nn.Module) -> nn.Module:
+    """A copy of the GPT-2 with every Conv1D replaced by nn.Linear(in, out) holding W^T and b."""
+    twin = copy.deepcopy(model)
+    for name, mod in list(twin.named_modules()):
+        if type(mod).__name__ == "Conv1D":
+            lin = nn.Linear(*mod.weight.shape, dtype=D64)
+            with torch.no_grad():
+                lin.weight.copy_(mod.weight.T)
+                lin.bias.copy_(mod.bias)
+            parent, _, attr = name.rpartition(".")
+            setattr(twin.get_submodule(parent), attr, lin)
+    return twin
+
+
+def _transpose_conv(model: nn.Module, tensors: list[Tensor]) -> list[Tensor]:
+    """Parameter-shaped tensors of the Conv1D model <-> of its Linear twin (the Conv1D weights transposed)."""
+    conv = {f"model.{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    names = [n for n, _ in HuggingFace(model).named_parameters()]
+    return [t.T if n in conv else t for n, t in zip(names, tensors)]
+
+
+@pytest.mark.parametrize("method,sharing", [("kflr", "expand"), ("kflr", "reduce"), ("kfac", "expand"),
+                                            ("empirical", "reduce")])
+def test_conv1d_blocks_equal_the_linear_blocks_of_the_transposed_weight(method, sharing):
+    model = gpt2(seed=4, layers=2)
+    twin = linear_twin(model)
+    data = lm_batch(seed=6)
+    lik = CrossEntropy("mean", ignore_index=-100)
+    with torch.no_grad():
+        torch.testing.assert_close(HuggingFace(twin)(data[0]), HuggingFace(model)(data[0]), atol=1e-13, rtol=0)
+    K = KroneckerEstimator(HuggingFace(model), lik, method, weight_sharing=sharing, seed=2).update(data).operator()
+    R = KroneckerEstimator(HuggingFace(twin), lik, method, weight_sharing=sharing, seed=2).update(data).operator()
+    assert len(K.blocks) == len(R.blocks)
+    for a, b in zip(K.blocks, R.blocks):
+        assert a.weight_name == b.weight_name
+        torch.testing.assert_close(a.G, b.G, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a.A, b.A, atol=1e-12, rtol=0)
+    g = torch.Generator().manual_seed(3)
+    v = [torch.randn(p.shape, generator=g, dtype=D64) for p in HuggingFace(twin).parameters()]
+    Kv = K @ _transpose_conv(model, v)
+    for x, y in zip(_transpose_conv(model, Kv), R @ v):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+    inv = K.inverse(damping=1e-2) @ _transpose_conv(model, v)
+    for x, y in zip(_transpose_conv(model, inv), R.inverse(damping=1e-2) @ v):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
+
+
+def test_conv1d_kflr_on_one_token_is_the_exact_ggn_block():
+    """One datum, one position: every Conv1D block of KFLR equals the exact GGN's block of its weight and
+    bias (thesis Lemma 3.21), read through the block's (in, out) index."""
+    hf = HuggingFace(gpt2(seed=5))
+    X = {"input_ids": torch.tensor([[4]]), "attention_mask": torch.ones(1, 1, dtype=torch.long),
+         "position_ids": torch.zeros(1, 1, dtype=torch.long)}
+    y = torch.tensor([[7]])
+    lik = CrossEntropy("sum")
+    G = GGNOperator(hf, lik, (X, y)).to_dense()
+    K = KroneckerEstimator(hf, lik, "kflr").update((X, y)).operator().to_dense()
+    lay = ParamLayout.from_module(hf)
+    sl = lay.slices()
+    conv = [n for n, m in hf.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(conv) == 4
+    for name in conv:
+        idx = torch.cat([torch.arange(sl[f"{name}.{p}"].start, sl[f"{name}.{p}"].stop) for p in ("weight", "bias")])
+        block = G[idx[:, None], idx[None, :]]
+        assert block.abs().max() > 1e-6
+        torch.testing.assert_close(K[idx[:, None], idx[None, :]], block, atol=1e-12, rtol=0)
+
+
+def test_conv1d_handler_is_registered_on_first_sight():
+    conv = transformers.pytorch_utils.Conv1D(6, 4)
+    handler, why = handler_for(conv)
+    assert isinstance(handler, TransposedLinearHandler) and why is None
+
+    class Custom(transformers.pytorch_utils.Conv1D):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    handler, why = handler_for(Custom(6, 4))
+    assert handler is None and "own forward" in why
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_a_raw_transformers_model_is_refused_with_the_fix():
+    model = gpt2()
+    data = lm_batch()
+    for build in (lambda: GGNOperator(model, CrossEntropy(ignore_index=-100), data),
+                  lambda: KroneckerEstimator(model, CrossEntropy()), lambda: DiagonalEstimator(model, CrossEntropy())):
+        with pytest.raises(TypeError, match=r"GPT2LMHeadModel is a Hugging Face transformers model.*"
+                                            r"curvkit.hf.HuggingFace\(model\)"):
+            build()
+
+
+def test_output_without_logits_names_what_it_has():
+    base = transformers.GPT2Model(gpt2().config).eval()
+    before = state(base)
+    X, y = lm_batch()
+    with pytest.raises(ValueError, match=r"HuggingFace\(GPT2Model\): the model's output "
+                                         r"\(BaseModelOutputWithPastAndCrossAttentions\) has no 'logits' tensor "
+                                         r"\(its tensor entries: 'last_hidden_state'\)"):
+        GGNOperator(HuggingFace(base), CrossEntropy(ignore_index=-100), (X, y))
+    assert_same_state(base, before)
+
+
+@pytest.mark.parametrize("batch,error,match", [
+    ({"attention_mask": torch.ones(3, 5, dtype=torch.long)}, ValueError,
+     r"the batch has no 'input_ids' or 'inputs_embeds', which GPT2LMHeadModel.forward needs; got "
+     r"\{'attention_mask': \(3, 5\)\}"),
+    ({"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_masks": torch.ones(3, 5)}, ValueError,
+     r"key\(s\) \['attention_masks'\] that GPT2LMHeadModel.forward does not take \(it takes: input_ids, cache, "
+     r"attention_mask"),
+    ({"input_ids": torch.ones(3, 5, dtype=torch.long), "labels": torch.ones(3, 5, dtype=torch.long)}, ValueError,
+     r"holds 'labels'.*y of the \(X, y\) pair"),
+    ({"input_ids": torch.ones(3, 5, dtype=torch.long), "use_cache": torch.ones(3, 1)}, ValueError,
+     r"\['use_cache'\] are fixed by the adapter"),
+])
+def test_batches_without_the_needed_keys_are_refused(batch, error, match):
+    model = gpt2()
+    before = state(model)
+    y = torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(error, match=match):
+        GGNOperator(HuggingFace(model), CrossEntropy(), (batch, y))
+    assert_same_state(model, before)
+
+
+def test_padded_batch_without_attention_mask_is_refused():
+    model = gpt2()
+    before = state(model)
+    X, y = lm_batch()
+    lik = CrossEntropy(ignore_index=-100)
+    unmasked = {"input_ids": X["input_ids"], "position_ids": X["position_ids"]}
+    for build in (lambda: GGNOperator(HuggingFace(model), lik, (unmasked, y)),
+                  lambda: KroneckerEstimator(HuggingFace(model), lik).update((unmasked, y))):
+        with pytest.raises(ValueError, match=r"input_ids contain the padding id 0 \(config.pad_token_id\) at 2 "
+                                             r"position\(s\) but the batch has no attention_mask"):
+            build()
+    assert_same_state(model, before)
+    full = {"input_ids": X["input_ids"].clamp_min(1), "position_ids": X["position_ids"]}
+    GGNOperator(HuggingFace(model), lik, (full, y))  # no padding id: no mask needed
+    GGNOperator(HuggingFace(model), lik, ({**unmasked, "attention_mask": torch.ones(3, 5, dtype=torch.long)}, y))
+
+
+def test_tied_embeddings_name_both_uses_and_the_fix_and_exact_operators_take_them():
+    model = gpt2(tie=True, seed=2)
+    hf = HuggingFace(model)
+    before = state(model)
+    data = lm_batch(seed=1)
+    lik = CrossEntropy("mean", ignore_index=-100)
+    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wte.weight' is shared by modules "
+                                                    r"'model.transformer.wte' \(Embedding\), 'model.lm_head' "
+                                                    r"\(Linear\) \(weight tying\).*config.tie_word_embeddings=False"
+                                                    r".*freeze"):
+        KroneckerEstimator(hf, lik)
+    assert_same_state(model, before)
+    G = GGNOperator(hf, lik, data)  # the tied parameter is one parameter of the exact operators
+    assert G.layout.dim == sum(p.numel() for p in model.parameters())
+    V = probe(G.layout.dim)
+    torch.testing.assert_close(G @ V, dense_ggn_flat(hf, lik, data) @ V, atol=ATOL, rtol=0)
