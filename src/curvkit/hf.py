@@ -169,6 +169,18 @@ class HuggingFace(nn.Module):
         return inputs
 
     def _check_keys(self, inputs: dict[str, Any]) -> None:
+        if "labels" in inputs or any(not isinstance(v, Tensor) for v in inputs.values()) or any(
+                k not in self._named or k in self._fixed for k in inputs):
+            self._refuse_keys(inputs)
+        alternatives = [self._main] + (["inputs_embeds"] if self._main == "input_ids" and
+                                       "inputs_embeds" in self._named else [])
+        if not any(k in inputs for k in alternatives):
+            need = " or ".join(repr(k) for k in alternatives)
+            raise ValueError(f"{self._what}: the batch has no {need}, which {type(self.model).__name__}.forward "
+                             f"needs; got {describe_inputs(inputs)}")
+
+    def _refuse_keys(self, inputs: dict[str, Any]) -> None:
+        """The error for a batch with labels, entries that are not tensors, or keys the forward does not name."""
         given = describe_inputs(inputs)
         if "labels" in inputs:
             raise ValueError(f"{self._what}: the batch holds 'labels' ({given}); pass the targets as the y of the "
@@ -183,15 +195,8 @@ class HuggingFace(nn.Module):
             raise ValueError(f"{self._what}: the batch has key(s) {unknown} that {type(self.model).__name__}.forward "
                              f"does not take (it takes: {', '.join(self._named)}); got {given}")
         clash = sorted(k for k in inputs if k in self._fixed)
-        if clash:
-            raise ValueError(f"{self._what}: key(s) {clash} are fixed by the adapter or its options; remove them "
-                             "from the batch")
-        alternatives = [self._main] + (["inputs_embeds"] if self._main == "input_ids" and
-                                       "inputs_embeds" in self._named else [])
-        if not any(k in inputs for k in alternatives):
-            need = " or ".join(repr(k) for k in alternatives)
-            raise ValueError(f"{self._what}: the batch has no {need}, which {type(self.model).__name__}.forward "
-                             f"needs; got {given}")
+        raise ValueError(f"{self._what}: key(s) {clash} are fixed by the adapter or its options; remove them "
+                         "from the batch")
 
     def _check_padding(self, inputs: dict[str, Any]) -> None:
         """Refuse input ids that contain the padding id without an attention mask (module docstring)."""

@@ -8,12 +8,12 @@ places ``W_hat[o, i] = W[i, o]`` at position ``i * out + o`` of ``W.flatten()`` 
 it (:class:`curvkit.linalg.kron.KroneckerBlock`). Positions share the weight as for ``nn.Linear``
 (expand or reduce).
 
-GPT-2's fused query/key/value projection ``c_attn`` is one ``Conv1D(3E, E)``: it gets ONE block, with a
-(3E, 3E) output factor that keeps the correlations between the query, key and value outputs, as the same
-layer written as one ``nn.Linear(E, 3E)`` would (``nn.MultiheadAttention``'s packed projection is split
-into three blocks instead because its rows act through separate projections inside one module whose other
-parts (the output projection) are blocks too; a ``Conv1D`` is one layer, and which ``Conv1D`` packs q, k,
-v is not part of the module).
+GPT-2's fused query/key/value projection ``c_attn`` (one ``Conv1D(3E, E)``) gets ONE block: the layer as
+written, with a (3E, 3E) output factor that keeps the correlations between the query, key and value outputs,
+as the same layer written as ``nn.Linear(E, 3E)`` would get. ``nn.MultiheadAttention``'s packed projection is
+split into q, k, v blocks because its handler knows that packing; a ``Conv1D`` does not say that it packs
+three projections, and three blocks would be the block-diagonal part of this one (``G_qq (x) A``, ...: the
+cross terms dropped), at a third of the factor's size.
 
 ``transformers`` is optional: :mod:`curvkit.layerkinds` recognises the class by its qualified name
 (:data:`LAZY`) without importing it.
