@@ -136,7 +136,8 @@ class CurvatureEstimator:
         self.num_updates = 0
 
     def update(self, data: Data) -> Self:
-        """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs); returns self."""
+        """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs; ``X`` a tensor or a mapping
+        of tensors, :mod:`curvkit.validation`); returns self."""
         for X, y in iter_batches(data, mappings=True):
             self._combine(*self._batch_statistics(X, y))
         return self

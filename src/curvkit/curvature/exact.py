@@ -5,10 +5,11 @@ Every operator is built as ``XOperator(model, likelihood, data)`` and is a
 :class:`curvkit.linalg.layout.ParamLayout`: ``named_parameters()`` order, each tensor row-major). Nothing
 of size (d, d) is formed unless ``to_dense()`` is asked for.
 
-Data and reduction. ``data`` is an ``(X, y)`` pair or an iterable of pairs; it is materialised into a
-list once (moved to the model's device) and every product loops over all of it again (one pass per
-product). Outputs are (B, C), or (B, *P, C) with position dimensions P (tokens, time steps; classes last,
-targets (B, *P) or the output's shape): the loss is L(theta) = w * sum_n sum_p L^np(theta) over ALL N
+Data and reduction. ``data`` is an ``(X, y)`` pair or an iterable of pairs, ``X`` a tensor (B, ...) or a
+mapping of tensors sharing B (``{"input_ids": ..., "attention_mask": ...}``; the model is called as
+``model(X)``, :mod:`curvkit.validation`); it is materialised into a list once (moved to the model's device)
+and every product loops over all of it again (one pass per product). Outputs are (B, C), or (B, *P, C)
+with position dimensions P (tokens, time steps; classes last, targets (B, *P) or the output's shape): the loss is L(theta) = w * sum_n sum_p L^np(theta) over ALL N
 samples and their counted positions (padding, the likelihood's ``ignore_index`` / ``ignore_value``, is left
 out of the loss and of every curvature), with w = 1 for ``likelihood.reduction == 'sum'`` and
 w = 1 / (counted positions of all the data) for ``'mean'`` (= 1/N without positions: batches are weighted
