@@ -26,8 +26,9 @@ tensors go to the constructor):
 
 Checked on every call, with errors that name what is wrong (nothing in the model is changed):
 
-* the batch holds the model's main input (or ``inputs_embeds`` where the forward takes it), only keys the
-  forward names, and no ``labels`` (the targets are the ``y`` of curvkit's ``(X, y)`` pairs: the model's own
+* the batch holds the model's main input (or ``inputs_embeds`` where the forward takes it) and every
+  parameter of the forward without a default value (read from its signature), only keys the forward names,
+  and no ``labels`` (the targets are the ``y`` of curvkit's ``(X, y)`` pairs: the model's own
   loss would be computed and thrown away);
 * a padded batch has an attention mask: when the configuration has a ``pad_token_id``, ``input_ids``
   contain it and the batch has no ``attention_mask``, the padding would be attended to silently, so the call
@@ -124,6 +125,7 @@ class HuggingFace(nn.Module):
         typed = _typed_kwargs(var[0]) if var else frozenset()
         open_kwargs = bool(var) and typed is None  # **kwargs without a TypedDict: anything is passed on
         self._main = str(getattr(model, "main_input_name", self._named[0] if self._named else "input_ids"))
+        self._required = tuple(n for n in self._named if params[n].default is params[n].empty and n not in options)
         unknown = [k for k in options if k not in self._named and k not in (typed or ())]
         if unknown and not open_kwargs:
             raise ValueError(f"HuggingFace: option(s) {unknown} are not parameters of "
@@ -178,6 +180,10 @@ class HuggingFace(nn.Module):
             need = " or ".join(repr(k) for k in alternatives)
             raise ValueError(f"{self._what}: the batch has no {need}, which {type(self.model).__name__}.forward "
                              f"needs; got {describe_inputs(inputs)}")
+        missing = [k for k in self._required if k not in inputs and k not in alternatives]
+        if missing:
+            raise ValueError(f"{self._what}: the batch has no {missing}, which {type(self.model).__name__}.forward "
+                             f"requires (parameters without a default); got {describe_inputs(inputs)}")
 
     def _refuse_keys(self, inputs: dict[str, Any]) -> None:
         """The error for a batch with labels, entries that are not tensors, or keys the forward does not name."""

@@ -483,7 +483,7 @@ class GaussNewton(CurvatureOptimizer):
         if X.dim() == 0 or X.shape[0] == 0:
             raise ValueError(f"{name}.step: {what} is empty (shape {tuple(X.shape)}); a step needs at least one "
                              "example")
-        if X.dtype != self._dtype:
+        if X.is_floating_point() and X.dtype != self._dtype:  # integer inputs (token ids) are not converted
             raise ValueError(f"{name}.step: {what} has dtype {X.dtype} but the model's parameters are "
                              f"{self._dtype}; convert the data (X.to({self._dtype})) or the model")
 
