@@ -422,6 +422,37 @@ def test_tied_embeddings_name_both_uses_and_the_fix_and_exact_operators_take_the
     assert_same_state(model, before)
 
 
+def test_errors_inside_the_engine_leave_the_model_as_it_was():
+    """Refusals raised while the engine runs the model (a training-mode model with dropout; position ids
+    without the batch dimension met by a Kronecker hook; an option the forward does not take): the model keeps
+    its parameters, buffers, train/eval flags, requires_grad flags, configuration and hooks."""
+    X, y = lm_batch()
+    lik = CrossEntropy(ignore_index=-100)
+    model = gpt2().train()
+    before = state(model)
+    for build in (lambda: GGNOperator(HuggingFace(model), lik, (X, y)),
+                  lambda: KroneckerEstimator(HuggingFace(model), lik).update((X, y)),
+                  lambda: DiagonalEstimator(HuggingFace(model), lik, "ggn").update((X, y))):
+        with pytest.raises(UnsupportedModelError, match=r"'model.transformer.drop' \(Dropout\) is random in "
+                                                        r"training mode.*model.eval\(\)"):
+            build()
+    assert_same_state(model, before)
+    assert model.training
+    model = gpt2()
+    before = state(model)
+    no_positions = {k: v for k, v in X.items() if k != "position_ids"}
+    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) ran on an input whose "
+                                                    r"first dimension \(1\) is not the batch \(3\)"):
+        KroneckerEstimator(HuggingFace(model), lik).update((no_positions, y))
+    assert_same_state(model, before)
+    model = bert()
+    before = state(model)
+    with pytest.raises(ValueError, match=r"option\(s\) \['dropout'\] are not parameters of "
+                                         r"BertForSequenceClassification.forward"):
+        HuggingFace(model, dropout=0.0)  # (declared **kwargs: checked; GPT-2's undeclared ones take anything)
+    assert_same_state(model, before)
+
+
 # ---------------------------------------------------------------------------------------------- consumers
 #: Per model: its tensor batch (the main input alone: token ids without padding, or pixel values) and the
 #: parameters GaussNewton and Kronecker Laplace take on this branch (nn.Linear [W | b] blocks; Conv1D,
