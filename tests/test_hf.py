@@ -185,6 +185,8 @@ def test_vit_classifier_equals_dense_references_with_either_batch_form():
         G = GGNOperator(hf, lik, (inputs, y))
         torch.testing.assert_close(G @ V, ref @ V, atol=ATOL, rtol=0)
     torch.testing.assert_close(G.diagonal().flat, ref.diagonal(), atol=ATOL, rtol=0)
+    H = HessianOperator(hf, lik, (X, y))
+    torch.testing.assert_close(H @ V, dense_hessian_ror(hf, lik, (X, y)) @ V, atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- Kronecker
@@ -276,6 +278,24 @@ def test_conv1d_kflr_on_one_token_is_the_exact_ggn_block():
     conv = [n for n, m in hf.named_modules() if type(m).__name__ == "Conv1D"]
     assert len(conv) == 4
     for name in conv:
+        idx = torch.cat([torch.arange(sl[f"{name}.{p}"].start, sl[f"{name}.{p}"].stop) for p in ("weight", "bias")])
+        block = G[idx[:, None], idx[None, :]]
+        assert block.abs().max() > 1e-6
+        torch.testing.assert_close(K[idx[:, None], idx[None, :]], block, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("which,layers", [("bert", ("model.bert.pooler.dense", "model.classifier")),
+                                          ("vit", ("model.classifier",))])
+def test_kflr_blocks_of_the_heads_are_the_exact_ggn_blocks_for_one_sample(which, layers):
+    """One sample: the Linear layers applied once per sample (BERT's pooler and classifier, ViT's classifier
+    on the class token) have KFLR blocks equal to the exact GGN's blocks of their [W | b] (thesis Lemma 3.21)."""
+    model, data = {"bert": (bert(seed=7), cls_batch(B=1, seed=9)), "vit": (vit(seed=7), image_batch(B=1, seed=9))}[which]
+    hf = HuggingFace(model)
+    lik = CrossEntropy("sum")
+    G = GGNOperator(hf, lik, data).to_dense()
+    K = KroneckerEstimator(hf, lik, "kflr").update(data).operator().to_dense()
+    sl = ParamLayout.from_module(hf).slices()
+    for name in layers:
         idx = torch.cat([torch.arange(sl[f"{name}.{p}"].start, sl[f"{name}.{p}"].stop) for p in ("weight", "bias")])
         block = G[idx[:, None], idx[None, :]]
         assert block.abs().max() > 1e-6
