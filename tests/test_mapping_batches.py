@@ -132,7 +132,7 @@ def test_readers_of_tensor_batches_refuse_a_mapping_by_name():
     (({}, torch.zeros(3)), ValueError, "empty mapping"),
     (({"a": torch.zeros(0, 2)}, torch.zeros(0)), ValueError, "share one positive leading"),
     ({"input_ids": torch.zeros(3, 2), "labels": torch.zeros(3)}, TypeError, r"batch.pop\('labels'\)"),
-    ([{"input_ids": torch.zeros(3, 2)}], TypeError, r"batch 0 of data is a mapping.*batch.pop"),
+    ([{"input_ids": torch.zeros(3, 2)}], TypeError, r"batch 0 of data is not an \(X, y\) pair but a mapping.*batch.pop"),
 ])
 def test_malformed_mapping_batches_are_refused_with_what_is_wrong(data, error, match):
     with pytest.raises(error, match=match):

@@ -235,7 +235,7 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
     count = 0
     for i, item in enumerate(items):
         if isinstance(item, Mapping):
-            raise TypeError(f"batch {i} of data is a mapping ({describe_inputs(item)}), not an (X, y) pair; pass "
+            raise TypeError(f"batch {i} of data is not an (X, y) pair but a mapping ({describe_inputs(item)}); pass "
                             "the model inputs and the targets as a pair, e.g. (batch, batch.pop('labels'))")
         if not (isinstance(item, (tuple, list)) and len(item) == 2
                 and isinstance(item[0], (Tensor, Mapping)) and isinstance(item[1], Tensor)):
