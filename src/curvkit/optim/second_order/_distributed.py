@@ -169,7 +169,7 @@ class DistributedKroneckerInverse:
                     eig[l] = KroneckerEigh(lG, QG, lA, QA)
             setattr(op, "_curvkit_eigh", eig)  # noqa: B010
         mine_blocks = [l for u in self.mine for l in self.units[u]]
-        names = [n for l in mine_blocks for n in op.blocks[l].names]
+        names = list(dict.fromkeys(n for l in mine_blocks for n in op.blocks[l].names))
         if len(mine_blocks) == len(op.blocks):
             sub = op
         else:
