@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from curvkit.validation import check_damping
 
 __all__ = [
     "BlockDiagonalOperator",
+    "BlockView",
     "DenseBlock",
     "KroneckerBlock",
     "KroneckerEigh",
@@ -317,7 +318,21 @@ def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device
     return idx
 
 
-def block_matrix(block: KroneckerBlock, tensors: Mapping[str, Tensor]) -> Tensor:
+class BlockView(Protocol):
+    """What :func:`block_matrix` and :func:`write_block_matrix` read of a block: its parameters' names and its
+    ``index`` (a :class:`KroneckerBlock`, or a consumer's record of one)."""
+
+    @property
+    def weight_name(self) -> str: ...
+
+    @property
+    def bias_name(self) -> str | None: ...
+
+    @property
+    def index(self) -> Tensor | None: ...
+
+
+def block_matrix(block: BlockView, tensors: Mapping[str, Tensor]) -> Tensor:
     """The block's matrix ``W_hat`` (out, in_aug) read from parameter-shaped tensors by name (the parameters,
     their gradients, a direction): ``[W.reshape(out, -1) | b]`` for the standard view, else the entries
     ``[w.flatten(), b.flatten()][index]`` (a transposed embedding, a q/k/v or group row slice, a (1, P) row).
@@ -331,7 +346,7 @@ def block_matrix(block: KroneckerBlock, tensors: Mapping[str, Tensor]) -> Tensor
     return flat[block.index.to(flat.device)]
 
 
-def write_block_matrix(block: KroneckerBlock, M: Tensor, out: MutableMapping[str, Tensor]) -> None:
+def write_block_matrix(block: BlockView, M: Tensor, out: MutableMapping[str, Tensor]) -> None:
     """Write ``M`` (out, in_aug), a matrix in the block's ``W_hat`` view, into the parameter-shaped, contiguous
     tensors ``out[weight_name]`` (and ``out[bias_name]``) in place: exactly the entries the block covers are
     set (:func:`block_matrix` reads them back), so the blocks of a parameter split into several (q/k/v,
