@@ -222,6 +222,26 @@ def test_float32_step_matches_float64():
     assert torch.allclose(steps[True], steps[False], rtol=1e-3, atol=1e-5 * float(steps[False].abs().max()))
 
 
+@pytest.mark.parametrize("name", ["transformer", "vit"])
+def test_float32_step_size_rho_and_damping_match_float64(name):
+    """On attention models, alpha*, the predicted change, rho and the tau and zeta updates of float32 steps equal
+    the float64 ones to float32 accuracy (two steps, rho and the greedy zeta on each)."""
+    model64, lik, (X, y) = _case(name)
+    model32 = copy.deepcopy(model64).float()
+    hist = {}
+    for model in (model64, model32):
+        Xm = X.to(next(model.parameters()).dtype) if X.is_floating_point() else X
+        opt = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kflr", tau=0.3, zeta=0.2,
+                          tau_every=1, zeta_every=1, omega_zeta=0.5)
+        for _ in range(2):
+            opt.step(batch=(Xm, y))
+        hist[model is model32] = opt.history
+        assert all(math.isfinite(r["rho"]) for r in opt.history)
+    for r32, r64 in zip(hist[True], hist[False]):
+        for key in ("alpha", "predicted_change", "rho", "tau", "zeta", "dCd"):
+            assert r32[key] == pytest.approx(r64[key], rel=2e-3, abs=1e-6), key
+
+
 def test_user_attention_settings_are_restored():
     """The optimiser's passes run with math attention and no fast path; the user's settings stay as they were."""
     model, lik, (X, y) = _case("vit")
@@ -346,3 +366,38 @@ def test_bad_input_is_refused_and_changes_nothing():
     odd = nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 2))
     with pytest.raises(UnsupportedModelError, match=r"'1' \(PReLU\)"):
         GaussNewton(odd.parameters(), model=odd, likelihood=CrossEntropy())
+
+
+def test_probabilities_are_refused_and_the_model_state_is_kept():
+    """A model that ends in a softmax (probabilities, not logits) is refused at the first step, naming the fix; a
+    refused step leaves parameters, buffers (BatchNorm running statistics), train/eval mode and requires_grad as
+    they were."""
+    vit_model, lik, (X, y) = _case("vit")
+
+    class Probs(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x).softmax(-1)
+
+    probs = Probs(copy.deepcopy(vit_model))
+    opt = GaussNewton(probs.parameters(), model=probs, likelihood=lik, curvature="kfac")
+    with pytest.raises(ValueError, match=r"look like probabilities .* remove the final softmax"):
+        opt.step(batch=(X, y))
+    assert opt.num_steps == 0
+    log_probs = Probs(copy.deepcopy(vit_model))
+    log_probs.forward = lambda x: torch.log_softmax(log_probs.inner(x), -1)  # log-probabilities are logits
+    GaussNewton(log_probs.parameters(), model=log_probs, likelihood=lik, curvature="kfac").step(batch=(X, y))
+    model, lik, (X, y) = _case("resnet")
+    state = ([p.clone() for p in model.parameters()], [b.clone() for b in model.buffers()], model.training,
+             [p.requires_grad for p in model.parameters()])
+    opt = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfac")
+    for bad in ((X * math.nan, y), (X, y[:-1])):
+        with pytest.raises(ValueError, match=r"NaN or inf|one target per example"):
+            opt.step(batch=bad)
+    opt.step(batch=(X, torch.full_like(y, 2)))  # and a good step changes the parameters only
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), state[1]))
+    assert model.training == state[2] and [p.requires_grad for p in model.parameters()] == state[3]
+    assert not all(torch.equal(p, c) for p, c in zip(model.parameters(), state[0]))

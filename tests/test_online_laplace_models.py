@@ -147,3 +147,51 @@ def test_unsupported_layer_and_tied_weight_are_named():
     odd = nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 2))
     with pytest.raises(UnsupportedModelError, match=r"'1' \(PReLU\)"):
         LaplacePenalty(task_size=3).loss(odd)
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, inner, how):
+        super().__init__()
+        self.inner, self.how = inner, how
+
+    def forward(self, x):
+        f = self.inner(x)
+        return (f, x) if self.how == "tuple" else f.softmax(-1)
+
+
+def _snapshot(model):
+    return ([p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()], model.training,
+            [p.requires_grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("curvature", ["kron", "diag"])
+def test_bad_input_is_refused_and_changes_nothing(curvature):
+    """NaN in a task's batch, padding without ignore_index, a model that returns a tuple or probabilities: a clear
+    error naming what is wrong (not a misleading one from deeper in the engine), and the model (parameters,
+    buffers, train/eval mode, requires_grad) and the penalty are unchanged."""
+    import copy
+    import math
+
+    from curvkit.likelihoods import CrossEntropy
+
+    vit, lik, (X, y) = tiny_case("vit")
+    vit.train()
+    gpt, _, (ids, yt) = tiny_case("lora_gpt")
+    Xbad = X.clone()
+    Xbad[1, 0, 2, 2] = math.nan
+    cases = [
+        (vit, lik, (Xbad, y), ValueError, r"batch 0 X contains NaN or inf \(1 of 80 entries\)"),
+        (gpt, CrossEntropy(), (ids, yt), ValueError, r"padding is not enabled: for padded positions pass "
+                                                     r"CrossEntropy\(ignore_index=...\)"),
+        (_Wrap(copy.deepcopy(vit), "tuple"), lik, (X, y), TypeError, r"one tensor .* got tuple"),
+        (_Wrap(copy.deepcopy(vit), "probs"), lik, (X, y), ValueError, r"look like probabilities"),
+    ]
+    for model, likelihood, data, err, match in cases:
+        before = _snapshot(model)
+        pen = LaplacePenalty(curvature=curvature, task_size=5, likelihood=likelihood)
+        with pytest.raises(err, match=match):
+            pen.on_task_end(model, data)
+        after = _snapshot(model)
+        assert all(torch.equal(a, b) for a, b in zip(after[0] + after[1], before[0] + before[1]))
+        assert after[2:] == before[2:]
+        assert pen.tasks_seen == 0 and pen.store == {} and pen.sizes == []

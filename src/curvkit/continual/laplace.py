@@ -67,8 +67,8 @@ from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import block_matrix, write_block_matrix
-from curvkit.structure import LayerInfo, read_model
-from curvkit.validation import integer, nonnegative, positive
+from curvkit.structure import LayerInfo, curvature_kernels, read_model
+from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
 
 __all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
 
@@ -366,9 +366,11 @@ class LaplacePenalty(Penalty):
                 was_training = model.training
                 model.eval()
                 try:
-                    for X, y in _batches(data, self.batch_size):
+                    for i, (X, y) in enumerate(_batches(data, self.batch_size)):
                         p = next(model.parameters())
-                        est.update((X.to(p.device), y.to(p.device)))
+                        X, y = X.to(p.device), y.to(p.device)
+                        self._check_batch(model, X, y, i)
+                        est.update((X, y))
                 finally:
                     model.train(was_training)
                 op = est.operator()
@@ -380,6 +382,27 @@ class LaplacePenalty(Penalty):
         else:
             stats = dict(zip(op.layout.names, op.tensors))
         return stats, int(est.num_terms)
+
+    def _check_batch(self, model: nn.Module, X: Tensor, y: Tensor, i: int) -> None:
+        """Refuse, naming it, what the curvature pass would misread: NaN or inf in a batch, and (on the first
+        batch, one forward pass without autograd) outputs that are not one tensor of logits - a tuple, or
+        probabilities for a softmax likelihood."""
+        for what, t in (("X", X), ("y", y)):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"LaplacePenalty: batch {i} {what} contains NaN or inf "
+                                 f"({int((~torch.isfinite(t)).sum())} of {t.numel()} entries); nothing was changed")
+        if i:
+            return
+        with torch.no_grad(), curvature_kernels():
+            f = model(X)
+        if not isinstance(f, Tensor):
+            raise TypeError(f"LaplacePenalty: the model must return its outputs (logits) as one tensor of shape "
+                            f"(batch, [positions...,] outputs), got {type(f).__name__}; wrap it in a module that "
+                            "returns the logits")
+        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
+            raise ValueError(f"LaplacePenalty: the model's outputs of shape {tuple(f.shape)} look like probabilities "
+                             "(every entry in [0, 1], every row summing to 1), but CrossEntropy takes logits: remove "
+                             "the final softmax, or end with log_softmax")
 
     def _add(self, model: nn.Module, stats: dict[str, Any], c: float, anchor: dict[str, Tensor]) -> None:
         per_task_anchor = self.mode == "ewc"

@@ -89,7 +89,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds
 from curvkit.curvature.estimators import KroneckerEstimator
-from curvkit.likelihoods import Likelihood
+from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras
@@ -102,7 +102,7 @@ from curvkit.optim.second_order.quadratic import (
     two_direction_minimum,
 )
 from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model
-from curvkit.validation import integer, nonnegative, unit_interval
+from curvkit.validation import integer, looks_like_probabilities, nonnegative, unit_interval
 
 __all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
 
@@ -348,6 +348,10 @@ class GaussNewton(CurvatureOptimizer):
         assert self.model is not None
         with torch.no_grad(), curvature_kernels():
             f = self._logits(self.model(X))
+        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
+            raise ValueError(f"{type(self).__name__}: the model's outputs of shape {tuple(f.shape)} look like "
+                             "probabilities (every entry in [0, 1], every row summing to 1), but CrossEntropy takes "
+                             "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
         self._output_checked = True
         if self.estimator is None:
             source, reason = default_curvature(self._structure, self.likelihood, f)
