@@ -243,3 +243,21 @@ def test_bad_input_is_refused_and_changes_nothing(cls):
     with pytest.raises(UnsupportedModelError, match=r"'1' \(PReLU\)"):
         cls(odd.parameters(), model=odd)
     assert not any(m._forward_hooks for m in odd.modules())  # nothing attached to a refused model
+
+
+def test_loss_scale_is_read_from_a_layer_that_took_the_diagonal_form():
+    """reduction='mean' without batch_size: the batch size comes from the captured rows, also when the only
+    Linear layer shares its weight over positions and took the diagonal form (g = B * the mean loss's gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))
+    ids, y = torch.randint(0, 5, (4, 6)), torch.randint(0, 2, (4,))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = KFNatGrad(model.parameters(), model=model, s0=0.5)
+    F.cross_entropy(model(ids).mean(1), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    assert opt.layers == [] and [d.name for d in opt.diagonal] == ["0.weight", "1.weight", "1.bias"]
+    for p, p0, g in zip(model.parameters(), before, grads):
+        a = -4.0 * g
+        torch.testing.assert_close(p.detach(), p0 + a / (1 / 0.5 + a * a), rtol=1e-12, atol=1e-14)
+    opt.close()

@@ -205,7 +205,7 @@ class _KroneckerBase(CurvatureOptimizer):
         ``batch_size`` that contradicts them is refused."""
         if self.loss_scale.reduction == "sum":
             return 1.0
-        sizes = next((rec.cap.pass_sizes for rec in self.layers if rec.cap.pass_sizes), [])
+        sizes = next((cap.pass_sizes for cap in self.capture.records if cap.pass_sizes), [])  # any captured layer
         if not sizes:
             return self.loss_scale.factor(batch_size)
         if len(set(sizes)) > 1:
