@@ -103,6 +103,8 @@ STEP_CASES = [
     ("tagger", "auto", "factored", {}),
     ("tagger", "kflr", "eigen", {"weight_sharing": "reduce"}),
     ("lora_gpt", "auto", "factored", {}),
+    ("vit", "projection", "factored", {"mc_samples": 2, "distribution": "gaussian"}),
+    ("transformer", "projection", "eigen", {"weight_sharing": "reduce"}),
 ]
 
 
