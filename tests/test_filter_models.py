@@ -261,3 +261,28 @@ def test_loss_scale_is_read_from_a_layer_that_took_the_diagonal_form():
         a = -4.0 * g
         torch.testing.assert_close(p.detach(), p0 + a / (1 / 0.5 + a * a), rtol=1e-12, atol=1e-14)
     opt.close()
+
+
+@pytest.mark.parametrize("cls", [KFNatGrad, KFBayes, KFWhiten])
+def test_state_dict_round_trip_with_diagonal_parameters(cls):
+    """Stopped after one step and resumed in a fresh optimiser (whose weight-shared layers are not yet known to
+    be diagonal): the same parameters as running on."""
+    model_a, lik, (X, y) = _case("transformer")
+    model_b = copy.deepcopy(model_a)
+    opt_a = cls(model_a.parameters(), model=model_a)
+    opt_b = cls(model_b.parameters(), model=model_b)
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        lik(model(X), y).backward()
+        opt.step()
+        model.zero_grad()
+    sd = copy.deepcopy(opt_b.state_dict())
+    opt_b.close()
+    opt_c = cls(model_b.parameters(), model=model_b)
+    opt_c.load_state_dict(sd)
+    for model, opt in ((model_a, opt_a), (model_b, opt_c)):
+        lik(model(X.flip(0)), y.flip(0)).backward()
+        opt.step()
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    opt_a.close()
+    opt_c.close()

@@ -189,7 +189,7 @@ class _KroneckerBase(CurvatureOptimizer):
         for rec in list(self.layers):
             if rec.a is None or rec.positions == 1:
                 continue
-            if self.state.get(rec.weight):
+            if "Sx" in self.state.get(rec.weight, {}):  # a resumed diagonal state ('s') is demoted again
                 raise UnsupportedModelError(
                     f"{type(self).__name__}: layer {rec.name!r} got inputs with {rec.positions} positions per "
                     "example after its Kronecker posterior was started on (batch, features) inputs; give it one "
