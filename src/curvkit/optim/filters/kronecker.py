@@ -66,7 +66,9 @@ KFWhiten v = EMA_beta(g^2), W <- W + eta g / sqrt(v_hat + damping mean(v_hat)) (
 ``diagonal`` lists those parameters; ``curvature()`` gives them exact diagonal blocks ``[[1]] (x) diag(1/s)``,
 and ``effective_lr()``/``diagnostics()`` report them by parameter name. Data-parallel steps take only Kronecker
 layers. ``reduction='mean'`` is the mean over examples: for a loss averaged over positions (tokens), back-propagate
-the summed loss with ``reduction='sum'``.
+the summed loss with ``reduction='sum'``. The filters read the user's own loss and backward pass: the model's
+outputs, padding (``CrossEntropy(ignore_index=...)``, which refuses out-of-range targets without it) and the data
+are checked by that loss; a step checks every gradient for NaN/inf before it writes anything.
 """
 
 from __future__ import annotations
