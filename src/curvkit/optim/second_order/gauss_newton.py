@@ -179,12 +179,16 @@ class GaussNewton(CurvatureOptimizer):
 
     Args:
         params: the model's trainable parameters (all of them; any grouping).
-        model: the network (every trainable parameter in an ``nn.Linear``/``nn.Conv2d`` layer; ``kfra``
-            needs an MLP chain ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``); unsupported modules
-            are named in the error.
+        model: the network (every trainable parameter in a layer kind of :mod:`curvkit.layerkinds`: Linear
+            with or without weight sharing, convolutions incl. grouped, Embedding, normalisation layers,
+            MultiheadAttention, raw (1, ...) parameters; ``kfra`` needs an MLP chain
+            ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``); unsupported modules and tied weights are
+            named in the error. It must return one tensor of logits (B, [*P,] C).
         likelihood: the loss head (:mod:`curvkit.likelihoods`), e.g. ``BernoulliBCE('mean')`` for an
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
-        curvature: ``'kfra'`` (default, the thesis's method) | ``'kflr'`` | ``'kfac'`` | ``'projection'``.
+        curvature: ``'auto'`` (default: :func:`default_curvature`, KFRA - the thesis's method - where its
+            recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
+            ``'kflr'`` | ``'kfac'`` | ``'projection'``.
         inversion: ``'factored'`` (Eq. 4.25, default) | ``'eigen'`` (exact damped inverse, KFAC*/KFRA*).
         omega_norm: ``'trace'`` (Eq. 4.27 with the trace norm, the thesis's) | ``'frobenius'``.
         weight_decay: lambda >= 0 of Eq. 4.12 (the thesis's autoencoders: 1e-5, digest recommendation).
