@@ -248,6 +248,26 @@ def _gauss_newton_checks(rank, world, red):
                        f"GaussNewton {cfg} {placement} {k}", rtol=1e-7)
             for p1, p2 in zip(ref_net.parameters(), dst_net.parameters()):
                 _close(p2, p1, f"GaussNewton {cfg} {placement} parameters", rtol=1e-7, atol=1e-9)
+    # the non-standard blocks of a ViT (q/k/v slices, LayerNorm rows, the raw class token and position table): the
+    # union's step with each parameter unit placed on its owner
+    from curvkit.architectures import vit
+
+    g = torch.Generator().manual_seed(60)
+    Xv, yv = torch.randn(13, 1, 4, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (13,), generator=g)
+    for placement, cfg in (("comm-opt", dict(curvature="kflr", inversion="factored")),
+                           ("mem-opt", dict(curvature="kflr", inversion="eigen", weight_sharing="reduce"))):
+        r = Reducer(placement=placement, timeout=red.timeout)
+        nets = [vit(image_size=4, patch_size=2, dim=4, depth=1, heads=2, mlp_dim=4, num_classes=3, seed=1,
+                    dtype=torch.float64) for _ in range(2)]
+        kw = dict(likelihood=lik, tau_every=1, zeta_every=2, weight_decay=1e-4, **cfg)
+        ref = GaussNewton(nets[0].parameters(), model=nets[0], **kw)
+        dst = GaussNewton(nets[1].parameters(), model=nets[1], distributed=r, **kw)
+        for t in range(2):
+            Xt = Xv * (1 + t)
+            _close(dst.step(batch=(_shard(Xt, rank, world), _shard(yv, rank, world))), ref.step(batch=(Xt, yv)),
+                   f"GaussNewton ViT {cfg} {placement} objective")
+        for p1, p2 in zip(nets[0].parameters(), nets[1].parameters()):
+            _close(p2, p1, f"GaussNewton ViT {cfg} {placement} parameters", rtol=1e-7, atol=1e-9)
     # closures under DistributedDataParallel with the union-gradient hook (unequal shards, mean loss)
     ref_net, dst_net = _net(), _net()
     r = Reducer(timeout=red.timeout)

@@ -36,6 +36,36 @@ def _net():
     return mlp([5, 6, 4, 3], "tanh", dtype=torch.float64, seed=0)  # two hidden layers: KFRA's recursion runs
 
 
+class _Mixed(torch.nn.Module):
+    """Every non-standard Kronecker block GaussNewton reads through an index: an Embedding (W^T, diagonal A), the
+    q/k/v slices of a packed attention weight and the LayerNorms (plain (1, P) blocks) of a TransformerEncoderLayer,
+    a grouped Conv1d (one block per group), and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(5, 4)
+        self.encoder = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+        self.conv = nn.Conv1d(4, 4, 3, padding=1, groups=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.encoder(self.embed(ids))
+        return self.head(self.conv(h.transpose(1, 2)).mean(2))
+
+
+def _mixed_net():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _Mixed().double()
+
+
+def _mixed_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + t)
+    n = 7 + t % 3
+    return torch.randint(0, 5, (n, 4), generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
 def _make(name: str, net, red):
     from curvkit.likelihoods import CrossEntropy
     from curvkit.optim import BBBSGD, BGD, MESU, GaussNewton
@@ -80,7 +110,7 @@ GAUSS_NEWTON = tuple(f"GN-{c}-{i}" for c in ("kfra", "kflr", "kfac") for i in ("
 
 
 def replica_worker(rank: int, world: int, names: tuple[str, ...], placements: tuple[str, ...], steps: int,
-                   blocking_wait: bool = True) -> None:
+                   blocking_wait: bool = True, mixed: bool = False) -> None:
     from curvkit.likelihoods import CrossEntropy
 
     torch.manual_seed(100 + rank)  # a different global RNG per rank: nothing may depend on it
@@ -90,12 +120,12 @@ def replica_worker(rank: int, world: int, names: tuple[str, ...], placements: tu
         for name in names:
             if placement != "comm-opt" and not name.startswith("GN-"):
                 continue
-            net = _net()
+            net = _mixed_net() if mixed else _net()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt = _make(name, net, red)
                 for t in range(steps):
-                    X, y = _batch(t)
+                    X, y = _mixed_batch(t) if mixed else _batch(t)
                     rows = red.shard(X.shape[0])
                     if name in GRAD_STEPPED:
                         opt.zero_grad()
@@ -117,8 +147,21 @@ def test_replicas_stay_bitwise_identical(names, blocking_wait):
     spawn(replica_worker, 2, (names, ("comm-opt",), STEPS, blocking_wait), timeout=600, collective_timeout=60)
 
 
+def test_gauss_newton_replicas_on_every_block_kind():
+    """GaussNewton on the embedding / attention / LayerNorm / grouped-convolution model: replicas stay bitwise
+    identical with every placement (mem-opt and hybrid broadcast each parameter unit's direction)."""
+    names = ("GN-kflr-factored", "GN-kfac-eigen")
+    spawn(replica_worker, 2, (names, ("comm-opt", "mem-opt"), 8, True, True), timeout=600, collective_timeout=60)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("names, placement", [(BATCH_STEPPED + GRAD_STEPPED, "comm-opt"),
                                               (GAUSS_NEWTON, "comm-opt"), (GAUSS_NEWTON, "mem-opt")])
 def test_replicas_stay_bitwise_identical_three_ranks_hundreds_of_steps(names, placement):
     spawn(replica_worker, 3, (names, (placement,), SLOW_STEPS), timeout=1800, collective_timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["comm-opt", "mem-opt", "hybrid"])
+def test_gauss_newton_replicas_on_every_block_kind_three_ranks(placement):
+    spawn(replica_worker, 3, (GAUSS_NEWTON[2:], (placement,), 100, True, True), timeout=1800, collective_timeout=120)

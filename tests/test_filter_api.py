@@ -163,9 +163,14 @@ def test_unsupported_layers_are_named():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"'1'.*BatchNorm1d"):
         KFBayes(model.parameters(), model=model)
+    odd = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.PReLU(4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'1' \(PReLU\)"):
+        KFNatGrad(odd.parameters(), model=odd)
+    # KFNatGrad's rank-1 samples do not exist for a convolution: its parameters get the diagonal form
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
-    with pytest.raises(ValueError, match=r"'0'.*Conv2d"):
-        KFNatGrad(conv.parameters(), model=conv)
+    nat = KFNatGrad(conv.parameters(), model=conv)
+    assert [d.name for d in nat.diagonal] == ["0.weight", "0.bias"] and [r.name for r in nat.layers] == ["2"]
+    nat.close()
     # KFWhiten supports Conv2d (KFC-style patch statistics)
     opt = KFWhiten(conv.parameters(), model=conv, lr=1e-2, batch_size=4)
     X, y = torch.randn(4, 1, 6, 6), torch.randint(0, 3, (4,))

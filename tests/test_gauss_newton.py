@@ -465,22 +465,35 @@ def test_invalid_hyperparameters_are_refused():
 
 
 def test_unsupported_layers_name_the_module():
-    net = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(torch.float64)
-    with pytest.raises(UnsupportedModelError, match=r"'1'.*LayerNorm"):
-        GaussNewton(net.parameters(), model=net, likelihood=CrossEntropy(), curvature="kfac")
+    """A layer no Kronecker kind takes (PReLU's per-channel slope) is refused at construction, naming it, for
+    every source including 'auto'; so are KFRA on a model that is not an MLP chain and a tied weight."""
+    net = nn.Sequential(nn.Linear(4, 5), nn.PReLU(5), nn.Linear(5, 3)).to(torch.float64)
+    for curvature in ("auto", "kfac", "kflr"):
+        with pytest.raises(UnsupportedModelError, match=r"'1'.*PReLU"):
+            GaussNewton(net.parameters(), model=net, likelihood=CrossEntropy(), curvature=curvature)
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(18, 3)).to(torch.float64)
     with pytest.raises(UnsupportedModelError, match=r"'0'.*Conv2d"):
         GaussNewton(cnn.parameters(), model=cnn, likelihood=CrossEntropy(), curvature="kfra")
+
+
+def _nan_outputs(net: nn.Module, X: torch.Tensor):
+    """A forward hook that makes the outputs NaN for the batch ``X`` only (a finite batch, a NaN loss)."""
+    return net.register_forward_hook(lambda m, i, o: o * math.nan if i[0].shape == X.shape and torch.equal(i[0], X)
+                                     else o)
 
 
 def test_step_errors_change_nothing():
     X, y = _batches(1)[0]
     Xbad = X.clone()
     Xbad[0, 0] = math.nan
+    Xnan = X + 1.0  # a finite batch whose outputs the hook makes NaN
     net, opt = _make(momentum=False)  # curvature_every=2: step 1 refreshes the factors, step 2 reuses them
+    hook = _nan_outputs(net, Xnan)
     gen0 = opt.state_dict()["gauss_newton"]["generator"].clone()
-    with pytest.raises(FloatingPointError, match="step 1: the loss is not finite"):
+    with pytest.raises(ValueError, match=r"batch X contains NaN or inf \(1 of 40 entries\); nothing was changed"):
         opt.step(batch=(Xbad, y))
+    with pytest.raises(FloatingPointError, match="step 1: the loss is not finite"):
+        opt.step(batch=(Xnan, y))
     sd = opt.state_dict()["gauss_newton"]
     assert sd["num_steps"] == 0 and sd["estimator"]["num_updates"] == 0 and torch.equal(sd["generator"], gen0)
     opt.step(batch=(X, y))
@@ -491,7 +504,8 @@ def test_step_errors_change_nothing():
     with pytest.raises(TypeError, match="needs the minibatch"):
         opt.step()
     with pytest.raises(FloatingPointError, match="step 2: the loss is not finite"):
-        opt.step(batch=(Xbad, y))
+        opt.step(batch=(Xnan, y))
+    hook.remove()
     for p, b in zip(net.parameters(), before):
         assert torch.equal(p, b)
     sd = opt.state_dict()["gauss_newton"]

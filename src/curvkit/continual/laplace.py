@@ -8,15 +8,20 @@ is trained on ``-log p(D_{t+1} | theta) + (1/2) (theta - mu_t)^T Lambda_t (theta
     EWC Laplace (Eq. 5.26):          penalty sum_i (1/2) (theta - mu_i)^T lam G_i(mu_i) (theta - mu_i)
 
 where ``G_i`` is the curvature of task i's SUMMED log-likelihood, ``N_i`` times its per-datum mean
-(stored as per-datum factors and the coefficient ``lam * N_i``), either Kronecker-factored per layer
+(stored as per-datum factors and the coefficient ``lam * N_i``), either Kronecker-factored per block
 (``curvature='kron'``, Eq. 5.14's ``G_{i,l} (x) A_{i,l}`` in PyTorch's output-first layout) or diagonal
-(``curvature='diag'``). The penalty's gradient for a Kronecker layer is
+(``curvature='diag'``). The penalty's gradient for a Kronecker block is
 
-    sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0),      W_hat = [W | b]
+    sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0)
 
 computed for all stored tasks at once with batched matrix products and never a Kronecker product
 (:class:`_KroneckerQuadratic`: the forward pass computes this gradient and the value
-``(1/2) <W_hat - M, gradient>``, the backward pass only scales it).
+``(1/2) <W_hat - M, gradient>``, the backward pass only scales it). ``W_hat`` is the block's matrix view of
+its parameters (:func:`curvkit.linalg.kron.block_matrix`): ``[W | b]`` of a Linear or Conv layer, and on the
+other layer kinds of the Kronecker engine (:mod:`curvkit.layerkinds`) ``W^T`` of an Embedding (its A the
+diagonal of token counts, a vector: ``G D diag(A)``), the query/key/value rows of a packed attention weight,
+one group of a grouped convolution, and the (1, P) row of a normalisation layer's or a raw parameter's
+per-sample-gradient block (``G`` the (1, 1) scale).
 
 Storage (Sec. 5.3.1): sums of Kronecker products do not factorise, so ``memory='per_task'`` keeps one
 (G, A) pair per task per layer (memory and cost grow with the tasks, as in the thesis's experiments);
@@ -35,7 +40,10 @@ of ``kron`` defaults to KFLR (exact output factor) and of ``diag`` to the exact 
 
 Units. With ``reduction='mean'`` the penalty is divided by the CURRENT task's training-set size
 (``task_size``, changed with :meth:`LaplacePenalty.set_task_size`), so it adds to a mean-reduced data
-loss as :class:`curvkit.continual.penalties.Penalty` requires; ``'sum'`` adds it to a summed loss.
+loss as :class:`curvkit.continual.penalties.Penalty` requires; ``'sum'`` adds it to a summed loss. Sizes
+count LOSS TERMS, what a mean-reduced loss divides by: examples for (B, C) outputs, counted positions
+(tokens, time steps without padding) for outputs with positions (B, *P, C); ``N_i`` times the curvature of
+the mean loss over task i's terms is the curvature of its summed loss.
 
 Multi-head models: penalise only the shared parameters (``params=``); when the model has a
 ``set_task(i)`` method (:class:`MultiHead`) the penalty selects task i's head while it computes task i's
@@ -45,19 +53,22 @@ curvature.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from curvkit import layerkinds
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
-from curvkit.structure import LayerInfo, read_model
-from curvkit.validation import integer, nonnegative, positive
+from curvkit.linalg.kron import block_matrix, write_block_matrix
+from curvkit.structure import LayerInfo, curvature_kernels, read_model
+from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
 
 __all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
 
@@ -113,8 +124,10 @@ class _KroneckerQuadratic(torch.autograd.Function):
 
 def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
                      prior_anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """G (T, o, o), A (T, i, i) or (T, i) (a diagonal input factor)."""
     D = W - anchors  # (o, i) for one shared anchor, (T, o, i) per task
-    M = torch.matmul(torch.matmul(G, D), A)  # (T, o, i)
+    GD = torch.matmul(G, D)
+    M = GD * A[:, None, :] if A.dim() == 2 else torch.matmul(GD, A)  # (T, o, i)
     grad = torch.einsum("t,toi->oi", coef, M)
     if D.dim() == 2:
         value = 0.5 * (D * grad).sum()
@@ -127,12 +140,15 @@ def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Ten
     return grad, value
 
 
-def _w_hat(model_params: Mapping[str, Tensor], lay: LayerInfo) -> Tensor:
-    W = model_params[lay.weight]  # type: ignore[index]
-    W = W.reshape(W.shape[0], -1)
-    if lay.bias is None:
-        return W
-    return torch.cat([W, model_params[lay.bias][:, None]], dim=1)
+@dataclass(frozen=True)
+class PenaltyBlock:
+    """One Kronecker block of the penalty: its label (the store's key), its parameters and the ``index`` of its
+    matrix view ``W_hat`` in them (None: ``[W.reshape(out, -1) | b]``; :class:`curvkit.linalg.kron.KroneckerBlock`)."""
+
+    label: str
+    weight_name: str
+    bias_name: str | None
+    index: Tensor | None
 
 
 def _batches(data: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
@@ -148,7 +164,8 @@ class LaplacePenalty(Penalty):
     """Online / Non-Online / EWC Laplace penalty (module docstring) for the continual harness.
 
     Args:
-        curvature: ``'kron'`` (Linear/Conv2d layers) | ``'diag'``.
+        curvature: ``'kron'`` (every layer kind of :mod:`curvkit.layerkinds`; module docstring) | ``'diag'``
+            (any differentiable model).
         mode: ``'online'`` (Eq. 5.25) | ``'non_online'`` (Eq. 5.24) | ``'ewc'`` (Eq. 5.26).
         lam: the curvature multiplier lambda (one value for all tasks).
         prior_precision: lam_0, on the summed-loss scale.
@@ -159,10 +176,12 @@ class LaplacePenalty(Penalty):
         likelihood: the task likelihood (default softmax cross-entropy).
         batch_size: batch size of the curvature pass when the data is one (X, y) pair.
         reduction: ``'mean'`` (divide by the current task size) | ``'sum'``.
-        task_size: the current task's training-set size (required for ``'mean'``; also N_i when
-            :meth:`on_task_end` is given a sample of the task, as the continual runner does).
+        task_size: the current task's training-set size in loss terms (examples; counted positions for
+            sequence outputs; required for ``'mean'``; also N_i when :meth:`on_task_end` is given a sample of
+            the task, as the continual runner does).
         params: names of the parameters to penalise (default: every trainable parameter at the first
-            call); for ``kron`` they must be whole Linear/Conv2d layers.
+            call); for ``kron`` each must belong to a layer kind of the Kronecker engine (a weight and its bias
+            together).
         task_data: ``task_data(i) -> (X, y) or batches`` of task i, required by ``'non_online'``.
         seed: seed of sampled labels.
     """
@@ -199,10 +218,10 @@ class LaplacePenalty(Penalty):
         self.task_data, self.seed = task_data, int(seed)
         self.tasks_seen = 0
         self.sizes: list[int] = []
-        # kron: layer label -> {"G": (T, o, o), "A": (T, i, i), "coef": (T,), "anchor": (o, i) | (T, o, i)}
+        # kron: block label -> {"G": (T, o, o), "A": (T, i, i) | (T, i), "coef": (T,), "anchor": (o, i) | (T, o, i)}
         # diag: param name -> {"F": (T, *shape), "coef": (T,), "anchor": shape | (T, *shape)}
         self.store: dict[str, dict[str, Tensor]] = {}
-        self._layers: list[LayerInfo] | None = None
+        self._layers: list[PenaltyBlock] | list[LayerInfo] | None = None
 
     # ------------------------------------------------------------------ set-up
     def set_task_size(self, n: int) -> None:
@@ -222,14 +241,20 @@ class LaplacePenalty(Penalty):
                              "gets no curvature and no penalty: leave it out of params")
         return self.params
 
-    def layers(self, model: nn.Module) -> list[LayerInfo]:
-        """The penalised layers (weights and biases restricted to ``params``)."""
+    def layers(self, model: nn.Module) -> list[Any]:
+        """The penalised blocks (``kron``: one :class:`PenaltyBlock` per block of the Kronecker engine's layer
+        kinds, for the parameters in ``params``; an unsupported layer or a tied weight is refused, naming it) or
+        layers (``diag``)."""
         if self._layers is None:
             names = self._names(model)
             with only_trainable(model, names):
                 structure = read_model(model)
-                self._layers = (structure.kronecker_layers("Kronecker Laplace penalty")
-                                if self.curvature == "kron" else list(structure.layers))
+                if self.curvature == "kron":
+                    plans = layerkinds.plan(structure, "Kronecker Laplace penalty")
+                    self._layers = [PenaltyBlock(spec.label, spec.weight, spec.bias, spec.index)
+                                    for lp in plans for spec in lp.blocks]
+                else:
+                    self._layers = list(structure.layers)
         return self._layers
 
     # ------------------------------------------------------------------ penalty
@@ -245,7 +270,7 @@ class LaplacePenalty(Penalty):
         total = torch.zeros((), dtype=p0.dtype, device=p0.device)
         if self.curvature == "kron":
             for lay in self.layers(model):
-                W = _w_hat(named, lay)
+                W = block_matrix(lay, named)
                 s = self.store.get(lay.label)
                 if s is None:  # before the first task ends: the prior only
                     total = total + 0.5 * self.lam0 * (W * W).sum()
@@ -276,15 +301,13 @@ class LaplacePenalty(Penalty):
         named = {n: p.detach() for n, p in model.named_parameters()}
         out: dict[str, Tensor] = {}
         if self.curvature == "kron":
+            out = {n: torch.zeros_like(named[n], memory_format=torch.contiguous_format) for n in self._names(model)}
             for lay in self.layers(model):
-                W = _w_hat(named, lay)
+                W = block_matrix(lay, named)
                 s = self.store.get(lay.label)
                 g = self.lam0 * W if s is None else _kron_grad_value(
                     W, s["G"], s["A"], s["coef"], s["anchor"], self.lam0, self._prior_anchor(s["anchor"], W))[0]
-                w = named[lay.weight]  # type: ignore[index]
-                out[lay.weight] = g[:, :w[0].numel()].reshape(w.shape)  # type: ignore[index]
-                if lay.bias is not None:
-                    out[lay.bias] = g[:, -1]
+                write_block_matrix(lay, g, out)
         else:
             for n in self._names(model):
                 p, s = named[n], self.store.get(n)
@@ -299,11 +322,12 @@ class LaplacePenalty(Penalty):
     def on_task_end(self, model: nn.Module, data: Any) -> None:
         """The task that just ended: its curvature at the current parameters joins the precision. ``data``
         is an (X, y) pair or an iterable of batches of that task; N_i is ``task_size`` when set (the data
-        may be a sample of the task), else the number of examples in ``data``."""
+        may be a sample of the task), else the number of loss terms in ``data`` (its examples; its counted
+        positions for sequence outputs)."""
         self.consolidate(model, data, num_data=self.task_size)
 
     def consolidate(self, model: nn.Module, data: Any, num_data: int | None = None) -> None:
-        """As :meth:`on_task_end`, with N_i given explicitly (default: the number of examples seen)."""
+        """As :meth:`on_task_end`, with N_i given explicitly (default: the number of loss terms seen)."""
         task = self.tasks_seen
         stats, count = self._task_curvature(model, data, task)
         n_i = count if num_data is None else integer("num_data", num_data)
@@ -342,9 +366,11 @@ class LaplacePenalty(Penalty):
                 was_training = model.training
                 model.eval()
                 try:
-                    for X, y in _batches(data, self.batch_size):
+                    for i, (X, y) in enumerate(_batches(data, self.batch_size)):
                         p = next(model.parameters())
-                        est.update((X.to(p.device), y.to(p.device)))
+                        X, y = X.to(p.device), y.to(p.device)
+                        self._check_batch(model, X, y, i)
+                        est.update((X, y))
                 finally:
                     model.train(was_training)
                 op = est.operator()
@@ -352,18 +378,38 @@ class LaplacePenalty(Penalty):
             if callable(select) and previous is not None:
                 select(previous)
         if self.curvature == "kron":
-            by_w = {b.weight_name: b for b in op.blocks}
-            stats = {lay.label: (by_w[lay.weight].G, by_w[lay.weight].A) for lay in self.layers(model)}
+            stats = {spec.label: (b.G, b.A) for (_, spec), b in zip(est.blocks, op.blocks)}
         else:
             stats = dict(zip(op.layout.names, op.tensors))
-        return stats, int(est.num_data)
+        return stats, int(est.num_terms)
+
+    def _check_batch(self, model: nn.Module, X: Tensor, y: Tensor, i: int) -> None:
+        """Refuse, naming it, what the curvature pass would misread: NaN or inf in a batch, and (on the first
+        batch, one forward pass without autograd) outputs that are not one tensor of logits - a tuple, or
+        probabilities for a softmax likelihood."""
+        for what, t in (("X", X), ("y", y)):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"LaplacePenalty: batch {i} {what} contains NaN or inf "
+                                 f"({int((~torch.isfinite(t)).sum())} of {t.numel()} entries); nothing was changed")
+        if i:
+            return
+        with torch.no_grad(), curvature_kernels():
+            f = model(X)
+        if not isinstance(f, Tensor):
+            raise TypeError(f"LaplacePenalty: the model must return its outputs (logits) as one tensor of shape "
+                            f"(batch, [positions...,] outputs), got {type(f).__name__}; wrap it in a module that "
+                            "returns the logits")
+        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
+            raise ValueError(f"LaplacePenalty: the model's outputs of shape {tuple(f.shape)} look like probabilities "
+                             "(every entry in [0, 1], every row summing to 1), but CrossEntropy takes logits: remove "
+                             "the final softmax, or end with log_softmax")
 
     def _add(self, model: nn.Module, stats: dict[str, Any], c: float, anchor: dict[str, Tensor]) -> None:
         per_task_anchor = self.mode == "ewc"
         if self.curvature == "kron":
             for lay in self.layers(model):
                 G, A = stats[lay.label]
-                a = _w_hat(anchor, lay)
+                a = block_matrix(lay, anchor)
                 self.store[lay.label] = self._append(self.store.get(lay.label), {"G": G, "A": A}, c, a,
                                                      per_task_anchor, summed=self.memory == "summed")
         else:
@@ -413,7 +459,7 @@ class LaplacePenalty(Penalty):
         for s in self.store.values():
             if "G" in s:
                 lg = torch.linalg.eigvalsh(s["G"])[:, -1]
-                la = torch.linalg.eigvalsh(s["A"])[:, -1]
+                la = s["A"].amax(-1) if s["A"].dim() == 2 else torch.linalg.eigvalsh(s["A"])[:, -1]  # (T, i): diagonal
                 worst = max(worst, float((s["coef"] * lg * la).sum()))
             else:
                 worst = max(worst, float((s["coef"].reshape(-1, *[1] * (s["F"].dim() - 1)) * s["F"]).sum(0).max()))

@@ -33,11 +33,14 @@ from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches, cu
 __all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
 
 
-def input_rows(layer: LayerInfo, x: Tensor) -> tuple[Tensor, int]:
-    """A layer's input as rows (B*T, in) (no bias column) and the number T of output locations."""
+def input_rows(layer: LayerInfo, x: Tensor, positions: bool = False) -> tuple[Tensor, int]:
+    """A layer's input as rows (B*T, in) (no bias column) and the number T of output locations (with
+    ``positions``, a Linear on (B, *S, in) gives T = prod(S) rows per example, the weight-sharing expand rows)."""
     if isinstance(layer.module, nn.Conv2d):
         p = conv_patches(layer.module, x)  # (B, T, C*kh*kw)
         return p.reshape(-1, p.shape[-1]), int(p.shape[1])
+    if positions and x.dim() > 2:
+        return x.reshape(-1, x.shape[-1]), int(x[0].numel() // x.shape[-1])
     if x.dim() != 2:
         raise UnsupportedModelError(
             f"Kronecker factors: module {layer.label!r} (Linear) got an input of shape {tuple(x.shape)}; the "
@@ -105,12 +108,15 @@ class LayerCapture:
         root: the model; its forward pre-hook starts a new pass (call counts restart), so a layer called
             twice within one forward pass is told apart from two forward passes. Without a root every
             call since :meth:`reset` counts.
+        positions: take a Linear's (B, *S, in) input as B*prod(S) rows (:func:`input_rows`); otherwise it is
+            refused.
     """
 
     layers: Sequence[LayerInfo]
     what: str = "Kronecker capture"
     output_grads: bool = False
     root: nn.Module | None = None
+    positions: bool = False
     records: list[CapturedLayer] = field(init=False)
     _handles: list[Any] = field(init=False, default_factory=list)
 
@@ -160,7 +166,7 @@ class LayerCapture:
                 return
             rec.calls += 1
             rec.reused |= rec.calls > 1
-            a, rec.positions = input_rows(rec.info, inputs[0].detach())
+            a, rec.positions = input_rows(rec.info, inputs[0].detach(), self.positions)
             rec.a, rec.output, rec.version = a, out, out._version
             if self.output_grads:
                 def bwd(grad: Tensor, a: Tensor = a, positions: int = rec.positions) -> None:

@@ -291,6 +291,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.plans = layerkinds.plan(structure, method)
         self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
         self._raw_checked = False
+        self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
         if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
@@ -325,14 +326,28 @@ class KroneckerEstimator(CurvatureEstimator):
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
+    def forward(self, capture: BlockCapture, X: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Run the model on ``X`` inside ``capture`` for :meth:`accumulate`, as the estimator's own pass does:
+        ``model(X)``, or with raw parameters (a ViT's class token) a functional call on per-sample copies
+        ``P = p.expand(B, ...)`` (checked once to act per sample). Returns (f, {canonical name: P}); the
+        gradient of a loss with respect to such a p is that with respect to P summed over its first dimension."""
+        if not self._raw:
+            return self.model(X), {}
+        if not self._raw_checked:
+            self._check_raw(X)
+        copies = capture.substitute(X.shape[0])
+        self._fed = capture
+        return self.structure.functional_call(copies, (X,)), copies
+
     def accumulate(self, capture: BlockCapture, f: Tensor, y: Tensor | None) -> None:
-        """Add the statistics of a forward pass the caller ran inside ``capture`` (output ``f``, targets y);
-        f's graph is kept for the caller's own backward pass."""
-        if self._raw:
+        """Add the statistics of a forward pass the caller ran inside ``capture`` (output ``f``, targets y;
+        with raw parameters the pass of :meth:`forward`); f's graph is kept for the caller's own backward pass."""
+        fed, self._fed = self._fed, None
+        if self._raw and fed is not capture:
             raw = [lp.label for lp in self.plans if lp.handler.kind == "parameter"]
             raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
-                                        "per-sample gradients from the estimator's own forward pass: use "
-                                        "update((X, y)), or freeze them")
+                                        "per-sample gradients from the estimator's own forward pass: run the "
+                                        "pass with f, _ = est.forward(cap, X), use update((X, y)), or freeze them")
         self._combine(*self._statistics(capture, f, y))
 
     def _check_raw(self, X: Inputs) -> None:

@@ -36,9 +36,9 @@ Types:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -50,17 +50,20 @@ from curvkit.validation import check_damping
 
 __all__ = [
     "BlockDiagonalOperator",
+    "BlockView",
     "DenseBlock",
     "KroneckerBlock",
     "KroneckerEigh",
     "KroneckerInverseOperator",
     "KroneckerOperator",
     "KroneckerSpectralOperator",
+    "block_matrix",
     "kron_matvec",
     "psd_eigh",
     "stable_eigh",
     "standard_index",
     "vec_row",
+    "write_block_matrix",
 ]
 
 
@@ -313,6 +316,56 @@ def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device
     if bias:
         idx = torch.cat([idx, (out * n + torch.arange(out, device=device))[:, None]], dim=1)
     return idx
+
+
+class BlockView(Protocol):
+    """What :func:`block_matrix` and :func:`write_block_matrix` read of a block: its parameters' names and its
+    ``index`` (a :class:`KroneckerBlock`, or a consumer's record of one)."""
+
+    @property
+    def weight_name(self) -> str: ...
+
+    @property
+    def bias_name(self) -> str | None: ...
+
+    @property
+    def index(self) -> Tensor | None: ...
+
+
+def block_matrix(block: BlockView, tensors: Mapping[str, Tensor]) -> Tensor:
+    """The block's matrix ``W_hat`` (out, in_aug) read from parameter-shaped tensors by name (the parameters,
+    their gradients, a direction): ``[W.reshape(out, -1) | b]`` for the standard view, else the entries
+    ``[w.flatten(), b.flatten()][index]`` (a transposed embedding, a q/k/v or group row slice, a (1, P) row).
+    Differentiable: autograd reaches ``tensors``. Inverse of :func:`write_block_matrix`."""
+    w = tensors[block.weight_name]
+    b = None if block.bias_name is None else tensors[block.bias_name]
+    if block.index is None:
+        W = w.reshape(w.shape[0], -1)
+        return W if b is None else torch.cat([W, b.reshape(-1, 1)], dim=1)
+    flat = w.reshape(-1) if b is None else torch.cat([w.reshape(-1), b.reshape(-1)])
+    return flat[block.index.to(flat.device)]
+
+
+def write_block_matrix(block: BlockView, M: Tensor, out: MutableMapping[str, Tensor]) -> None:
+    """Write ``M`` (out, in_aug), a matrix in the block's ``W_hat`` view, into the parameter-shaped, contiguous
+    tensors ``out[weight_name]`` (and ``out[bias_name]``) in place: exactly the entries the block covers are
+    set (:func:`block_matrix` reads them back), so the blocks of a parameter split into several (q/k/v,
+    convolution groups) fill it together."""
+    w = out[block.weight_name]
+    b = None if block.bias_name is None else out[block.bias_name]
+    if block.index is None:
+        n = M.shape[1] - int(b is not None)
+        w.view(w.shape[0], -1).copy_(M[:, :n])
+        if b is not None:
+            b.copy_(M[:, n])
+        return
+    idx, vals = block.index.to(w.device).reshape(-1), M.reshape(-1)
+    if b is None:
+        w.view(-1)[idx] = vals
+        return
+    in_w = idx < w.numel()
+    w.view(-1)[idx[in_w]] = vals[in_w]
+    b.view(-1)[idx[~in_w] - w.numel()] = vals[~in_w]
 
 
 class _BlockIndex:

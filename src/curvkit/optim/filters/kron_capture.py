@@ -2,11 +2,13 @@
 (:class:`curvkit.curvature.capture.LayerCapture`): for each supported layer, the input rows x and the
 back-propagated output-gradient rows delta of the user's own backward pass, paired per pass.
 
-Supported: ``nn.Linear`` (x: (B, in[+1]), delta: (B, out)) and, where the caller allows it, ``nn.Conv2d``
-(x: unfolded patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions, any padding mode). The
-layers come from :meth:`curvkit.structure.ModelStructure.kronecker_layers`: a module that owns trainable
-parameters and is not supported, a shared parameter or a module registered twice raise a ``ValueError``
-naming it; a layer called twice in one forward pass is refused at the step. The input rows are stored
+Kronecker layers: ``nn.Linear`` (x: (B*T, in[+1]) rows, T = 1 or the positions of a weight-shared input
+(B, *S, in), delta: (B*T, out)) and, where the caller allows it, groups=1 ``nn.Conv2d`` (x: unfolded patches
+(B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions, any padding mode). The model is read by
+:func:`curvkit.layerkinds.plan`, which raises an ``UnsupportedModelError`` naming an unknown module with
+trainable parameters, a shared parameter or a module registered twice; the other trainable parameters are
+returned as :class:`DiagonalParam` (the filters' diagonal form); a layer called twice in one forward pass is
+refused at the step. The input rows are stored
 without the bias column; ``x_rows(k)`` appends the column of ones on demand, so a caller that needs only k
 of the B rows does not copy all of them. Several backward passes before one step (gradient
 accumulation) stack their rows, matching the summed gradient.
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit import layerkinds
 from curvkit.curvature.capture import CapturedLayer, LayerCapture
 from curvkit.structure import UnsupportedModelError, read_model
 
@@ -117,38 +120,72 @@ class LayerRecord:
                 self.bias.copy_(b)
 
 
-def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str,
-                   params: Sequence[Tensor] | None = None) -> tuple[list[LayerRecord], LayerCapture]:
-    """The filter's layers and their (attached) capture; raise naming any module that is not supported.
+@dataclass
+class DiagonalParam:
+    """A trainable parameter outside the filter's Kronecker layers: it gets the diagonal (factorised) form of the
+    filter (module docstring). ``layer`` and ``kind`` (its layer-kind handler's) are for messages."""
 
-    ``params`` (default: all trainable parameters) selects the layers: each parameter must be the weight or
-    bias of a supported layer, and a selected layer must bring its weight (and its trainable bias)."""
+    name: str
+    param: nn.Parameter
+    layer: str
+    kind: str
+
+
+def _kronecker_kind(lp: Any, allow_conv: bool) -> bool:
+    """Whether a planned layer is one of the filter's Kronecker layers: an ``nn.Linear`` (exactly; any input
+    (B, [*S,] in)), or a groups=1 ``nn.Conv2d`` where the filter takes convolutions."""
+    if lp.info.kind == "linear" and lp.handler.kind == "linear":
+        return True
+    return allow_conv and lp.info.kind == "conv2d" and lp.module.groups == 1
+
+
+def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str,
+                   params: Sequence[Tensor] | None = None
+                   ) -> tuple[list[LayerRecord], LayerCapture, list[DiagonalParam]]:
+    """The filter's Kronecker layers with their (attached) capture, and the other trainable parameters (each
+    with the diagonal form of the filter).
+
+    The model is read by :func:`curvkit.layerkinds.plan`, which names and refuses what no layer kind takes (an
+    unknown module with trainable parameters, a parameter shared by two modules - weight tying -, a module
+    registered twice, random or sample-coupling modules in training mode). ``params`` (default: all trainable
+    parameters) selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer
+    whose weight is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
     structure = read_model(model)
-    layers = structure.kronecker_layers(optimiser, allow_conv=nn.Conv2d in tuple(supported))
+    plans = layerkinds.plan(structure, optimiser)
+    allow_conv = nn.Conv2d in tuple(supported)
+    names = {id(p): n for n, p in model.named_parameters()}
     if params is not None:
-        chosen = {id(p) for p in params}
-        by_id = {id(getattr(lay.module, attr)): lay for lay in layers for attr in ("weight", "bias")
-                 if getattr(lay.module, attr, None) is not None}
         for p in params:
-            if id(p) not in by_id:
-                raise ValueError(f"{optimiser}: a parameter of shape {tuple(p.shape)} is not the weight or bias of "
-                                 "one of the model's Kronecker layers; pass model.parameters()")
-        layers = [lay for lay in layers if id(getattr(lay.module, "weight")) in chosen]  # noqa: B009
-        for lay in layers:
-            bias: Any = getattr(lay.module, "bias", None)
-            if lay.bias is not None and id(bias) not in chosen:
-                raise ValueError(f"{optimiser}: layer {lay.label!r} is optimised without its bias; pass both")
-        if not layers:
-            raise ValueError(f"{optimiser}: none of the given parameters is the trainable weight of a layer "
-                             "(frozen parameters, requires_grad=False, are left out)")
-    capture = LayerCapture(layers, optimiser, output_grads=True, root=model).attach()
+            if id(p) not in names:
+                raise ValueError(f"{optimiser}: a parameter of shape {tuple(p.shape)} is not a parameter of the "
+                                 "model; pass model.parameters()")
+    chosen = {names[id(p)] for p in params} if params is not None else set(structure.trainable)
+    chosen &= set(structure.trainable)
+    if not chosen:
+        raise ValueError(f"{optimiser}: none of the given parameters is trainable (frozen parameters, "
+                         "requires_grad=False, are left out)")
+    layers, where = [], {}
+    for lp in plans:
+        for spec in lp.blocks:
+            for n in spec.names:
+                where[n] = (lp.label, lp.handler.kind)
+        info = lp.info
+        if not _kronecker_kind(lp, allow_conv) or info.weight is None or info.weight not in chosen:
+            continue
+        if info.bias is not None and info.bias not in chosen:
+            raise ValueError(f"{optimiser}: layer {info.label!r} is optimised without its bias; pass both")
+        layers.append(info)
+    in_layers = {n for lay in layers for n in lay.names}
+    diagonal = [DiagonalParam(n, p, *where.get(n, ("<root>", "parameter")))  # type: ignore[arg-type]
+                for n, p in model.named_parameters() if n in chosen and n not in in_layers]
+    capture = LayerCapture(layers, optimiser, output_grads=True, root=model, positions=True).attach()
     records = []
     for lay, cap in zip(layers, capture.records):
         mod: Any = lay.module
         b = mod.bias if lay.bias is not None else None
         name = "" if lay.label == "<root>" else lay.label  # the qualified module name (fisher_samples keys)
         records.append(LayerRecord(name, lay.module, mod.weight, b, lay.weight, lay.bias, cap))  # type: ignore[arg-type]
-    return records, capture
+    return records, capture, diagonal
 
 
 def check_captured(records: Sequence[LayerRecord], optimiser: str) -> None:

@@ -45,10 +45,30 @@ per-step Fisher estimate stays unbiased. Sampled-label or exact Fisher samples c
 followed by the exact KL projection (flip-flop); it equals the full Kalman filter whenever the posterior
 stays Kronecker (one output, one input, or isotropic output noise; derived, not in the paper, and tested).
 
-Supported layers: ``nn.Linear`` (all three), ``nn.Conv2d`` (KFWhiten only: its covariance EMAs are the
-KFC-style patch statistics; the rank-1 updates of KFNatGrad/KFBayes need a per-example gradient
-x (x) delta, which a
-convolution's per-example gradient, a sum over positions, is not).
+Models: every model the layer kinds take (:func:`curvkit.layerkinds.plan`, which refuses, naming the module, an
+unknown module with trainable parameters, weight tying, a module registered twice, random or sample-coupling
+modules in training mode). The Kronecker posterior is kept on the layers these equations are written for:
+
+* ``nn.Linear`` on (B, in) inputs (all three filters);
+* KFWhiten also on weight-shared ``nn.Linear`` layers (inputs (B, *S, in): every position is a row, as KFC's
+  patches) and groups=1 ``nn.Conv2d`` layers (the KFC-style patch statistics): its covariance EMAs take any rows.
+  The rank-1 updates of KFNatGrad/KFBayes need a per-example gradient x (x) delta, which the per-example gradient
+  of a weight shared over positions (a sum over them) is not; such a Linear layer gets the diagonal form at the
+  first step (its input shape is known only then; a layer started as Kronecker that later gets positions is
+  refused).
+
+Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped or 1-D
+convolutions, raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
+the factorised equations (Sec. 2.1.1) with the Fisher sample e = g, the minibatch's ascent gradient in summed
+units (the factorised filters' ``fisher='empirical'``; per-example gradients of arbitrary layers are not
+captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W + s g) (s_0 = ``s0``);
+KFWhiten v = EMA_beta(g^2), W <- W + eta g / sqrt(v_hat + damping mean(v_hat)) (with its momentum and decay).
+``diagonal`` lists those parameters; ``curvature()`` gives them exact diagonal blocks ``[[1]] (x) diag(1/s)``,
+and ``effective_lr()``/``diagnostics()`` report them by parameter name. Data-parallel steps take only Kronecker
+layers. ``reduction='mean'`` is the mean over examples: for a loss averaged over positions (tokens), back-propagate
+the summed loss with ``reduction='sum'``. The filters read the user's own loss and backward pass: the model's
+outputs, padding (``CrossEntropy(ignore_index=...)``, which refuses out-of-range targets without it) and the data
+are checked by that loss; a step checks every gradient for NaN/inf before it writes anything.
 """
 
 from __future__ import annotations
@@ -64,7 +84,7 @@ from torch import Tensor, nn
 
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras, legacy_model_first, trainable_params
 from curvkit.optim.filters._base import LossScale, Reduction, all_finite, check_positive, check_unit_interval
-from curvkit.optim.filters.kron_capture import LayerRecord, check_captured, collect_layers
+from curvkit.optim.filters.kron_capture import DiagonalParam, LayerRecord, check_captured, collect_layers
 from curvkit.optim.filters.kron_math import (
     apply_root,
     first_order_coefficients,
@@ -79,6 +99,7 @@ from curvkit.optim.filters.kron_math import (
     whitened_gradient,
     whitening_low_rank_is_cheaper,
 )
+from curvkit.structure import UnsupportedModelError
 
 
 def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None:
@@ -92,6 +113,9 @@ def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None
 
 class _KroneckerBase(CurvatureOptimizer):
     supported: tuple[type[nn.Module], ...] = (nn.Linear,)
+    #: whether a Kronecker layer may share its weight over positions (rows B*T; KFWhiten's covariances take
+    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form)
+    positions_ok = False
 
     def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
                  batch_size: int | None, distributed: Any = None):
@@ -105,12 +129,18 @@ class _KroneckerBase(CurvatureOptimizer):
             raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
-        self.layers, self.capture = collect_layers(model, self.supported, type(self).__name__, given)
+        self.layers, self.capture, self.diagonal = collect_layers(model, self.supported, type(self).__name__, given)
+        if distributed is not None and self.diagonal:
+            self.capture.close()
+            raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
+                             f"{', '.join(repr(d.name) for d in self.diagonal)} would get the diagonal form; "
+                             "freeze them or train in one process")
         ordered = []
         for rec in self.layers:
             ordered.append(rec.weight)
             if rec.bias is not None:
                 ordered.append(rec.bias)
+        ordered += [d.param for d in self.diagonal]
         super().__init__(ordered, defaults)
         self._init_names(model)
         self._work: dict[tuple[str, str], Tensor] = {}
@@ -130,18 +160,46 @@ class _KroneckerBase(CurvatureOptimizer):
         """Common start of a step: refuse unknown inputs, run the closure, check the capture, and return
         (loss, the loss scale from the captured rows)."""
         check_step_extras(type(self).__name__, extras, ("fisher_samples", "batch_size"))
-        if fisher_samples is not None:
-            known = {rec.name for rec in self.layers}
-            unknown = sorted(set(fisher_samples) - known)
-            if unknown:
-                raise ValueError(f"fisher_samples has unknown layer name(s) {unknown}; the layers are "
-                                 f"{sorted(known)}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         check_captured(self.layers, type(self).__name__)
+        self._demote_shared()
+        if fisher_samples is not None:
+            known = {rec.name for rec in self.layers}
+            unknown = sorted(set(fisher_samples) - known)
+            if unknown:
+                raise ValueError(f"fisher_samples has unknown layer name(s) {unknown}; the Kronecker layers are "
+                                 f"{sorted(known)}")
+        for rec in self.layers:  # every gradient before anything is written: a NaN changes nothing
+            self._check_finite(rec)
+        for d in self.diagonal:
+            if d.param.grad is None:
+                raise ValueError(f"parameter {d.name!r} has no gradient; call loss.backward() before step()")
+            if not all_finite(d.param.grad):
+                raise ValueError(f"gradient of parameter {d.name!r} ({d.kind} layer {d.layer!r}) contains NaN or "
+                                 "inf (NaN or inf in the batch, or a diverged loss); nothing was changed")
         return loss, self._scale(batch_size)
+
+    def _demote_shared(self) -> None:
+        """Without :attr:`positions_ok`, a Linear layer that shares its weight over positions (an input
+        (B, *S, in)) has no rank-1 per-example Fisher samples: before its first step it gets the diagonal form
+        (for good); after it, such an input is refused."""
+        if self.positions_ok:
+            return
+        for rec in list(self.layers):
+            if rec.a is None or rec.positions == 1:
+                continue
+            if "Sx" in self.state.get(rec.weight, {}):  # a resumed diagonal state ('s') is demoted again
+                raise UnsupportedModelError(
+                    f"{type(self).__name__}: layer {rec.name!r} got inputs with {rec.positions} positions per "
+                    "example after its Kronecker posterior was started on (batch, features) inputs; give it one "
+                    "input shape")
+            self.layers.remove(rec)
+            for param, pname in ((rec.weight, rec.weight_name), (rec.bias, rec.bias_name)):
+                if param is not None and pname is not None:
+                    self.diagonal.append(DiagonalParam(pname, param, rec.name, "linear (weight-shared)"))
 
     def _scale(self, batch_size: int | None) -> float:
         """The factor turning ``p.grad`` into the gradient of the summed log-likelihood. With a mean loss the
@@ -149,7 +207,7 @@ class _KroneckerBase(CurvatureOptimizer):
         ``batch_size`` that contradicts them is refused."""
         if self.loss_scale.reduction == "sum":
             return 1.0
-        sizes = next((rec.cap.pass_sizes for rec in self.layers if rec.cap.pass_sizes), [])
+        sizes = next((cap.pass_sizes for cap in self.capture.records if cap.pass_sizes), [])  # any captured layer
         if not sizes:
             return self.loss_scale.factor(batch_size)
         if len(set(sizes)) > 1:
@@ -210,11 +268,21 @@ class _KroneckerBase(CurvatureOptimizer):
             if "mu_post" in st:
                 saved.append((rec, rec.weight_matrix().clone()))
                 rec.write_matrix(st["mu_post"])
+        saved_diag = []
+        for d in self.diagonal:
+            st = self.state.get(d.param, {})
+            if "mu_post" in st:
+                saved_diag.append((d.param, d.param.detach().clone()))
+                with torch.no_grad():
+                    d.param.copy_(st["mu_post"])
         try:
             yield
         finally:
             for rec, W in saved:
                 rec.write_matrix(W)
+            with torch.no_grad():
+                for param, value in saved_diag:
+                    param.copy_(value)
 
     @staticmethod
     def _check_finite(rec: LayerRecord) -> None:
@@ -237,7 +305,36 @@ class _KroneckerBase(CurvatureOptimizer):
         from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 
         blocks = [KroneckerBlock(G, A, rec.weight_name, rec.bias_name) for rec, G, A in self._precision_blocks()]
+        for d in self.diagonal:  # [[1]] (x) diag(1 / variance): the diagonal form's precision, exactly
+            var = self._diag_variance(self._diag_state(d)).reshape(-1)
+            blocks.append(KroneckerBlock(var.new_ones(1, 1), 1.0 / var, d.name,
+                                         index=torch.arange(var.numel(), device=var.device).reshape(1, -1),
+                                         label=d.name, factored=False))
         return KroneckerOperator(self._layout(), blocks)
+
+    # ------------------------------------------------------------------ the diagonal form
+    def _diag_state(self, d: DiagonalParam) -> dict[str, Any]:
+        st = self.state.get(d.param)
+        if not st:
+            raise RuntimeError("the optimiser has no posterior yet: call step() first")
+        return st
+
+    def _diag_variance(self, st: dict[str, Any]) -> Tensor:  # pragma: no cover - abstract
+        """The posterior variance per entry of a diagonal parameter (summed-log-likelihood units)."""
+        raise NotImplementedError
+
+    def _diag_update(self, d: DiagonalParam, st: dict[str, Any], g: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
+        """One step of the diagonal form for the ascent gradient ``g`` (summed units): updates ``st`` and
+        returns (posterior mean, next prior mean)."""
+        raise NotImplementedError
+
+    def _diagonal_step(self, scale: float) -> None:
+        """The diagonal form on every parameter outside the Kronecker layers (gradients checked already)."""
+        for d in self.diagonal:
+            g = d.param.grad.detach().mul(-scale)  # type: ignore[union-attr]
+            W_post, W_next = self._diag_update(d, self.state[d.param], g)
+            _store_posterior(self.state[d.param], W_post, W_next)
+            d.param.copy_(W_next)
 
     def _cov_diagonals(self, rec: LayerRecord) -> tuple[Tensor, Tensor]:  # pragma: no cover - abstract
         """Diagonals of (Sigma^delta (M,), Sigma^x (N,)) of one layer (summed-log-likelihood units)."""
@@ -272,6 +369,9 @@ class _KroneckerBase(CurvatureOptimizer):
             out[rec.weight_name] = S[:, :k].reshape(rec.weight.shape)
             if rec.bias_name is not None:
                 out[rec.bias_name] = S[:, k]
+        for d in self.diagonal:
+            if self.state.get(d.param):
+                out[d.name] = self._diag_variance(self.state[d.param]) * scale
         return out
 
     def diagnostics(self) -> list[dict[str, Any]]:
@@ -288,12 +388,22 @@ class _KroneckerBase(CurvatureOptimizer):
             s = self._variance_matrix(rec)
             lr = s * scale
             sgd, adam = self._regime(rec, s)
-            rows.append({
-                "name": rec.name, "lr_mean": float(lr.mean()), "lr_median": float(lr.median()),
-                "lr_min": float(lr.min()), "lr_max": float(lr.max()),
-                "sgd_like": sgd, "adam_like": adam, "regime": "sgd" if sgd > adam else "adam",
-            })
+            rows.append(_diagnostic_row(rec.name, lr, sgd, adam))
+        for d in self.diagonal:
+            st = self.state.get(d.param)
+            if st:
+                s = self._diag_variance(st)
+                rows.append(_diagnostic_row(d.name, s * scale, *self._diag_regime(st, s)))
         return rows
+
+    def _diag_regime(self, st: dict[str, Any], s: Tensor) -> tuple[float, float]:  # pragma: no cover - abstract
+        """(sgd_like, adam_like) of a diagonal parameter with posterior variances ``s``."""
+        raise NotImplementedError
+
+
+def _diagnostic_row(name: str, lr: Tensor, sgd: float, adam: float) -> dict[str, Any]:
+    return {"name": name, "lr_mean": float(lr.mean()), "lr_median": float(lr.median()), "lr_min": float(lr.min()),
+            "lr_max": float(lr.max()), "sgd_like": sgd, "adam_like": adam, "regime": "sgd" if sgd > adam else "adam"}
 
 
 class KFBayes(_KroneckerBase):
@@ -301,9 +411,10 @@ class KFBayes(_KroneckerBase):
     :class:`KFNatGrad`.
 
     Args:
-        params: the parameters to optimise (default: all of ``model``'s trainable ones); they must be the
-            weights and biases of its ``nn.Linear`` layers. Frozen parameters (``requires_grad=False``) are
-            left out: a frozen layer gets no block and never changes.
+        params: the parameters to optimise (default: all of ``model``'s trainable ones): the weights and
+            biases of its ``nn.Linear`` layers get the Kronecker posterior, every other one the diagonal form
+            (module docstring). Frozen parameters (``requires_grad=False``) are left out: a frozen layer gets no
+            block and never changes.
         model: the network (required: the filter reads its layer structure and captures each layer's
             input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
@@ -490,7 +601,6 @@ class KFBayes(_KroneckerBase):
             self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
             st = self._init(rec)
-            self._check_finite(rec)
             if self.distributed is None:
                 X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
             else:
@@ -515,8 +625,34 @@ class KFBayes(_KroneckerBase):
                 W_post = rec.weight_matrix().add_(inc)
                 st["mu_post"] = W_post
                 rec.write_matrix(W_post * decay)
+        self._diagonal_step(scale)
         self._clear()
         return loss
+
+    def _diag_update(self, d: DiagonalParam, st: dict[str, Any], g: Tensor) -> tuple[Tensor, Tensor]:
+        """The factorised filter of the same equations (paper Eqs. 8-12; :class:`~.factorised.BFRMSProp`
+        with ``drift='paper'``, :class:`~.factorised.BFNatGrad` when eta = 0): s_prior = decay^2 s + eta^2,
+        s <- 1 / (1/s_prior + g^2), W_post = W + s g, next prior mean decay W_post, with s_0 = ``s0`` (the
+        Kronecker layers' initial per-weight variance) and the Fisher sample e = g, the minibatch's ascent
+        gradient in summed units (the factorised filters' ``fisher='empirical'``)."""
+        grp = self._group()
+        if not st:
+            st["s"] = torch.full_like(g, grp["s0"])
+            st["step"] = 0
+        decay = self._decay()
+        s = st["s"]
+        if grp["lr"] > 0 or decay != 1.0:
+            s.mul_(decay * decay).add_(grp["lr"] ** 2)
+        s.reciprocal_().add_(g * g).reciprocal_()
+        st["step"] += 1
+        W_post = d.param.detach() + s * g
+        return W_post, (W_post if decay == 1.0 else W_post * decay)
+
+    def _diag_variance(self, st: dict[str, Any]) -> Tensor:
+        return st["s"]  # type: ignore[no-any-return]
+
+    def _diag_regime(self, st: dict[str, Any], s: Tensor) -> tuple[float, float]:
+        return self._regime(None, s)  # type: ignore[arg-type]
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Posterior covariance factors per layer: {name: (Sigma^x (N, N), Sigma^delta (M, M))} (the live state
@@ -630,6 +766,7 @@ class KFWhiten(_KroneckerBase):
     """
 
     supported = (nn.Linear, nn.Conv2d)
+    positions_ok = True
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,
                  damping: float = 1e-3, inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
@@ -685,7 +822,6 @@ class KFWhiten(_KroneckerBase):
             union = whiten_inputs(self, scale, fisher_samples)
         for rec in self.layers:
             st = self.state[rec.weight]
-            self._check_finite(rec)
             G = rec.weight_matrix_grad().mul(-scale) if union is None else union[rec.name]["G"]
             X, D = self._samples(rec, scale, fisher_samples, None)
             X, D = X.to(G.dtype), D.to(G.dtype)
@@ -720,8 +856,47 @@ class KFWhiten(_KroneckerBase):
                 W_next = W_post if self._decay() == 1.0 else W_post * self._decay()
             _store_posterior(st, W_post, W_next)
             rec.write_matrix(W_next)
+        self._diagonal_step(scale)
         self._clear()
         return loss
+
+    def _diag_gains(self, st: dict[str, Any]) -> tuple[Tensor, Tensor, float]:
+        """(v_hat, the gains (v_hat + lam)^{-1/2}, lam) of a diagonal parameter, lam = ``damping`` mean(v_hat)
+        as for a factor."""
+        grp = self._group()
+        bc = 1.0 - grp["beta"] ** st["step"]
+        gains, lam = _damped_gains(st["v"], bc, grp["damping"])
+        return st["v"] / bc, gains, lam
+
+    def _diag_update(self, d: DiagonalParam, st: dict[str, Any], g: Tensor) -> tuple[Tensor, Tensor]:
+        """The diagonal steady state of the same filter (:class:`~.factorised.BFRMSPropSS`'s fixed point with
+        the factors' relative damping): v = EMA_beta(g^2) (bias-corrected v_hat, the Fisher sample e = g, the
+        minibatch's ascent gradient in summed units), U = g / sqrt(v_hat + lam), then the update, momentum and
+        decay of the Kronecker layers with U."""
+        grp = self._group()
+        if not st:
+            st["v"] = torch.zeros_like(g)
+            st["step"] = 0
+            if grp["eta_p"] > 0:
+                st["mu_p"] = torch.zeros_like(g)
+        st["step"] += 1
+        st["v"].mul_(grp["beta"]).addcmul_(g, g, value=1 - grp["beta"])
+        U = g * self._diag_gains(st)[1]
+        W = d.param.detach().clone()
+        if grp["eta_p"] > 0:
+            st["mu_p"].mul_(1 - grp["eta_p"]).add_(U, alpha=grp["eta_p"])
+            return W, W * self._decay() + grp["lr"] * st["mu_p"]
+        W_post = W.add_(U, alpha=grp["lr"])
+        return W_post, (W_post if self._decay() == 1.0 else W_post * self._decay())
+
+    def _diag_variance(self, st: dict[str, Any]) -> Tensor:
+        """eta (v_hat + lam)^{-1/2}, as eta C^{-1/2} of the Kronecker layers."""
+        return self._diag_gains(st)[1] * self._group()["lr"]
+
+    def _diag_regime(self, st: dict[str, Any], s: Tensor) -> tuple[float, float]:
+        """As :meth:`_regime` for one factor: sqrt(lam) gain and sqrt(v_hat) gain, medians."""
+        v_hat, gains, lam = self._diag_gains(st)
+        return float((gains * math.sqrt(lam)).median()), float((gains * v_hat.sqrt()).median())
 
     def _state(self, rec: LayerRecord) -> dict[str, Any]:
         st = self.state.get(rec.weight)

@@ -7,6 +7,11 @@
 * :mod:`.linearisation` - Jacobian-vector products and the exact minibatch GGN in output space.
 """
 
-from curvkit.optim.second_order.gauss_newton import FAST_ADAPTATION, GaussNewton
+from curvkit.optim.second_order.gauss_newton import (
+    FAST_ADAPTATION,
+    KFLR_MAX_COLUMNS,
+    GaussNewton,
+    default_curvature,
+)
 
-__all__ = ["FAST_ADAPTATION", "GaussNewton"]
+__all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]

@@ -7,12 +7,14 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
   (:func:`reduce_loss_and_grads`): the minibatch loss and gradient of the union;
 * Kronecker factors (on refresh steps only): the estimator's ``_combine`` all-reduces the factor sums and
   the count (upper triangles), KFRA's batch means first (:class:`curvkit.curvature.KroneckerEstimator`);
-* inverses (:class:`DistributedKroneckerInverse`): each layer's inverse is computed once, by its owner rank
-  (:func:`curvkit.distributed.placement.assign_owners`, by cost n_G^3 + n_A^3), and sent to the layer's
-  gradient workers: for ``inversion='factored'`` the two Cholesky factors of the damped factors (lower
-  triangles) per damping, for ``'eigen'`` the two eigendecompositions once per refresh (any damping is then
-  local); ``comm-opt`` sends them to every rank, ``mem-opt`` keeps them on the owner and broadcasts the
-  layer's direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups;
+* inverses (:class:`DistributedKroneckerInverse`): the inverses of each parameter UNIT (the blocks that
+  read the same parameters: one layer's, or the q/k/v blocks of a packed attention weight, or the groups of a
+  convolution) are computed once, by the unit's owner rank (:func:`curvkit.distributed.placement.assign_owners`,
+  by cost n_G^3 + n_A^3 per block, a diagonal A costing nothing), and sent to its gradient workers: for
+  ``inversion='factored'`` the Cholesky factors of the damped factors (lower triangles; a diagonal A as it
+  is) per damping, for ``'eigen'`` the eigendecompositions once per refresh (any damping is then local);
+  ``comm-opt`` sends them to every rank, ``mem-opt`` keeps them on the owner and broadcasts the unit's
+  direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups;
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
   is a sum over examples, all-reduced like the loss (:func:`reduce_like_loss`), and the objective after
   the step (rho, Eq. 4.21) likewise. alpha*, rho, tau and zeta are then computed from identical numbers on
@@ -49,13 +51,26 @@ def reduce_loss_and_grads(distributed: Reducer, loss: Tensor, grads: list[Tensor
     return out[0].reshape(()).to(loss.dtype), out[1:]
 
 
-def _assignment(op: Any, distributed: Reducer) -> Assignment:
-    costs = [factor_cost(b.G.shape[0], b.A.shape[0]) for b in op.blocks]
+def _assignment(op: Any, units: list[list[int]], distributed: Reducer) -> Assignment:
+    """KAISA placement of the parameter units (:func:`~curvkit.optim.second_order.direction.parameter_units`)
+    by their factorisation cost (a diagonal input factor costs nothing to invert)."""
+    def cost(b: Any) -> float:
+        return factor_cost(b.G.shape[0]) + (0.0 if b.A.dim() == 1 else factor_cost(b.A.shape[0]))
+
+    costs = [sum(cost(op.blocks[l]) for l in unit) for unit in units]
     return assign_owners(costs, distributed.world_size, distributed.placement, distributed.grad_worker_fraction)
 
 
+def _empty_like(t: Tensor) -> Tensor:
+    return t.new_empty(t.shape)
+
+
 class DistributedKroneckerInverse:
-    """``(G~ + delta I)^{-1}`` applied to a gradient with owner-computed per-layer inverses (module docstring).
+    """``(G~ + delta I)^{-1}`` applied to a gradient with owner-computed per-unit inverses (module docstring).
+
+    Placement, broadcasts and the preconditioned-gradient exchange are per parameter UNIT (the blocks that
+    read the same parameters: the q/k/v blocks of a packed attention weight, the groups of a convolution;
+    any other block alone), so every parameter's direction is written by one rank.
 
     Args:
         op: the (all-reduced, identical on every rank) undamped :class:`~curvkit.linalg.kron.KroneckerOperator`.
@@ -66,21 +81,23 @@ class DistributedKroneckerInverse:
     """
 
     def __init__(self, op: Any, damping: float, inversion: str, omegas: list[float] | None, distributed: Reducer):
-        from curvkit.optim.second_order.direction import FactoredInverse, _cholesky  # a sibling module
+        from curvkit.optim.second_order.direction import parameter_units  # a sibling module
 
         self.op, self.damping, self.inversion, self.red = op, float(damping), inversion, distributed
-        assign = getattr(op, "_curvkit_assignment", None)
-        if assign is None:
-            assign = _assignment(op, distributed)
-            setattr(op, "_curvkit_assignment", assign)  # noqa: B010
-        self.assign: Assignment = assign
+        cached = getattr(op, "_curvkit_assignment", None)
+        if cached is None:
+            units = parameter_units(op)
+            cached = (units, _assignment(op, units, distributed))
+            setattr(op, "_curvkit_assignment", cached)  # noqa: B010
+        self.units: list[list[int]] = cached[0]
+        self.assign: Assignment = cached[1]
         red, rank = distributed, distributed.rank
-        self.mine = [l for l, w in enumerate(assign.grad_workers) if rank in w]  # layers this rank preconditions
+        self.mine = [u for u, w in enumerate(self.assign.grad_workers) if rank in w]  # units this rank preconditions
         # subgroups are created by every rank in the same order (torch.distributed.new_group's rule): the
         # gradient-worker groups and, when directions are broadcast, KAISA's receiver blocks
         P = red.world_size
-        self._groups = {w: red.subgroup(w) for w in sorted(set(assign.grad_workers)) if 1 < len(w) < P}
-        for size in sorted({len(w) for w in assign.grad_workers if len(w) < P}):
+        self._groups = {w: red.subgroup(w) for w in sorted(set(self.assign.grad_workers)) if 1 < len(w) < P}
+        for size in sorted({len(w) for w in self.assign.grad_workers if len(w) < P}):
             if P % size:
                 raise ValueError(f"hybrid placement: {P} ranks cannot be split into gradient-worker groups of {size}; "
                                  "choose grad_worker_fraction so that 1/fraction divides the number of processes")
@@ -89,63 +106,77 @@ class DistributedKroneckerInverse:
                 red.subgroup(tuple(range(c * n, c * n + n)))
         if inversion == "factored":
             assert omegas is not None
-            k = damping ** 0.5
-            fi = FactoredInverse.__new__(FactoredInverse)
-            fi.blocks = []
-            for l, (b, om) in enumerate(zip(op.blocks, omegas)):
-                workers, owner = assign.grad_workers[l], assign.owner[l]
-                if rank not in workers:
-                    continue
-                if rank == owner:
-                    Gd = b.G.clone()
-                    Gd.diagonal().add_(k / om)
-                    Ad = b.A.clone()
-                    Ad.diagonal().add_(om * k)
-                    LG, LA = _cholesky(Gd, f"{b.weight_name!r} G"), _cholesky(Ad, f"{b.weight_name!r} A")
-                else:
-                    LG, LA = b.G.new_empty(b.G.shape), b.A.new_empty(b.A.shape)
-                if len(workers) > 1:  # the same fresh tensors on every worker, the owner's included
-                    LG, LA = red.share_symmetric([LG, LA], owner, lower=True, what="broadcast of Cholesky factors",
-                                                 group=red.subgroup(workers))
-                fi.blocks.append((b.weight_name, b.bias_name, LG, LA))
-            self._factored = fi
+            self._factored_blocks(omegas)
         elif inversion == "eigen":
             self._eigen_blocks()
         else:
             raise ValueError(f"unknown inversion {inversion!r}")
 
+    def _factored_blocks(self, omegas: list[float]) -> None:
+        """Owner Cholesky factors of the damped factors (lower triangles; a diagonal A as it is), shared with
+        the unit's gradient workers."""
+        from curvkit.optim.second_order.direction import FactoredInverse, cholesky_factors, damped_blocks
+
+        op, red, assign, rank = self.op, self.red, self.assign, self.red.rank
+        damped = damped_blocks(op, self.damping, omegas)
+        entries = []
+        for u in self.mine:
+            workers, owner = assign.grad_workers[u], assign.owner[u]
+            for l in self.units[u]:
+                d = damped.blocks[l]
+                if rank == owner:
+                    LG, LA = cholesky_factors(d)
+                else:
+                    LG, LA = _empty_like(d.G), _empty_like(d.A)
+                if len(workers) > 1:  # the same fresh tensors on every worker, the owner's included
+                    group = red.subgroup(workers)
+                    if LA.dim() == 1:
+                        (LG,) = red.share_symmetric([LG], owner, lower=True, what="broadcast of Cholesky factors",
+                                                    group=group)
+                        (LA,) = red.share([LA], owner, "broadcast of diagonal factors", group=group)
+                    else:
+                        LG, LA = red.share_symmetric([LG, LA], owner, lower=True,
+                                                     what="broadcast of Cholesky factors", group=group)
+                entries.append((op.blocks[l], LG, LA))
+        self._factored = FactoredInverse.of_blocks(entries)
+
     def _eigen_blocks(self) -> None:
         """Owner eigendecompositions (cached on the operator: independent of the damping), broadcast to the
-        gradient workers; a sub-operator of this rank's layers carries them."""
+        gradient workers; a sub-operator of this rank's units carries them."""
         from curvkit.linalg.kron import KroneckerEigh, stable_eigh
 
         op, red, assign, rank = self.op, self.red, self.assign, self.red.rank
         eig: dict[int, Any] | None = getattr(op, "_curvkit_eigh", None)
         if eig is None:
             eig = {}
-            for l, b in enumerate(op.blocks):
-                workers, owner = assign.grad_workers[l], assign.owner[l]
-                if rank not in workers:
-                    continue
-                if rank == owner:
-                    lG, QG = stable_eigh(b.G, f"factor G of {b.weight_name!r}")
-                    lA, QA = stable_eigh(b.A, f"factor A of {b.weight_name!r}")
-                else:
-                    nG, nA = b.G.shape[0], b.A.shape[0]
-                    lG, QG, lA, QA = b.G.new_empty(nG), b.G.new_empty(nG, nG), b.A.new_empty(nA), b.A.new_empty(nA, nA)
-                if len(workers) > 1:  # the same fresh tensors on every worker (eigh's Q is column-major)
-                    QG, lG, QA, lA = red.share([QG, lG, QA, lA], owner, "broadcast of eigendecompositions",
-                                               group=red.subgroup(workers))
-                eig[l] = KroneckerEigh(lG, QG, lA, QA)
+            for u in self.mine:
+                workers, owner = assign.grad_workers[u], assign.owner[u]
+                for l in self.units[u]:
+                    b = op.blocks[l]
+                    diagonal = b.A.dim() == 1  # its eigenvectors are the identity (None), its eigenvalues A
+                    if rank == owner:
+                        lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
+                        lA, QA = (b.A.clone(), None) if diagonal else stable_eigh(b.A, f"factor A of {b.name!r}")
+                    else:
+                        nG, nA = b.G.shape[0], b.A.shape[0]
+                        lG, QG, lA = b.G.new_empty(nG), b.G.new_empty(nG, nG), b.A.new_empty(nA)
+                        QA = None if diagonal else b.A.new_empty(nA, nA)
+                    if len(workers) > 1:  # the same fresh tensors on every worker (eigh's Q is column-major)
+                        shared = red.share([QG, lG, lA] + ([] if QA is None else [QA]), owner,
+                                           "broadcast of eigendecompositions", group=red.subgroup(workers))
+                        QG, lG, lA = shared[:3]
+                        QA = None if diagonal else shared[3]
+                    eig[l] = KroneckerEigh(lG, QG, lA, QA)
             setattr(op, "_curvkit_eigh", eig)  # noqa: B010
-        names = [n for l in self.mine for n in op.blocks[l].names]
-        if len(self.mine) == len(op.blocks):
+        mine_blocks = [l for u in self.mine for l in self.units[u]]
+        names = list(dict.fromkeys(n for l in mine_blocks for n in op.blocks[l].names))
+        if len(mine_blocks) == len(op.blocks):
             sub = op
         else:
             sub = op.block(names) if names else None
         if sub is not None:
             if sub._eigh is None:
-                sub._eigh = [eig[l] for l in self.mine]
+                sub._eigh = [eig[l] for l in sorted(mine_blocks)]  # op.block keeps the operator's block order
             self._sub = sub.inverse(self.damping, method="eigen")
             self._sub_names = list(sub.layout.names)
         else:
@@ -161,19 +192,20 @@ class DistributedKroneckerInverse:
         elif self._sub is not None:
             out.update(zip(self._sub_names, self._sub @ [grads[n] for n in self._sub_names]))
         P = self.red.world_size
-        for l, b in enumerate(self.op.blocks):
-            workers = self.assign.grad_workers[l]
+        for u, unit in enumerate(self.units):
+            workers = self.assign.grad_workers[u]
             if len(workers) == P:
                 continue
+            names = list(dict.fromkeys(n for l in unit for n in self.op.blocks[l].names))
             # receiver blocks: ranks c*n .. c*n + n - 1 receive from the worker among them (KAISA's receivers)
             n = P // len(workers)
             block_start = (self.red.rank // n) * n
             block = tuple(range(block_start, block_start + n))
             src = next(r for r in block if r in workers)
-            tensors = [out[nm] if self.red.rank == src else torch.empty_like(grads[nm]) for nm in b.names]
+            tensors = [out[nm] if self.red.rank == src else torch.empty_like(grads[nm]) for nm in names]
             tensors = self.red.share(tensors, src, "broadcast of preconditioned gradients",
                                      group=self.red.subgroup(block))
-            out.update(zip(b.names, tensors))
+            out.update(zip(names, tensors))
         return out
 
 

@@ -1,62 +1,86 @@
-"""The damped Kronecker direction d = (G~ + delta I)^{-1} g of thesis Eqs. 4.16 and 4.23, per layer.
+"""The damped Kronecker direction d = (G~ + delta I)^{-1} g of thesis Eqs. 4.16 and 4.23, per block.
 
-With factored Tikhonov damping (Eq. 4.25; delta = lambda + zeta, k = sqrt(delta), omega per layer from
-:meth:`curvkit.linalg.kron.KroneckerOperator.damping_split`, Eq. 4.27) a layer's block
-``(G + k/omega I) (x) (A + omega k I)`` is inverted by two Cholesky factorisations, and applied to the layer's
-gradient in the ``W_hat = [W | b]`` layout (out, in+1) as
+Every block of the Kronecker curvature (:class:`curvkit.linalg.kron.KroneckerBlock`) is read through its
+``index``: the direction of a block is computed on its matrix ``W_hat`` (out, in_aug) of the gradient
+(:func:`curvkit.linalg.kron.block_matrix`: ``[W | b]`` of a Linear or Conv layer, ``W^T`` of an embedding,
+the q/k/v rows of a packed attention weight, one group of a grouped convolution, the (1, P) row of a
+normalisation layer or of raw parameters) and written back into the parameters' shapes
+(:func:`~curvkit.linalg.kron.write_block_matrix`).
 
-    D = (G + k/omega I)^{-1} grad_W_hat (A + omega k I)^{-1}
+* A TRUE Kronecker block ``G (x) A`` (``factored=True``; A dense, or a vector: the diagonal token-count
+  factor of an embedding) gets factored Tikhonov damping (Eq. 4.25; delta = lambda + zeta, k = sqrt(delta),
+  omega per block from :meth:`curvkit.linalg.kron.KroneckerOperator.damping_split`, Eq. 4.27):
+  ``(G + k/omega I) (x) (A + omega k I)``, applied as
 
-with triangular solves on both sides (no explicit inverse and no flat-vector permutation: this is the
-per-step hot path of the optimiser). It is the same matrix as
-``op.inverse(delta, method='factored')`` (tested), which forms the two inverses explicitly.
+      D = (G + k/omega I)^{-1} grad_W_hat (A + omega k I)^{-1}
 
-A block whose curvature is exactly zero (a factor with zero trace: e.g. a saturated softmax, whose output
-Hessian diag(p) - p p^T vanishes in floating point, zeroes every G_l) has no optimal split: omega* of
-Eq. 4.27 is infinite. The damped block ``(G + k/omega I) (x) (A + omega k I)`` then tends to
+  with Cholesky solves on both sides (a diagonal A: an elementwise division) - no explicit inverse and no
+  flat-vector permutation: this is the per-step hot path of the optimiser.
+* A PLAIN MATRIX block ``[[g]] (x) A`` (``factored=False``: the exact or diagonal block of a normalisation
+  layer's or raw parameters' per-sample gradients) is damped EXACTLY, ``[[g]] (x) (A + delta/g I) = block +
+  delta I`` (there are no two factors to split the damping between).
+
+Both are the damped factors of :meth:`~curvkit.linalg.kron.KroneckerOperator.factored_damping`, so the
+direction is the same matrix as ``op.inverse(delta, method='factored', pi=omegas)`` (tested). The exact
+damped inverse (``inversion='eigen'``) is :class:`~curvkit.linalg.kron.KroneckerInverseOperator`, which
+handles every block kind.
+
+A true Kronecker block whose curvature is exactly zero (a factor with zero trace: e.g. a saturated softmax,
+whose output Hessian diag(p) - p p^T vanishes in floating point, zeroes every G_l) has no optimal split:
+omega* of Eq. 4.27 is infinite. The damped block ``(G + k/omega I) (x) (A + omega k I)`` then tends to
 ``k^2 I = delta I`` as omega -> infinity (the cross terms ``omega k G (x) I`` and ``(k/omega) I (x) A`` vanish
 because G = 0 or A = 0), so the direction of that block is ``g / delta``. :func:`split_with_zero_blocks`
 represents such a block by zero factors with omega = 1, which gives exactly this limit through the same
-code path (``(0 + k I) (x) (0 + k I) = delta I``), and the exact damped inverse likewise.
+code path (``(0 + k I) (x) (0 + k I) = delta I``), and the exact damped inverse likewise. A plain-matrix
+block needs no such case: its exact damping is ``delta I`` when the block is zero.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, block_matrix, write_block_matrix
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 
-__all__ = ["FactoredInverse", "split_with_zero_blocks"]
+__all__ = ["FactoredInverse", "cholesky_factors", "parameter_units", "split_with_zero_blocks"]
+
+
+def _trace(M: Tensor) -> float:
+    return float(M.sum() if M.dim() == 1 else M.trace())
 
 
 def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "frobenius"]
                            ) -> tuple[KroneckerOperator, list[float], list[str]]:
-    """(operator, omega per block, weight names of the zero blocks) for the factored damping (module docstring).
+    """(operator, omega per block, names of the zero blocks) for the factored damping (module docstring).
 
-    Blocks with a factor of zero trace (the factors are positive semi-definite, so the factor is zero and so
-    is the block ``G (x) A``) are replaced by zero factors with omega = 1 (the omega -> infinity limit of
-    Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``.
+    True Kronecker blocks with a factor of zero trace (the factors are positive semi-definite, so the factor
+    is zero and so is the block ``G (x) A``) are replaced by zero factors with omega = 1 (the omega -> infinity
+    limit of Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``
+    (1.0 for a plain-matrix block, which is damped exactly).
     """
-    zero = [i for i, b in enumerate(op.blocks) if not (float(b.G.trace()) > 0 and float(b.A.trace()) > 0)]
+    zero = [i for i, b in enumerate(op.blocks) if b.factored and not (_trace(b.G) > 0 and _trace(b.A) > 0)]
     if not zero:
         return op, op.damping_split(norm), []
-    kept = [b for i, b in enumerate(op.blocks) if i not in zero]
-    split = iter(op.block([n for b in kept for n in b.names]).damping_split(norm)) if kept else iter(())  # type: ignore[attr-defined]
-    blocks, omegas = [], []
-    for i, b in enumerate(op.blocks):
-        if i in zero:
-            blocks.append(KroneckerBlock.from_gram(torch.zeros_like(b.G), torch.zeros_like(b.A), b.weight_name,
-                                                   b.bias_name))
-            omegas.append(1.0)
-        else:
-            blocks.append(b)
-            omegas.append(next(split))
-    return KroneckerOperator(op.layout, blocks, op.damping), omegas, [op.blocks[i].weight_name for i in zero]
+    def zeros(b: KroneckerBlock) -> KroneckerBlock:
+        return KroneckerBlock.from_gram(torch.zeros_like(b.G), torch.zeros_like(b.A), b.weight_name, b.bias_name,
+                                        index=b.index, label=b.label, factored=True)
+
+    def ones(b: KroneckerBlock) -> KroneckerBlock:  # any factors with positive traces: their split is dropped
+        return KroneckerBlock.from_gram(torch.eye(b.out_dim, dtype=b.G.dtype, device=b.G.device),
+                                        torch.ones_like(b.A) if b.A.dim() == 1 else torch.eye(b.in_dim, dtype=b.A.dtype,
+                                                                                          device=b.A.device),
+                                        b.weight_name, b.bias_name, index=b.index, label=b.label, factored=True)
+
+    split = KroneckerOperator(op.layout, [ones(b) if i in zero else b for i, b in enumerate(op.blocks)]
+                              ).damping_split(norm)
+    blocks = [zeros(b) if i in zero else b for i, b in enumerate(op.blocks)]
+    omegas = [1.0 if i in zero else w for i, w in enumerate(split)]
+    return KroneckerOperator(op.layout, blocks, op.damping), omegas, [op.blocks[i].name for i in zero]
 
 
 def _cholesky(M: Tensor, what: str) -> Tensor:
@@ -66,40 +90,79 @@ def _cholesky(M: Tensor, what: str) -> Tensor:
     return L
 
 
+def cholesky_factors(damped: KroneckerBlock) -> tuple[Tensor, Tensor]:
+    """(L_G, L_A) of a damped block: lower Cholesky factors of G and A, or A itself for a diagonal input
+    factor (checked positive)."""
+    LG = _cholesky(damped.G, f"{damped.name!r} G")
+    if damped.A.dim() == 1:
+        if not bool((damped.A > 0).all()):
+            raise NotPositiveDefiniteError(f"factor {damped.name!r} A is not positive definite after damping; "
+                                           "increase the damping")
+        return LG, damped.A
+    return LG, _cholesky(damped.A, f"{damped.name!r} A")
+
+
+def damped_blocks(op: KroneckerOperator, damping: float, omegas: Sequence[float]) -> KroneckerOperator:
+    """The damped factors of every block (module docstring): Eq. 4.25 with ``omegas`` for true Kronecker
+    blocks, exact damping for plain-matrix blocks. ``damping`` must be positive and finite."""
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"factored damping needs a positive finite total damping, got {damping}")
+    return op.factored_damping(damping, pi=list(omegas))
+
+
+def parameter_units(op: KroneckerOperator) -> list[list[int]]:
+    """The blocks grouped by the parameters they read (block positions, in order): the q/k/v blocks of one
+    packed attention weight or the groups of one convolution form one unit; any other block is its own.
+    Data-parallel steps place and broadcast whole units, so that a parameter is written by one rank."""
+    parent = list(range(len(op.blocks)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, b in enumerate(op.blocks):
+        for n in b.names:
+            if n in first:
+                parent[root(i)] = root(first[n])
+            else:
+                first[n] = i
+    units: dict[int, list[int]] = {}
+    for i in range(len(op.blocks)):
+        units.setdefault(root(i), []).append(i)
+    return sorted(units.values())
+
+
 class FactoredInverse:
-    """Per layer the Cholesky factors of the damped factors ``G + k/omega I`` and ``A + omega k I``.
+    """Per block the Cholesky factors of the damped factors (module docstring), applied to gradients by name.
 
     Args:
-        op: the undamped Kronecker curvature (its blocks name their weight and bias).
+        op: the undamped Kronecker curvature (its blocks name their parameters and carry their ``index``).
         damping: delta = lambda + zeta > 0.
-        omegas: omega per block (``op.damping_split(norm)``).
+        omegas: omega per block (``op.damping_split(norm)``; ignored for plain-matrix blocks).
     """
 
-    def __init__(self, op: KroneckerOperator, damping: float, omegas: list[float]):
-        if not (math.isfinite(damping) and damping > 0):
-            raise ValueError(f"factored damping needs a positive finite total damping, got {damping}")
-        k = math.sqrt(damping)
-        self.blocks = []
-        for b, om in zip(op.blocks, omegas):
-            Gd = b.G.clone()
-            Gd.diagonal().add_(k / om)
-            Ad = b.A.clone()
-            Ad.diagonal().add_(om * k)
-            self.blocks.append((b.weight_name, b.bias_name, _cholesky(Gd, f"{b.weight_name!r} G"),
-                                _cholesky(Ad, f"{b.weight_name!r} A")))
+    def __init__(self, op: KroneckerOperator, damping: float, omegas: Sequence[float]):
+        damped = damped_blocks(op, damping, omegas)
+        self.blocks = [(b, *cholesky_factors(d)) for b, d in zip(op.blocks, damped.blocks)]
+
+    @classmethod
+    def of_blocks(cls, blocks: Sequence[tuple[KroneckerBlock, Tensor, Tensor]]) -> FactoredInverse:
+        """From (block, L_G, L_A) triples computed elsewhere (the owner ranks of a data-parallel step)."""
+        inv = cls.__new__(cls)
+        inv.blocks = list(blocks)
+        return inv
 
     def apply(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The direction for every parameter named in the blocks, from the gradients by name."""
+        """The direction for every parameter the blocks read, from the gradients by name."""
         out: dict[str, Tensor] = {}
-        for w, bias, LG, LA in self.blocks:
-            gw = grads[w]
-            X = gw.reshape(gw.shape[0], -1)
-            if bias is not None:
-                X = torch.cat([X, grads[bias][:, None]], dim=1)
-            Y = torch.cholesky_solve(X, LG)  # G_d^{-1} X
-            Y = torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
-            n = X.shape[1] - (bias is not None)
-            out[w] = Y[:, :n].reshape(gw.shape)
-            if bias is not None:
-                out[bias] = Y[:, n]
+        for b, LG, LA in self.blocks:
+            for n in b.names:
+                if n not in out:
+                    out[n] = torch.zeros(grads[n].shape, dtype=grads[n].dtype, device=grads[n].device)
+            Y = torch.cholesky_solve(block_matrix(b, grads), LG)  # G_d^{-1} X
+            Y = Y / LA if LA.dim() == 1 else torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
+            write_block_matrix(b, Y, out)
         return out

@@ -77,6 +77,7 @@ stopped and resumed run equals an uninterrupted one. Every step appends a record
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -86,8 +87,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from curvkit import layerkinds
 from curvkit.curvature.estimators import KroneckerEstimator
-from curvkit.likelihoods import Likelihood
+from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras
@@ -99,21 +101,63 @@ from curvkit.optim.second_order.quadratic import (
     reduction_ratio,
     two_direction_minimum,
 )
-from curvkit.structure import read_model
-from curvkit.validation import integer, nonnegative, unit_interval
+from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model
+from curvkit.validation import integer, looks_like_probabilities, nonnegative, unit_interval
 
-__all__ = ["FAST_ADAPTATION", "GaussNewton"]
+__all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
+
+logger = logging.getLogger(__name__)
 
 #: A faster damping schedule than the thesis's (module docstring, measured in
 #: ``benchmarks/gauss_newton_damping.py``): ``GaussNewton(params, model=..., likelihood=..., **FAST_ADAPTATION)``.
 FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
     {"tau_every": 1, "omega_tau": 0.8, "zeta_every": 5, "omega_zeta": 0.5})
 
-Curvature = Literal["kfra", "kflr", "kfac", "projection"]
+Curvature = Literal["auto", "kfra", "kflr", "kfac", "projection"]
 _CURVATURES = ("kfra", "kflr", "kfac", "projection")
 _GLOBAL = ("curvature", "inversion", "omega_norm", "weight_decay", "tau", "zeta", "tau_every", "zeta_every",
            "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "momentum", "mc_samples",
-           "distribution", "seed")
+           "distribution", "seed", "weight_sharing", "norm_structure", "parameter_structure")
+_CONFIG = ("curvature", "ema", "mc_samples", "distribution", "weight_sharing", "norm_structure",
+           "parameter_structure")
+_CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "parameter_structure": "diag"}  # format 2
+
+#: The most output-space columns KFLR may back-propagate per refresh for the automatic choice
+#: (:func:`default_curvature`): KFLR costs one backward pass per column of the output Hessian's square root
+#: (C for a softmax over C classes), KFAC one per sampled label.
+KFLR_MAX_COLUMNS = 10
+
+
+def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor) -> tuple[str, str]:
+    """(source, reason): the curvature source ``curvature='auto'`` takes for a model (its
+    :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's).
+
+    1. ``kfra`` (the thesis's method, Sec. 4.3.2) where its recursion is defined: an MLP chain
+       (``structure.mlp_chain``) with (B, C) outputs;
+    2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its cost is affordable: (B, C) outputs and
+       at most :data:`KFLR_MAX_COLUMNS` columns of the output Hessian's square root, i.e. as many backward
+       passes per refresh (with outputs (B, *P, C) its back-propagated columns mix the positions: its G then
+       holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
+    3. otherwise ``kfac`` (one backward pass of sampled labels per ``mc_samples``, Sec. 4.3.3).
+    """
+    positions = f.dim() > 2
+    if not positions:
+        try:
+            structure.mlp_chain("kfra", frozen=True)
+        except UnsupportedModelError as exc:
+            why = str(exc)
+        else:
+            return "kfra", "an MLP chain with (batch, outputs) outputs: KFRA's recursion is defined"
+    else:
+        why = f"outputs with positions {tuple(f.shape)}"
+    cols = likelihood.sqrt_rank(f)
+    if not positions and cols <= KFLR_MAX_COLUMNS:
+        return "kflr", (f"not an MLP chain ({why}); KFLR needs {cols} backward passes per refresh "
+                        f"(<= {KFLR_MAX_COLUMNS})")
+    if positions:
+        return "kfac", f"{why}: KFLR's columns would mix the positions, so KFAC (sampled labels)"
+    return "kfac", (f"not an MLP chain ({why}); KFLR would need {cols} backward passes per refresh "
+                    f"(> {KFLR_MAX_COLUMNS}), so KFAC (sampled labels)")
 
 
 def _check_ema(ema: Any) -> float | str | None:
@@ -135,12 +179,16 @@ class GaussNewton(CurvatureOptimizer):
 
     Args:
         params: the model's trainable parameters (all of them; any grouping).
-        model: the network (every trainable parameter in an ``nn.Linear``/``nn.Conv2d`` layer; ``kfra``
-            needs an MLP chain ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``); unsupported modules
-            are named in the error.
+        model: the network (every trainable parameter in a layer kind of :mod:`curvkit.layerkinds`: Linear
+            with or without weight sharing, convolutions incl. grouped, Embedding, normalisation layers,
+            MultiheadAttention, raw (1, ...) parameters; ``kfra`` needs an MLP chain
+            ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``); unsupported modules and tied weights are
+            named in the error. It must return one tensor of logits (B, [*P,] C).
         likelihood: the loss head (:mod:`curvkit.likelihoods`), e.g. ``BernoulliBCE('mean')`` for an
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
-        curvature: ``'kfra'`` (default, the thesis's method) | ``'kflr'`` | ``'kfac'`` | ``'projection'``.
+        curvature: ``'auto'`` (default: :func:`default_curvature`, KFRA - the thesis's method - where its
+            recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
+            ``'kflr'`` | ``'kfac'`` | ``'projection'``.
         inversion: ``'factored'`` (Eq. 4.25, default) | ``'eigen'`` (exact damped inverse, KFAC*/KFRA*).
         omega_norm: ``'trace'`` (Eq. 4.27 with the trace norm, the thesis's) | ``'frobenius'``.
         weight_decay: lambda >= 0 of Eq. 4.12 (the thesis's autoencoders: 1e-5, digest recommendation).
@@ -161,16 +209,22 @@ class GaussNewton(CurvatureOptimizer):
             of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
     """
 
-    def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "kfra",
+    def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "auto",
                  inversion: Literal["factored", "eigen"] = "factored",
                  omega_norm: Literal["trace", "frobenius"] = "trace", weight_decay: float = 0.0,
                  tau: float = 1.0, zeta: float = 1.0, tau_every: int = 5, zeta_every: int = 20,
                  omega_tau: float = 0.95, omega_zeta: float = 0.95, lm_rule: Literal["band", "threshold"] = "band",
                  ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1, momentum: bool = False, mc_samples: int = 1,
                  distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
-                 distributed: Any = None):
-        if curvature not in _CURVATURES:
-            raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
+                 weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
+                 parameter_structure: Literal["full", "diag"] = "diag", distributed: Any = None):
+        if curvature != "auto" and curvature not in _CURVATURES:
+            raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
+        for key, value, allowed in (("weight_sharing", weight_sharing, ("expand", "reduce")),
+                                    ("norm_structure", norm_structure, ("full", "diag")),
+                                    ("parameter_structure", parameter_structure, ("full", "diag"))):
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
         if inversion not in ("factored", "eigen"):
             raise ValueError(f"inversion must be 'factored' or 'eigen', got {inversion!r}")
         if omega_norm not in ("trace", "frobenius"):
@@ -190,7 +244,8 @@ class GaussNewton(CurvatureOptimizer):
             lm_rule=lm_rule, ema=_check_ema(ema),
             curvature_every=integer("curvature_every", curvature_every),
             momentum=momentum, mc_samples=integer("mc_samples", mc_samples), distribution=distribution,
-            seed=integer("seed", seed, minimum=0),
+            seed=integer("seed", seed, minimum=0), weight_sharing=weight_sharing, norm_structure=norm_structure,
+            parameter_structure=parameter_structure,
         )
         if defaults["weight_decay"] + defaults["zeta"] <= 0:
             raise ValueError("weight_decay + zeta must be > 0: the Kronecker factors of a network are singular "
@@ -229,14 +284,19 @@ class GaussNewton(CurvatureOptimizer):
         self.distributed = distributed
         seed_r = int(defaults["seed"]) if distributed is None else distributed.seed(int(defaults["seed"]))
         self._generator = torch.Generator(device=self._device).manual_seed(seed_r)
-        ema_f = defaults["ema"] if isinstance(defaults["ema"], float) else None
-        self.estimator = KroneckerEstimator(model, likelihood, method=curvature, mc_samples=defaults["mc_samples"],
-                                            distribution=distribution, ema=ema_f,
-                                            generator=self._generator, distributed=distributed)
-        self.estimator.require_weight_matrix_blocks(type(self).__name__)
+        self._structure = read_model(model)
+        #: the curvature source in use (``curvature``, or the one ``'auto'`` chose at the first step; None
+        #: until then) and why it was chosen
+        self.source: str | None = None
+        self.source_reason = ""
+        self.estimator: KroneckerEstimator = None  # type: ignore[assignment]  # built by _use_source
+        self._output_checked = False  # by the first step's _first_pass
+        if curvature == "auto":  # every layer must have a Kronecker block: refuse what no source takes, now
+            layerkinds.plan(self._structure, type(self).__name__)
+        else:
+            self._use_source(curvature, "given")
         if distributed is not None:
             distributed.sync_tensors_(self.ordered_params())
-        self._structure = read_model(model)
         self._names = self.param_names()
         self._linearisation = Linearisation(model, self._structure, self._names)
         # the adaptive state (saved by state_dict)
@@ -274,6 +334,42 @@ class GaussNewton(CurvatureOptimizer):
                              "GaussNewton after freezing or unfreezing layers")
 
     # ------------------------------------------------------------------ curvature
+    def _use_source(self, source: str, reason: str) -> None:
+        """Build the Kronecker estimator of ``source`` (with the optimiser's estimator options)."""
+        hp = self.hp
+        ema_f = hp["ema"] if isinstance(hp["ema"], float) else None
+        self.estimator = KroneckerEstimator(
+            self.model, self.likelihood, method=source, mc_samples=hp["mc_samples"],  # type: ignore[arg-type]
+            distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
+            weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
+            parameter_structure=hp["parameter_structure"])
+        self.source, self.source_reason = source, reason
+
+    def _first_pass(self, X: Tensor) -> None:
+        """Before the first step: one forward pass without autograd that checks the model returns one tensor
+        of logits and, for ``curvature='auto'``, picks the source by :func:`default_curvature` from its
+        outputs (logged at INFO level and kept in :meth:`state_dict`)."""
+        assert self.model is not None
+        with torch.no_grad(), curvature_kernels():
+            f = self._logits(self.model(X))
+        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
+            raise ValueError(f"{type(self).__name__}: the model's outputs of shape {tuple(f.shape)} look like "
+                             "probabilities (every entry in [0, 1], every row summing to 1), but CrossEntropy takes "
+                             "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
+        self._output_checked = True
+        if self.estimator is None:
+            source, reason = default_curvature(self._structure, self.likelihood, f)
+            self._use_source(source, reason)
+            logger.info("GaussNewton: curvature='auto' chose %r: %s", source, reason)
+
+    def _logits(self, f: Any) -> Tensor:
+        """The model's output, refused unless it is one tensor of logits (B, [*P,] C)."""
+        if not isinstance(f, Tensor):
+            raise TypeError(f"{type(self).__name__}: the model must return its outputs (logits) as one tensor of "
+                            f"shape (batch, [positions...,] outputs), got {type(f).__name__}; wrap it in a module "
+                            "that returns the logits (e.g. output.logits of a Hugging Face ModelOutput, or out[0])")
+        return f
+
     def _hold(self, op: KroneckerOperator) -> None:
         """Hold the undamped Kronecker curvature ``op`` for the next directions: zero blocks in their limit
         form and the factored-damping split (:func:`~curvkit.optim.second_order.direction.split_with_zero_blocks`);
@@ -281,7 +377,7 @@ class GaussNewton(CurvatureOptimizer):
         op, omegas, self._zero_blocks = split_with_zero_blocks(op, self.hp["omega_norm"])
         self._op = op
         self._inverses = {}
-        self._omega = dict(zip((b.weight_name for b in op.blocks), omegas)) if self.hp["inversion"] == "factored" else {}
+        self._omega = dict(zip((b.name for b in op.blocks), omegas)) if self.hp["inversion"] == "factored" else {}
 
     def _direction(self, zeta: float, g: list[Tensor]) -> list[Tensor]:
         """d = (G~ + (lambda + zeta) I)^{-1} g with the held factors; the inverse (Cholesky factors for the
@@ -292,7 +388,7 @@ class GaussNewton(CurvatureOptimizer):
         if inv is None and self.distributed is not None:
             from curvkit.optim.second_order._distributed import DistributedKroneckerInverse
 
-            omegas = [self._omega[b.weight_name] for b in self._op.blocks] if self._omega else None
+            omegas = [self._omega[b.name] for b in self._op.blocks] if self._omega else None
             inv = DistributedKroneckerInverse(self._op, damping, self.hp["inversion"], omegas,  # type: ignore[assignment]
                                               self.distributed)
             self._inverses[zeta] = inv  # type: ignore[assignment]
@@ -300,7 +396,7 @@ class GaussNewton(CurvatureOptimizer):
             if self.hp["inversion"] == "eigen":
                 inv = self._op.inverse(damping, method="eigen")
             else:
-                inv = FactoredInverse(self._op, damping, [self._omega[b.weight_name] for b in self._op.blocks])
+                inv = FactoredInverse(self._op, damping, [self._omega[b.name] for b in self._op.blocks])
             self._inverses[zeta] = inv
         if hasattr(inv, "apply"):
             d = inv.apply(dict(zip(self._names, g)))  # type: ignore[union-attr]
@@ -318,11 +414,13 @@ class GaussNewton(CurvatureOptimizer):
         damping = self.hp["weight_decay"] + self.zeta
         if self.hp["inversion"] == "eigen":
             return self._op.add_identity(damping)
-        return self._op.factored_damping(damping, pi=[self._omega[b.weight_name] for b in self._op.blocks])
+        return self._op.factored_damping(damping, pi=[self._omega[b.name] for b in self._op.blocks])
 
     def omegas(self) -> dict[str, float]:
-        """The factored-damping split omega (Eq. 4.27) per layer (weight name) of the held factors (1.0 for a
-        layer whose curvature is exactly zero: its damped block is delta I, module docstring)."""
+        """The factored-damping split omega (Eq. 4.27) per block of the held factors, keyed by the block's name
+        (its weight's name for a whole layer; the layer and part, e.g. ``'attn.q'``, for a slice); 1.0 for a
+        block whose curvature is exactly zero (its damped block is delta I, module docstring) and for a
+        plain-matrix block (damped exactly)."""
         return dict(self._omega)
 
     # ------------------------------------------------------------------ stepping
@@ -344,10 +442,11 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         params = self.ordered_params()
         refresh = self._op is None or (k - 1) % hp["curvature_every"] == 0
-        est = self.estimator
-        saved_est = est.state_dict() if refresh else None
+        est = self.estimator  # None before the first step with curvature='auto'
+        saved_est = est.state_dict() if refresh and est is not None else None
         saved_gen = self._generator.get_state() if refresh else None
         saved_cache = (self._op, self._inverses, self._omega)
+        saved_source = (self.estimator, self.source, self.source_reason)
         try:
             if self.distributed is not None and self.distributed.shard_batches and batch is not None:
                 rows = self.distributed.shard(int(batch[0].shape[0]))
@@ -361,8 +460,10 @@ class GaussNewton(CurvatureOptimizer):
         except BaseException:
             if saved_est is not None:
                 est.load_state_dict(saved_est)
-                self._generator.set_state(saved_gen)  # type: ignore[arg-type]
+            if saved_gen is not None:
+                self._generator.set_state(saved_gen)
             self._op, self._inverses, self._omega = saved_cache
+            self.estimator, self.source, self.source_reason = saved_source
             raise
         E0, update, record = out
         # ---- write (everything was checked by _compute)
@@ -396,7 +497,7 @@ class GaussNewton(CurvatureOptimizer):
         Returns (X, y, f, data loss, gradient of the data loss, evaluate) with ``evaluate()`` the objective
         at the current parameters on the same minibatch (for rho).
         """
-        model, lik, est, lin = self.model, self.likelihood, self.estimator, self._linearisation
+        model, lik = self.model, self.likelihood
         assert model is not None
         name = type(self).__name__
         if batch is None and closure is None:
@@ -404,20 +505,22 @@ class GaussNewton(CurvatureOptimizer):
                             "quadratic model and rho are computed on it), or a closure")
         if batch is not None:
             X, y = batch
+            if not self._output_checked or self.estimator is None:
+                self._first_pass(X)
             with torch.enable_grad():
-                if refresh:
-                    with est.capture() as cap:
-                        f = lin.record(X)
-                else:
-                    f = lin.record(X)
+                f, copies, cap = self._record(X, refresh)
                 data_loss = self._checked(k, "the loss", lambda: lik(f, y))
                 if refresh:
                     self._checked(k, "the curvature", lambda: self._accumulate(cap, f, y))
-                grads = list(torch.autograd.grad(data_loss, params))
+                # raw parameters ran as per-sample copies P: their gradient is that of P summed over samples
+                wrt = [copies.get(n, p) for n, p in zip(self._names, params)]
+                grads = [g.sum(0, keepdim=True) if n in copies else g
+                         for n, g in zip(self._names, torch.autograd.grad(data_loss, wrt))]
 
             def evaluate() -> float:
                 try:
-                    return self._objective(lik(model(X), y), params)
+                    with curvature_kernels():  # the kernels of E(theta) before the step (same rounding)
+                        return self._objective(lik(self._logits(model(X)), y), params)
                 except ValueError:  # NaN/inf outputs after the step: rho = -inf below
                     return math.inf
 
@@ -450,13 +553,12 @@ class GaussNewton(CurvatureOptimizer):
                              "closure must call loss.backward()")
         grads = [p.grad.detach().clone() for p in params]  # type: ignore[union-attr]
         X = seen[0]
+        if not self._output_checked or self.estimator is None:
+            self._first_pass(X)
         with torch.enable_grad():
+            f, _, cap = self._record(X, refresh)
             if refresh:
-                with est.capture() as cap:
-                    f = lin.record(X)
                 self._checked(k, "the curvature", lambda: self._accumulate(cap, f, None))  # type: ignore[arg-type]
-            else:
-                f = lin.record(X)
 
         def evaluate_closure() -> float:
             saved = [None if p.grad is None else p.grad.clone() for p in params]
@@ -470,6 +572,23 @@ class GaussNewton(CurvatureOptimizer):
             return self._objective(value.detach(), params)
 
         return X, None, f.detach(), loss.detach(), grads, evaluate_closure
+
+    def _record(self, X: Tensor, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
+        """The forward pass on X, recorded for the linearisation and, on a refresh, captured for the curvature
+        (raw parameters as per-sample copies, :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
+        lin, est = self._linearisation, self.estimator
+        if not refresh:
+            return self._logits(lin.record(X)), {}, None
+        copies: dict[str, Tensor] = {}
+
+        def forward() -> Tensor:
+            f, c = est.forward(cap, X)
+            copies.update(c)
+            return self._logits(f)
+
+        with est.capture() as cap:
+            f = lin.record(X, forward)
+        return f, copies, cap
 
     def _accumulate(self, cap: Any, f: Tensor, y: Tensor | None) -> None:
         """The curvature statistics of this forward pass: alone (``ema=None``, the thesis's current
@@ -489,8 +608,8 @@ class GaussNewton(CurvatureOptimizer):
 
     def _checked_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         """``batch`` as (X, y) on the model's device, refused with a clear error when it is not a non-empty
-        pair of tensors with as many targets as inputs, a floating X of the model's dtype and, if y is
-        floating, the same dtype for y."""
+        pair of tensors with as many targets as inputs, X of the model's dtype if it is floating (integer
+        token ids are taken as they are), a floating y of the same dtype, or NaN/inf in X or a floating y."""
         name = type(self).__name__
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
             raise TypeError(f"{name}.step: batch must be a pair (X, y) of tensors, got {type(batch).__name__}")
@@ -502,6 +621,13 @@ class GaussNewton(CurvatureOptimizer):
         if y.is_floating_point() and y.dtype != self._dtype:
             raise ValueError(f"{name}.step: batch y has dtype {y.dtype} but the model's parameters are "
                              f"{self._dtype}; convert the targets (y.to({self._dtype}))")
+        for what, t in (("X", X), ("y", y)):
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    raise ValueError(f"{name}.step: batch {what} contains NaN or inf ({bad} of {t.numel()} entries); "
+                                     "nothing was changed: clean the data (or mark padded targets with the "
+                                     "likelihood's ignore_index / ignore_value)")
         return X.to(self._device), y.to(self._device)
 
     def _checked(self, k: int, what: str, fn: Callable[[], Any]) -> Any:
@@ -589,35 +715,54 @@ class GaussNewton(CurvatureOptimizer):
         return E0, update, record
 
     # ------------------------------------------------------------------ checkpoints
+    def _config(self) -> dict[str, Any]:
+        """What a state_dict must agree on: the curvature source in use ('auto' before it is chosen) and the
+        estimator's options."""
+        cfg = {k: self.hp[k] for k in _CONFIG}
+        cfg["curvature"] = self.source if self.source is not None else "auto"
+        return cfg
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state (per-parameter previous updates, param groups) plus tau, zeta, the step
-        counter, the wall-clock so far, the factor statistics and the generator state."""
+        counter, the wall-clock so far, the curvature source (also the one ``'auto'`` chose) with the estimator
+        options, the factor statistics and the generator state."""
         sd = super().state_dict()
         sd["gauss_newton"] = {
             "num_steps": self.num_steps, "tau": self.tau, "zeta": self.zeta, "elapsed_s": self.elapsed_s,
-            "estimator": self.estimator.state_dict(), "generator": self._generator.get_state(),
-            "config": {k: self.hp[k] for k in ("curvature", "ema", "mc_samples", "distribution")},
-            "format": 2,  # 2: ema=None means the current minibatch (format 1, curvkit 0.1: the running mean)
+            "estimator": None if self.estimator is None else self.estimator.state_dict(),
+            "generator": self._generator.get_state(), "config": self._config(), "source_reason": self.source_reason,
+            # 2: ema=None means the current minibatch (format 1, curvkit 0.1: the running mean); 3: the config
+            # holds the estimator options and the source 'auto' chose
+            "format": 3,
         }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. The saved configuration must match this optimiser's, except that an
+        optimiser created with ``curvature='auto'`` that has not stepped yet takes the saved source (a resumed
+        run keeps the source its first step chose)."""
         sd = dict(state_dict)
         gn = sd.pop("gauss_newton", None)
         if gn is None:
             raise ValueError("this state_dict was not written by GaussNewton (no 'gauss_newton' entry)")
-        mine = {k: self.hp[k] for k in ("curvature", "ema", "mc_samples", "distribution")}
-        theirs = dict(gn["config"])
+        mine = self._config()
+        theirs = {**_CONFIG_BEFORE, **dict(gn["config"])}
         legacy = gn.get("format", 1) == 1 and theirs.get("ema") is None
         if legacy:  # curvkit 0.1's ema=None was the running mean over every minibatch
             theirs["ema"] = "running_mean"
+        adopt = self.source is None and theirs["curvature"] in _CURVATURES  # 'auto', not chosen yet
+        if adopt:
+            mine["curvature"] = theirs["curvature"]
         if theirs != mine:
             hint = (" (written by curvkit 0.1, whose default ema=None was the running mean of the factors over every "
                     "minibatch; resume it with ema='running_mean' to continue that run exactly, or start the "
                     "optimiser afresh for the thesis's current-minibatch curvature)") if legacy else ""
             raise ValueError(f"state_dict is for {theirs}, this optimiser has {mine}{hint}")
+        if adopt:
+            self._use_source(theirs["curvature"], gn.get("source_reason") or "the source of the resumed run")
         super().load_state_dict(sd)
-        self.estimator.load_state_dict(gn["estimator"])
+        if gn["estimator"] is not None:
+            self.estimator.load_state_dict(gn["estimator"])
         self._generator.set_state(gn["generator"])
         self.num_steps, self.tau, self.zeta = int(gn["num_steps"]), float(gn["tau"]), float(gn["zeta"])
         self.elapsed_s = float(gn["elapsed_s"])
@@ -625,5 +770,5 @@ class GaussNewton(CurvatureOptimizer):
         self._op = None
         self._omega = {}
         self._zero_blocks = []
-        if self.estimator.num_updates > 0:
+        if self.estimator is not None and self.estimator.num_updates > 0:
             self._hold(self.estimator.operator())
