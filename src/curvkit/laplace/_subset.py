@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._graph import graph_leaves
-from curvkit.structure import LayerInfo, read_model
+from curvkit.structure import LayerInfo, curvature_kernels, read_model
 
 __all__ = ["ModuleCall", "last_layer_names", "only_trainable", "resolve_subset", "subset_layers", "traced_forward"]
 
@@ -98,7 +98,7 @@ def traced_forward(model: nn.Module, X: Tensor, record: bool = True) -> tuple[Te
 
     handles = [mod.register_forward_hook(hook(name)) for name, mod in model.named_modules()] if record else []
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), curvature_kernels():  # the kernels every curvature pass uses (no MHA fast path)
             f = model(X)
     finally:
         for h in handles:
