@@ -160,8 +160,8 @@ def _glm_setup(post: Any) -> dict[str, Any]:
         setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
         return setup
     try:
-        with only_trainable(post.model, post.names):
-            plans = layerkinds.plan(structure, "Laplace GLM predictive")
+        with only_trainable(post.model, post.names):  # the plan covers exactly the posterior's parameters
+            plans = layerkinds.plan(read_model(post.model), "Laplace GLM predictive")
     except UnsupportedModelError:
         if post.structure == "kron":
             raise
