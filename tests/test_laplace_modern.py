@@ -247,3 +247,85 @@ def test_batchnorm_in_training_mode_is_refused_naming_the_layer_and_eval():
         with pytest.raises(Exception, match=r"(?i)batchnorm.*|.*eval\(\)"):
             Laplace(model, lik, structure).fit((X, y))
     _assert_unchanged(model, before)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+class _GRUClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_kron_refuses_an_unsupported_layer_by_name_and_leaves_the_model_alone():
+    model = _GRUClassifier().double()
+    X, y = torch.randn(4, 5, 3, dtype=DT), torch.randint(0, 2, (4,))
+    before = _state(model)
+    with pytest.raises(Exception, match=r"module 'rnn' \(GRU\) owns trainable parameter"):
+        Laplace(model, CrossEntropy(), "kron").fit((X, y))
+    _assert_unchanged(model, before)
+    # the last layer alone is a Linear: Kronecker Laplace on it works
+    post = Laplace(model, CrossEntropy(), "kron", subset=["head"]).fit((X, y))
+    assert post.names == ["head.weight", "head.bias"]
+    _assert_unchanged(model, before)
+
+
+class _Squeeze(nn.Module):
+    def __init__(self, net, softmax=False):
+        super().__init__()
+        self.net, self.softmax = net, softmax
+
+    def forward(self, x):
+        out = self.net(x)
+        return out.softmax(-1) if self.softmax else out[:, 0]
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_outputs_that_are_not_logits_for_the_likelihood_are_named(structure):
+    model, lik, X, y = _case("vit")
+    before = _state(model)
+    with pytest.raises(TypeError, match=r"must return one tensor of shape \(batch, outputs\).*got \(5,\)"):
+        Laplace(_Squeeze(model), lik, structure).fit((X, y))
+    with pytest.raises(ValueError, match="output is probabilities"):
+        Laplace(_Squeeze(model, softmax=True), lik, structure).fit((X, y))
+    with pytest.raises(ValueError, match=r"targets must be integer class indices of shape \(5,\)"):
+        Laplace(model, lik, structure).fit((X, torch.randn(5, 3, dtype=DT)))
+    _assert_unchanged(model, before)
+
+
+def test_a_tied_weight_is_refused_by_kron_naming_both_uses_and_handled_by_diag_and_full():
+    model = arch.causal_lm(vocab_size=5, max_len=4, dim=8, depth=1, heads=2, mlp_dim=8, tie_weights=True,
+                           dtype=DT).eval()
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randint(0, 5, (3, 4), generator=g), torch.randint(0, 5, (3, 4), generator=g)
+    before = _state(model)
+    with pytest.raises(Exception, match=r"'tok_embed.weight' is shared by modules 'tok_embed' \(Embedding\), "
+                                        r"'lm_head' \(Linear\) \(weight tying\)"):
+        Laplace(model, CrossEntropy(), "kron").fit((X, y))
+    _assert_unchanged(model, before)
+    G = dense_ggn_flat(model, CrossEntropy("sum"), (X, y))
+    for structure in ("diag", "full"):  # the tied parameter once, with the curvature of both uses
+        post = Laplace(model, CrossEntropy(), structure, "ggn", prior_precision=0.5).fit((X, y))
+        ref = G + 0.5 * torch.eye(G.shape[0], dtype=DT)
+        torch.testing.assert_close(post.precision().to_dense(), ref if structure == "full" else torch.diag(ref.diagonal()))
+        _, V_ref = _dense_jsjt(post, model, X)
+        torch.testing.assert_close(post.functional_variance(X, batch_size=2)[1], V_ref)
+    _assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_padding_without_ignore_index_and_nan_batches_are_named(structure):
+    model, _, X, y = _case("lm")
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"padding is not enabled: for padded positions pass "
+                                         r"CrossEntropy\(ignore_index=\.\.\.\)\), got values in \[-100, 4\]"):
+        Laplace(model, CrossEntropy(), structure).fit((X, y))
+    vmodel, lik, Xi, yi = _case("vit")
+    bad = Xi.clone()
+    bad[1, 0, 2, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"batch 1 of the data: the inputs X contain NaN or inf \(1 of"):
+        Laplace(vmodel, lik, structure).fit([(Xi, yi), (bad, yi)])
+    _assert_unchanged(model, before)

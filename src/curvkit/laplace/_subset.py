@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,9 +79,23 @@ def only_trainable(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
 
 
 def subset_layers(model: nn.Module, names: Sequence[str]) -> list[LayerInfo]:
-    """The layers (modules owning parameters of ``names``) with weight/bias restricted to ``names``."""
+    """The layers (modules owning parameters of ``names``) with weight/bias restricted to ``names``. A
+    parameter shared by several modules (a tied weight) belongs to the FIRST of them only (``named_modules``
+    order; its prior precision is that layer's); a layer left without parameters is dropped."""
     with only_trainable(model, names):
-        return list(read_model(model).layers)
+        layers = list(read_model(model).layers)
+    seen: set[str] = set()
+    out: list[LayerInfo] = []
+    for lay in layers:
+        own = tuple(n for n in lay.params if n not in seen)
+        seen.update(own)
+        if not own:
+            continue
+        if own != tuple(lay.params):
+            lay = replace(lay, params=own, weight=lay.weight if lay.weight in own else None,
+                          bias=lay.bias if lay.bias in own else None)
+        out.append(lay)
+    return out
 
 
 def traced_forward(model: nn.Module, X: Tensor, record: bool = True) -> tuple[Tensor, list[ModuleCall]]:
