@@ -37,6 +37,19 @@ class Largest(TorchDispatchMode):
         return out
 
 
+class CountShape(TorchDispatchMode):
+    """Counts the operations that return a tensor of the given shape."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.n = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.n += sum(isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape for t in tree_leaves(out))
+        return out
+
+
 C, B = 300, 16
 
 
@@ -86,3 +99,33 @@ def test_softmax_square_root_columns_are_laid_out_for_the_column_batched_backwar
     Ss = lik.output_hessian_sqrt_columns(seq, slice(0, 7))
     q = seq.softmax(-1)
     torch.testing.assert_close(Ss @ Ss.transpose(-1, -2), torch.diag_embed(q) - q[..., :, None] * q[..., None, :])
+
+
+@pytest.mark.parametrize("case", ["mlp", "padded_lm", "reduce_lm"])
+def test_kflr_output_factor_in_closed_form_equals_the_back_propagated_columns(case):
+    """KFLR's output factor of the output layer is ``sum H_L / R`` (one (C, N) x (N, C) product for the softmax)
+    instead of C Gram matrices of square-root columns; ``keep_per_sample=True`` keeps the column path."""
+    from curvkit import architectures as arch
+    from curvkit.curvature.estimators import KroneckerEstimator
+
+    g = torch.Generator().manual_seed(0)
+    if case == "mlp":
+        model = mlp([8, 16, 40], "tanh", dtype=DT, seed=0)
+        X, y, lik = torch.randn(6, 8, generator=g, dtype=DT), torch.randint(0, 40, (6,), generator=g), CrossEntropy()
+    else:
+        model = arch.causal_lm(vocab_size=9, max_len=5, dim=8, depth=1, heads=2, mlp_dim=8, dtype=DT).eval()
+        X, y = torch.randint(0, 9, (3, 5), generator=g), torch.randint(0, 9, (3, 5), generator=g)
+        y[0, 2:] = -100
+        lik = CrossEntropy(ignore_index=-100)
+    kw = dict(weight_sharing="reduce") if case == "reduce_lm" else {}
+    C = 40 if case == "mlp" else 9
+    with CountShape((C, C)) as fast_count:
+        fast = KroneckerEstimator(model, lik, "kflr", **kw).update((X, y)).operator()
+    with CountShape((C, C)) as cols_count:
+        cols = KroneckerEstimator(model, lik, "kflr", keep_per_sample=True, **kw).update((X, y)).operator()
+    assert cols_count.n >= C  # one (C, C) Gram per square-root column
+    if case != "reduce_lm":  # expand (or one position): the closed form, a handful of (C, C) tensors
+        assert cols_count.n - fast_count.n >= C - 8, (fast_count.n, cols_count.n)
+    for a, b in zip(fast.blocks, cols.blocks):
+        torch.testing.assert_close(a.G, b.G)
+        torch.testing.assert_close(a.A, b.A)
