@@ -287,7 +287,7 @@ class _Squeeze(nn.Module):
 def test_outputs_that_are_not_logits_for_the_likelihood_are_named(structure):
     model, lik, X, y = _case("vit")
     before = _state(model)
-    with pytest.raises(TypeError, match=r"must return one tensor of shape \(batch, outputs\).*got \(5,\)"):
+    with pytest.raises(TypeError, match=r"must return one tensor of shape \(batch, outputs\).*got \(batch,\)"):
         Laplace(_Squeeze(model), lik, structure).fit((X, y))
     with pytest.raises(ValueError, match="output is probabilities"):
         Laplace(_Squeeze(model, softmax=True), lik, structure).fit((X, y))

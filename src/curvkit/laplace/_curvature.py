@@ -56,12 +56,13 @@ class KroneckerSource:
         """Add the batch's statistics; returns the model's (detached) output of the forward pass they used
         (None when the estimator ran its own pass: raw parameters need per-sample copies)."""
         est = self.estimator
-        if self.own_pass:
-            est.update((X, y))
-            return None
-        with est.capture() as cap, torch.enable_grad():
-            f = est.model(X)
-        est.accumulate(cap, f, y)
+        with only_trainable(est.model, self.names):  # no graph through parameters the posterior leaves out
+            if self.own_pass:
+                est.update((X, y))
+                return None
+            with est.capture() as cap, torch.enable_grad():
+                f = est.model(X)
+            est.accumulate(cap, f, y)
         return f.detach()
 
     def blocks(self) -> list[KFactors]:

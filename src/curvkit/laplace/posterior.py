@@ -78,7 +78,13 @@ from curvkit.laplace._curvature import (
     DiagonalSource,
     KroneckerSource,
 )
-from curvkit.laplace._subset import last_layer_names, resolve_subset, subset_layers, traced_forward
+from curvkit.laplace._subset import (
+    last_layer_names,
+    only_trainable,
+    resolve_subset,
+    subset_layers,
+    traced_forward,
+)
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
@@ -415,14 +421,23 @@ class Laplace:
     def _inspect(self, X: Tensor, y: Tensor) -> None:
         """One forward pass of the first batch with its graph: checks that the output is what the likelihood
         takes (logits, not probabilities), resolves ``subset='last_layer'`` from it and warns (once) about
-        covered parameters the output does not depend on."""
-        f, calls = traced_forward(self.model, X, record=self._selection is None)
+        covered parameters the output does not depend on. The graph's structure is what is read, so two rows
+        suffice (every batch's outputs and targets are checked again in :meth:`fit`); with the covered
+        parameters known, the graph spans only them."""
+        n = X.shape[0]
+        X = X[:2]
+        if self._selection is None:
+            f, calls = traced_forward(self.model, X, record=True)
+        else:
+            with only_trainable(self.model, self.names):
+                f, calls = traced_forward(self.model, X, record=False)
         if not isinstance(f, Tensor) or f.dim() < 2:
-            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            shape = ("(" + ", ".join(["batch", *map(str, f.shape[1:])]) + (",)" if f.dim() == 1 else ")")
+                     if isinstance(f, Tensor) else type(f).__name__)
             raise TypeError(f"the model must return one tensor of shape (batch, outputs) or (batch, positions..., "
                             f"outputs), got {shape}")
         _check_natural_outputs(self.likelihood, f)
-        self.likelihood.check(f.detach(), y)
+        self.likelihood.check(f.detach()[:1].expand(n, *f.shape[1:]), y)  # the targets against the whole batch
         if self._selection is None:
             self._select(last_layer_names(self.model, f, calls))
         named = dict(self.model.named_parameters())
