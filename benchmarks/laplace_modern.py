@@ -139,7 +139,7 @@ def _rows(args: Any) -> list[dict[str, Any]]:
             for op in ("fit", "glm"):
                 out.append(dict(part="mlp", classes=C, structure=structure, subset="all", op=op, fit=args.mlp_fit,
                                 test=args.mlp_test))
-    for subset in ("all", "last_layer"):
+    for subset in args.vit_subsets:
         for op in ("fit", "glm"):
             out.append(dict(part="vit", classes=10, structure="kron", subset=subset, op=op, fit=args.vit_fit,
                             test=args.vit_test))
@@ -149,7 +149,8 @@ def _rows(args: Any) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker")
-    ap.add_argument("--classes", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--classes", type=int, nargs="*", default=[100, 1000], help="MLP class counts (none: no MLP rows)")
+    ap.add_argument("--vit-subsets", nargs="*", default=["all", "last_layer"], choices=["all", "last_layer"])
     ap.add_argument("--mlp-fit", type=int, default=512)
     ap.add_argument("--mlp-test", type=int, default=128)
     ap.add_argument("--vit-fit", type=int, default=1024)
