@@ -539,8 +539,6 @@ def test_laplace_fits_on_each_model(which):
     full = Laplace(hf, lik, structure="full", curvature="ggn", prior_precision=0.5).fit(data)
     torch.testing.assert_close(full.precision().to_dense(), G + 0.5 * eye, atol=1e-10, rtol=0)
     assert_same_state(model, before)
-    if which == "gpt2":  # per-token outputs: diag and Kronecker Laplace scale the curvature by samples / counted
-        return  # tokens on this branch (1/T of the GGN); fixed on branch issue21-laplace, which tests them
     diag = Laplace(hf, lik, structure="diag", curvature="ggn", prior_precision=0.5).fit(data)
     torch.testing.assert_close(diag.precision().to_dense().diagonal(), G.diagonal() + 0.5, atol=1e-10, rtol=0)
     for n, p in hf.named_parameters():
