@@ -22,13 +22,16 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   Carlo label per token) on EVERY layer (GPT-2's ``Conv1D`` as transposed Linear blocks, LayerNorm exact
   2 x 2 blocks, both embeddings with diagonal input factors, ``lm_head``), ``update`` + ``operator()``
   (the factors, incl. the thin eigendecomposition of ``lm_head``'s low-rank output factor: no
-  50,257 x 50,257 matrix is formed, ``docs/architecture.md`` "Low-rank output factors"), then one product
-  ``op @ v`` and one damped inverse product ``op.inverse(1e-3) @ v``.
+  50,257 x 50,257 matrix is formed, ``docs/architecture.md`` "Low-rank output factors"), then products
+  ``op @ v``, and once a damped inverse product ``op.inverse(1e-3) @ v`` (with every factor's
+  eigendecomposition).
 
-Every worker first runs two gradient passes (warm-up, then timed): each arm's ratio is to the gradient pass
-of its own process (wall clock: the median of two passes). Peak memory: the increase of the resident set
-during the call (``_common.peak_rss_delta``; the model and batch are held before), in MiB and as a ratio to
-the gradient pass's peak from the ``gradient`` worker.
+Every worker first runs three gradient passes (warm-up, then two timed): each arm's ratio is to the gradient
+pass of its own process. Times are CPU seconds of the process (``time.process_time``, all its threads): the
+cost of the computation, which other jobs time-slicing the shared cores do not inflate (wall-clock seconds
+are recorded in the JSON too). Peak memory: the increase of the resident set during the call
+(``_common.peak_rss_delta``; the model, batch and vectors are held before), in MiB and as a ratio to the
+gradient pass's from the ``gradient`` worker; the absolute peak is that plus the resident set before.
 
 Run: ``OMP_NUM_THREADS=2 nice -n 10 .venv/bin/python benchmarks/gpt2_scale.py --out scale.md --json
 scale.json``. ``--tiny`` (a 2-layer, width-32, vocabulary-300 GPT-2; workers in-process) is the smoke mode
@@ -134,7 +137,7 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
             est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing,
                                      output_factor=spec["output_factor"], seed=0)
             return est.update((batch, y)).operator()
-        return construct, (lambda op: op.inverse(1e-3) @ (op @ v_flat))
+        return construct, (lambda op: op @ v_flat)
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -145,12 +148,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     hf, batch, y = build(spec)
     d = sum(p.numel() for p in hf.parameters() if p.requires_grad)
     gradient_pass(hf, batch, y)
-    grads = []
+    grads, walls = [], []
     for _ in range(2):
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         gradient_pass(hf, batch, y)
-        grads.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"num_params": d, "grad_s": statistics.median(grads)}
+        grads.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - w0)
+    out: dict[str, Any] = {"num_params": d, "grad_s": statistics.median(grads), "grad_wall_s": statistics.median(walls)}
     if spec["arm"] == "gradient":
         out["first"] = peak_rss_delta(lambda: gradient_pass(hf, batch, y))
         return out
@@ -158,23 +162,37 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     holder: dict[str, Any] = {}
 
     def first() -> Any:
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         holder["op"] = construct()
-        holder["construct_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        holder["construct_s"], holder["construct_wall_s"] = time.process_time() - t0, time.perf_counter() - w0
+        t0, w0 = time.process_time(), time.perf_counter()
         value = product(holder["op"])
-        holder["first_s"] = time.perf_counter() - t0
+        holder["first_s"], holder["first_wall_s"] = time.process_time() - t0, time.perf_counter() - w0
         return value
 
     out["first"] = peak_rss_delta(first)
-    out["construct_s"], out["first_s"] = holder["construct_s"], holder["first_s"]
-    steady = []
+    out.update({k: v for k, v in holder.items() if k.endswith("_s")})
+    steady, walls = [], []
     for _ in range(spec["steady"]):
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         value = product(holder["op"])
-        steady.append(time.perf_counter() - t0)
+        steady.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - w0)
     out["steady_s"] = statistics.median(steady) if steady else None
+    out["steady_wall_s"] = statistics.median(walls) if walls else None
     out["steady"] = peak_rss_delta(lambda: product(holder["op"])) if steady else {}
+    if spec["arm"].startswith("curvkit KFAC"):  # a damped inverse product, with every eigendecomposition
+        v = torch.randn(holder["op"].layout.dim, generator=torch.Generator().manual_seed(3))
+        timer: dict[str, float] = {}
+
+        def inverse() -> Any:
+            t0 = time.process_time()
+            result = holder["op"].inverse(1e-3) @ v
+            timer["inverse_s"] = time.process_time() - t0
+            return result
+
+        out["inverse"] = peak_rss_delta(inverse)
+        out["inverse_s"] = timer["inverse_s"]
     flat = value if isinstance(value, torch.Tensor) else torch.cat([t.reshape(-1) for t in value])
     out["value"] = float(flat.norm())
     return out
@@ -186,16 +204,19 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     gmem = results.get("gradient", {}).get("first", {}).get("peak_delta_mib")
     lines = [f"{'tiny GPT-2' if args.tiny else 'GPT-2-small'} ({d:,} parameters), batch {args.batch} x "
              f"{args.tokens} tokens\n" if d else "",
-             "| arm | gradient pass (same process) | construction (+ factors) | 1st product | steady product | "
-             "peak MiB (construction + 1st) | peak MiB (steady) | value |", "|---|---|---|---|---|---|---|---|"]
+             "| arm | gradient pass (same process) | construction (KFAC: update + operator) | construction + 1st "
+             "product | steady product | peak MiB (construction + 1st) | peak MiB (steady) | absolute peak MiB | "
+             "KFAC: inverse(1e-3) @ v (eigh), peak MiB | value |", "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in results.items():
         if "error" in r:
-            lines.append(f"| {arm} | failed: {r['error'][:160]} | | | | | | |")
+            lines.append(f"| {arm} | failed: {r['error'][:160]} | | | | | | | | |")
             continue
         g = r["grad_s"]
         mem_f = r.get("first", {}).get("peak_delta_mib")
+        before = r.get("first", {}).get("rss_before_mib")
+        absolute = "-" if mem_f is None or before is None else fmt_mib(mem_f + before)
         if arm == "gradient":
-            lines.append(f"| {arm} | {fmt_seconds(g)} = 1x | | | | {fmt_mib(mem_f)} = 1x | | |")
+            lines.append(f"| {arm} | {fmt_seconds(g)} = 1x | | | | {fmt_mib(mem_f)} = 1x | | {absolute} | | |")
             continue
 
         def cell(t: float | None, g: float = g) -> str:
@@ -205,13 +226,19 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             return f"{fmt_mib(m)} ({fmt_ratio(m / gmem) if m is not None and gmem else '-'})"
 
         first = r["construct_s"] + r["first_s"]
+        steady_mem = r.get("steady", {})
+        peaks = [m + b for m, b in ((mem_f, before), (steady_mem.get("peak_delta_mib"), steady_mem.get("rss_before_mib")))
+                 if m is not None and b is not None]
+        absolute = fmt_mib(max(peaks)) if peaks else "-"
+        inv = (f"{cell(r['inverse_s'])}, {fmt_mib(r.get('inverse', {}).get('peak_delta_mib'))}"
+               if "inverse_s" in r else "")
         lines.append(f"| {arm} | {fmt_seconds(g)} | {cell(r['construct_s'])} | {cell(first)} | "
                      f"{cell(r.get('steady_s'))} | {mcell(mem_f)} | "
-                     f"{mcell(r.get('steady', {}).get('peak_delta_mib'))} | {r['value']:.5g} |")
+                     f"{mcell(steady_mem.get('peak_delta_mib'))} | {absolute} | {inv} | {r['value']:.5g} |")
     lines.append("")
-    lines.append("Times: wall clock; in parentheses / the gradient pass of the same process. '1st product' = "
-                 "construction + the first product (a fresh operator's cost; KFAC: update + operator() + one "
-                 "product and one damped inverse product); steady = median of "
+    lines.append("Times: CPU seconds of the process (all threads); in parentheses / the gradient pass of the same "
+                 "process. 'construction + 1st product' = a fresh operator's cost (KFAC: update + operator() + "
+                 "one product op @ v); steady = median of "
                  f"{args.steady}. Peak memory: increase of the resident set during the call, in parentheses / the "
                  f"gradient pass's. torch threads {args.threads}; float32; CPU. KFAC output factor: "
                  f"{args.output_factor!r}.\n")
