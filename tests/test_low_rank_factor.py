@@ -109,7 +109,7 @@ def test_sampling_with_a_low_rank_block_has_the_damped_inverse_covariance() -> N
 def test_eigenbasis_correction_refuses_a_low_rank_block() -> None:
     low, _ = _operators()
     spectra = [torch.ones(e.G_eigvals.numel(), e.A_eigvals.numel(), dtype=DT) for e in low.eigh()]
-    with pytest.raises(ValueError, match="low-rank output factor.*output_factor='dense'"):
+    with pytest.raises(ValueError, match=r"low-rank output factor.*output_factor='dense'"):
         KroneckerSpectralOperator.in_eigenbasis_of(low, spectra)
 
 
@@ -170,16 +170,16 @@ def test_auto_keeps_only_the_wide_output_layer_low_rank(monkeypatch: pytest.Monk
 
 
 def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, X, y = _lm()
+    model = _lm()[0]
     lik = CrossEntropy("mean")
     with pytest.raises(ValueError, match=r"output_factor='low_rank' needs .*'kfac'.*got method='kflr'"):
         KroneckerEstimator(model, lik, "kflr", output_factor="low_rank")
-    with pytest.raises(UnsupportedModelError, match="keep_per_sample.*output_factor='dense'"):
+    with pytest.raises(UnsupportedModelError, match=r"keep_per_sample.*output_factor='dense'"):
         KroneckerEstimator(model, lik, "kfac", output_factor="low_rank", keep_per_sample=True)
     with pytest.raises(ValueError, match="output_factor must be"):
         KroneckerEstimator(model, lik, "kfac", output_factor="thin")  # type: ignore[arg-type]
     est = KroneckerEstimator(model, lik, "kfac", output_factor="low_rank")
-    with pytest.raises(UnsupportedModelError, match="GaussNewton: module .*low-rank output factor.*output_factor='dense'"):
+    with pytest.raises(UnsupportedModelError, match=r"GaussNewton: module .*low-rank output factor.*output_factor='dense'"):
         est.require_weight_matrix_blocks("GaussNewton")
     monkeypatch.setattr(estimators, "LOW_RANK_OUTPUTS", 32)
     with pytest.raises(UnsupportedModelError, match=r"kflr: module 'lm_head' \(Linear\) has 40 outputs.*"

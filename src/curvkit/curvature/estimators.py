@@ -555,7 +555,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 outs.append(s.output)
                 feeds.append([])
             feeds[where[id(s.output)]].append(i)
-        stats: list[Tensor | None] = [None] * len(sites)
+        stats: list[Any] = [None] * len(sites)  # Tensor, GramRows (low-rank output factors) or None
         per: list[list[Tensor]] = [[] for _ in sites]
         weights: list[float] = []
         fired = [False] * len(outs)

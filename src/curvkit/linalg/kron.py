@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -304,7 +304,7 @@ class KroneckerBlock:
     stored symmetrised. Their agreement with the parameter shapes is checked by :class:`KroneckerOperator`.
     """
 
-    G: Tensor | LowRankFactor
+    G: Tensor  # or a LowRankFactor: it offers the factor operations used here (typed as Tensor for consumers)
     A: Tensor
     weight_name: str
     bias_name: str | None = None
@@ -477,10 +477,10 @@ def _eye_like(M: Tensor) -> Tensor:
     return torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
 
 
-def _shift(M: Tensor | LowRankFactor, d: float) -> Tensor | LowRankFactor:
+def _shift(M: Tensor, d: float) -> Tensor:
     """``M + d I`` in M's form (a vector: a diagonal factor; a :class:`LowRankFactor` stays one)."""
     if isinstance(M, LowRankFactor):
-        return M.shifted(d)
+        return cast(Tensor, M.shifted(d))
     return M + d * _eye_like(M)
 
 
@@ -558,7 +558,7 @@ class _BlockIndex:
         out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
 
 
-def _sandwich(L: Tensor, X: Tensor, R: Tensor | None) -> Tensor:
+def _sandwich(L: Tensor | LowRankFactor | None, X: Tensor, R: Tensor | None) -> Tensor:
     """``L X[:, :, j] R`` for every column j of X (m, n, k), with two plain 2-D matrix products.
 
     ``R`` may be a vector (``diag(R)``) or None (the identity); ``L`` may be None (the identity) or a
@@ -947,9 +947,9 @@ class KroneckerOperator(CurvatureOperator):
         return f"KroneckerOperator(d={self.layout.dim}, damping={self.damping:g}, [{shapes}])"
 
 
-def _spd_inverse(M: Tensor | LowRankFactor, what: str) -> Tensor | LowRankFactor:
+def _spd_inverse(M: Tensor, what: str) -> Tensor:
     if isinstance(M, LowRankFactor):
-        return M.inverse(what)
+        return cast(Tensor, M.inverse(what))
     if M.dim() == 1:  # a diagonal factor
         if not bool((M > 0).all()):
             raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
