@@ -23,13 +23,15 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   2 x 2 blocks, both embeddings with diagonal input factors, ``lm_head``), ``update`` + ``operator()``
   (the factors, incl. the thin eigendecomposition of ``lm_head``'s low-rank output factor: no
   50,257 x 50,257 matrix is formed, ``docs/architecture.md`` "Low-rank output factors"), then products
-  ``op @ v``, and once a damped inverse product ``op.inverse(1e-3) @ v`` (with every factor's
-  eigendecomposition).
+  ``op @ v``; with ``--inverse`` also once a damped inverse product ``op.inverse(1e-3) @ v`` (with every
+  factor's eigendecomposition: about 60 dense eigendecompositions of up to 3,073 x 3,073, minutes on this
+  CPU).
 
 Every worker first runs three gradient passes (warm-up, then two timed): each arm's ratio is to the gradient
 pass of its own process. Times are CPU seconds of the process (``time.process_time``, all its threads): the
 cost of the computation, which other jobs time-slicing the shared cores do not inflate (wall-clock seconds
-are recorded in the JSON too). Peak memory: the increase of the resident set during the call
+are recorded in the JSON too); the workers run with ``OMP_WAIT_POLICY=PASSIVE`` (unless set), so threads
+waiting for a descheduled sibling do not spin. Peak memory: the increase of the resident set during the call
 (``_common.peak_rss_delta``; the model, batch and vectors are held before), in MiB and as a ratio to the
 gradient pass's from the ``gradient`` worker; the absolute peak is that plus the resident set before.
 
@@ -181,7 +183,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["steady_s"] = statistics.median(steady) if steady else None
     out["steady_wall_s"] = statistics.median(walls) if walls else None
     out["steady"] = peak_rss_delta(lambda: product(holder["op"])) if steady else {}
-    if spec["arm"].startswith("curvkit KFAC"):  # a damped inverse product, with every eigendecomposition
+    if spec["arm"].startswith("curvkit KFAC") and spec["inverse"]:  # a damped inverse product, with every eigh
         v = torch.randn(holder["op"].layout.dim, generator=torch.Generator().manual_seed(3))
         timer: dict[str, float] = {}
 
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steady", type=int, default=2, help="steady-state products per arm")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--inverse", action="store_true",
+                        help="KFAC arms: also time op.inverse(1e-3) @ v (every factor's eigendecomposition; on by "
+                             "default with --tiny)")
     parser.add_argument("--output-factor", default="auto", choices=("auto", "dense", "low_rank"),
                         help="KroneckerEstimator's output_factor for the KFAC arms")
     parser.add_argument("--out", default=None)
@@ -283,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         arms = [a for a in arms if not a.startswith("curvlinops")]
     from curvkit.experiments._report import machine_info
 
-    common = {"tiny": args.tiny, "threads": args.threads, "batch": args.batch, "tokens": args.tokens,
+    # OpenMP threads wait passively: on a shared machine spinning threads inflate the CPU time measured
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    common = {"inverse": args.inverse or args.tiny, "tiny": args.tiny, "threads": args.threads, "batch": args.batch, "tokens": args.tokens,
               "steady": args.steady, "output_factor": args.output_factor}
     start = time.time()
     results: dict[str, dict[str, Any]] = {}
