@@ -15,7 +15,9 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
 * ``gradient``: one loss + gradient pass (math attention, as every curvature arm runs): the unit of time
   and memory;
 * ``curvkit GGN``: ``GGNOperator`` (forward-mode tangents), construction + first product, then steady
-  products with fixed random vectors; ``curvkit GGN reverse``: ``reverse_tangents=True``;
+  products with fixed random vectors; ``curvkit GGN uncached``: ``cache_linearisation=False`` (no forward
+  graph held between products: each product repeats the forward pass); ``curvkit GGN reverse``:
+  ``reverse_tangents=True``;
 * ``curvlinops GGN`` / ``curvlinops Hessian``: ``GGNLinearOperator`` / ``HessianLinearOperator`` on the
   same model with the logits flattened to (tokens, vocabulary) and the targets to (tokens,);
 * ``curvkit KFAC expand`` / ``curvkit KFAC reduce``: ``KroneckerEstimator(method="kfac")`` (one Monte
@@ -57,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 
-ARMS = ("gradient", "curvkit GGN", "curvkit GGN reverse", "curvlinops GGN", "curvlinops Hessian",
+ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvlinops GGN", "curvlinops Hessian",
         "curvkit KFAC expand", "curvkit KFAC reduce")
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 300, "n_positions": 64}
 
@@ -118,7 +120,8 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
         from curvkit.curvature import GGNOperator
         from curvkit.likelihoods import CrossEntropy
 
-        kw = {"reverse_tangents": True} if arm.endswith("reverse") else {}
+        kw: dict[str, Any] = ({"reverse_tangents": True} if arm.endswith("reverse") else
+                              {"cache_linearisation": False} if arm.endswith("uncached") else {})
         return (lambda: GGNOperator(hf, CrossEntropy("mean"), (batch, y), **kw)), (lambda op: op @ v_flat)
     if arm.startswith("curvlinops"):
         import curvlinops as cl
