@@ -186,3 +186,12 @@ def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
                        r"method='kfac'.*output_factor='dense' to form it anyway"):
         KroneckerEstimator(model, lik, "kflr")  # auto: the wide layer's factor would be dense and full rank
     KroneckerEstimator(model, lik, "kflr", output_factor="dense")  # forming it anyway is allowed
+
+
+def test_gram_rows_stay_exact_and_at_most_square() -> None:
+    a, b = _rows(4, 5, 7), _rows(3, 5, 8)
+    total = estimators.GramRows(a) * 0.5 + estimators.GramRows(b)
+    assert total.rows.shape[0] <= 5  # 7 rows of 5 columns compressed to the (5, 5) triangle
+    torch.testing.assert_close(total.rows.T @ total.rows, 0.5 * a.T @ a + b.T @ b)
+    with pytest.raises(ValueError, match="non-negative"):
+        estimators.GramRows(a) * -1.0

@@ -803,7 +803,9 @@ class GramRows:
     """A Gram matrix ``R^T R`` (n, n) held as its rows R (k, n): the statistic of a low-rank output factor
     (``output_factor``). The arithmetic the accumulation uses stays in rows: ``+`` stacks them, a
     non-negative scalar ``c`` scales them by ``sqrt(c)``, ``/ c`` by ``1 / sqrt(c)``; :attr:`shape` is the
-    matrix's. Memory n x k (k = the vectors back-propagated so far, summed over updates)."""
+    matrix's. Memory n x k (k = the vectors back-propagated so far, summed over updates, e.g. with ``ema``);
+    once k would exceed n the rows are replaced by the (n, n) triangle of their QR decomposition (the same
+    Gram matrix; the size of a dense factor)."""
 
     def __init__(self, rows: Tensor):
         self.rows = rows
@@ -816,7 +818,10 @@ class GramRows:
     def __add__(self, other: GramRows) -> GramRows:
         if not isinstance(other, GramRows):
             return NotImplemented
-        return GramRows(torch.cat([self.rows, other.rows]))
+        rows = torch.cat([self.rows, other.rows])
+        if rows.shape[0] > rows.shape[1]:  # the (n, n) triangle T of R = Q T: T^T T = R^T R
+            rows = torch.linalg.qr(rows, mode="r")[1]
+        return GramRows(rows)
 
     def __mul__(self, c: float) -> GramRows:
         c = float(c)
