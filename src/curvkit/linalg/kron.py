@@ -493,6 +493,9 @@ def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device
     return idx
 
 
+_PERM_CACHE = 2**20  # index maps of blocks up to this many entries (8 MiB) are cached
+
+
 class _BlockIndex:
     """Maps a block's ``W_hat`` (out, in_aug) row-major positions to flat parameter indices."""
 
@@ -534,20 +537,24 @@ class _BlockIndex:
 
     @property
     def perm(self) -> Tensor:
-        """W_hat row-major position -> flat parameter index (built on first use)."""
-        if self._perm is None:
-            if self._local is None:
-                idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
-                if self._b0 is not None:
-                    idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
-                self._perm = idx.reshape(-1)
-            else:
-                loc = self._local.reshape(-1)
-                glob = loc + self._w0
-                if self._b0 is not None:
-                    glob = torch.where(loc < self._wn, glob, loc - self._wn + self._b0)
-                self._perm = glob
-        return self._perm
+        """W_hat row-major position -> flat parameter index (built on first use; kept only for blocks of at
+        most ``_PERM_CACHE`` entries: an int64 map is 8 bytes per parameter, 1.3 GB for GPT-2-small, so a
+        large block rebuilds it per use, which costs an integer pass over the block)."""
+        if self._perm is not None:
+            return self._perm
+        if self._local is None:
+            idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
+            if self._b0 is not None:
+                idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
+            perm = idx.reshape(-1)
+        else:
+            loc = self._local.reshape(-1)
+            perm = loc + self._w0
+            if self._b0 is not None:
+                perm = torch.where(loc < self._wn, perm, loc - self._wn + self._b0)
+        if self.size <= _PERM_CACHE:
+            self._perm = perm
+        return perm
 
     def gather(self, M: Tensor) -> Tensor:
         """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j]."""
@@ -606,9 +613,10 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: 
     out = [_BlockIndex(layout, s[0], s[1], device, *(s[2:4] if len(s) > 2 else ()), slices=slices, shapes=shapes)
            for s in named]
     if partial:  # blocks that hold parts of parameters: every entry exactly once
-        counts = torch.zeros(layout.dim, dtype=torch.int64, device=device)
+        counts = torch.zeros(layout.dim, dtype=torch.int32, device=device)
         for ix in out:
-            counts.index_add_(0, ix.perm, torch.ones_like(ix.perm))
+            perm = ix.perm
+            counts.index_add_(0, perm, torch.ones(perm.shape, dtype=counts.dtype, device=device))
         bad = torch.nonzero(counts != 1)
         if bad.numel():
             pos = int(bad[0, 0])
