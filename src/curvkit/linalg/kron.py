@@ -556,13 +556,14 @@ class _BlockIndex:
             self._perm = perm
         return perm
 
-    def gather(self, M: Tensor) -> Tensor:
-        """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j]."""
-        return M.index_select(0, self.perm).reshape(self.out, self.in_aug, -1)
+    def gather(self, M: Tensor, perm: Tensor | None = None) -> Tensor:
+        """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j] (``perm``: this
+        block's :attr:`perm`, when the caller already holds it)."""
+        return M.index_select(0, self.perm if perm is None else perm).reshape(self.out, self.in_aug, -1)
 
-    def scatter(self, Y: Tensor, out: Tensor) -> None:
+    def scatter(self, Y: Tensor, out: Tensor, perm: Tensor | None = None) -> None:
         """Write (out, in_aug, k) into the rows of the flat (d, k) ``out``."""
-        out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
+        out.index_copy_(0, self.perm if perm is None else perm, Y.reshape(self.size, -1))
 
 
 def _sandwich(L: Tensor | LowRankFactor | None, X: Tensor, R: Tensor | None) -> Tensor:
@@ -677,7 +678,8 @@ class KroneckerOperator(CurvatureOperator):
         M = M.to(self.dtype)
         out = torch.empty_like(M)
         for b, ix in zip(self.blocks, self._index):
-            ix.scatter(_sandwich(b.G, ix.gather(M), b.A), out)
+            perm = ix.perm  # (built once per product for a large block: not cached)
+            ix.scatter(_sandwich(b.G, ix.gather(M, perm), b.A), out, perm)
         return out + self.damping * M if self.damping != 0 else out
 
     def to_dense(self) -> Tensor:
