@@ -360,6 +360,7 @@ class LaplacePenalty(Penalty):
                 if self.curvature == "kron":
                     est = KroneckerEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
                                              seed=self.seed + 7919 * task)
+                    est.require_dense_output_factors("LaplacePenalty(curvature='kron')")
                 else:
                     est = DiagonalEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
                                             seed=self.seed + 7919 * task)

@@ -40,6 +40,16 @@ def as_tensor_batches(data: Any) -> list[tuple[Tensor, Tensor]]:
     return list(iter_batches(data))
 
 
+def _flat_snapshot(params: list[Tensor], layout: ParamLayout) -> Params:
+    """Copies of ``params`` as views of ONE flat buffer at their layout offsets: a forward-mode tangent
+    taken from a flat (d, k) column (:func:`cols_to_params`) then has the same storage layout as its
+    primal, so ``make_dual`` uses it as it is instead of copying it (a parameter-sized copy per product)."""
+    if not params:
+        return ()
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    return tuple(flat[o:o + n].view(p.shape) for o, n, p in zip(layout.offsets, layout.numels, params))
+
+
 class FunctionalModel:
     """A module evaluated as ``f(params, X)`` at a fixed snapshot of its state.
 
@@ -65,12 +75,12 @@ class FunctionalModel:
         self.layout = ParamLayout.from_module(module)
         named = dict(module.named_parameters())
         self.names = self.layout.names
-        self.params: Params = tuple(named[n].detach().clone() for n in self.names)
-        dtypes = {p.dtype for p in self.params}
-        devices = {p.device for p in self.params}
+        dtypes = {named[n].dtype for n in self.names}
+        devices = {named[n].device for n in self.names}
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"all trainable parameters must share one dtype and device, got dtypes {dtypes} "
                              f"and devices {devices}")
+        self.params: Params = _flat_snapshot([named[n] for n in self.names], self.layout)
         self.dtype: torch.dtype = self.params[0].dtype
         if not self.dtype.is_floating_point:
             raise ValueError(f"parameters must be floating point, got {self.dtype}")

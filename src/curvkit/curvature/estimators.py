@@ -65,7 +65,7 @@ from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
-from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, refuse
@@ -78,6 +78,12 @@ KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
 WeightSharing = Literal["expand", "reduce"]
 NormStructure = Literal["full", "diag"]
+OutputFactor = Literal["auto", "dense", "low_rank"]
+
+LOW_RANK_OUTPUTS = 8192
+"""``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
+:class:`~curvkit.linalg.kron.LowRankFactor` (a dense one would hold more than 8192^2 floats, 256 MiB in
+float32; GPT-2's 50,257-token output layer: 10 GB)."""
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
 
@@ -250,6 +256,15 @@ class KroneckerEstimator(CurvatureEstimator):
             factors of the union of the ranks' batches. ``kfra`` is not linear in the batch (its
             recursion multiplies batch means), so its batch means of H_L and of Phi_l^T Phi_l are
             all-reduced first (one message): the factors of the union batch as one batch.
+        output_factor: ``auto`` (default) | ``dense`` | ``low_rank``: how a Kronecker block's output factor
+            ``G = (s/N) sum_j g_j g_j^T`` is held. ``low_rank``: as the rows g_j themselves while gathering
+            and a :class:`~curvkit.linalg.kron.LowRankFactor` (thin eigendecomposition, rank <= the number
+            of back-propagated vectors: tokens x ``mc_samples`` per batch, summed over updates) in the
+            operator; exact, not an approximation, and never an (out, out) matrix. ``auto``: ``low_rank``
+            for the blocks with more than :data:`LOW_RANK_OUTPUTS` outputs (a language model's vocabulary),
+            ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
+            (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
+            rank and costs one backward pass per output), as do ``keep_per_sample`` and ``distributed``.
         keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (block label ->
             :class:`PerSample`) for estimators built on top (e.g. eigenbasis corrections).
 
@@ -263,7 +278,7 @@ class KroneckerEstimator(CurvatureEstimator):
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
                  parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
-                 keep_per_sample: bool = False, distributed: Any = None):
+                 keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto"):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -275,6 +290,9 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
         if parameter_structure not in ("full", "diag"):
             raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
+        if output_factor not in ("auto", "dense", "low_rank"):
+            raise ValueError(f"output_factor must be 'auto', 'dense' or 'low_rank', got {output_factor!r}")
+        self.output_factor: OutputFactor = output_factor
         require_wrapped(model, "KroneckerEstimator")
         self.method = method
         self.weight_sharing: WeightSharing = weight_sharing
@@ -295,6 +313,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
+        self.low_rank = [self._low_rank_output(lp, spec, keep_per_sample, distributed) for lp, spec in self.blocks]
         if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
             position = {id(m): i for i, m in enumerate(self.chain.linears)}
             if any(id(lp.module) not in position for lp in self.plans):
@@ -302,11 +321,49 @@ class KroneckerEstimator(CurvatureEstimator):
             self._chain_pos = [position[id(lp.module)] for lp in self.plans]  # increasing (module order)
         super().__init__(model, likelihood, ema, distributed)
 
+    def _low_rank_output(self, lp: Any, spec: BlockSpec, keep_per_sample: bool, distributed: Any) -> bool:
+        """Whether block ``spec`` keeps a low-rank output factor (``output_factor``), or the refusal of a
+        combination that cannot have one (class docstring)."""
+        if spec.form != "kron" or self.output_factor == "dense":
+            return False
+        if self.output_factor == "auto" and spec.out_features <= LOW_RANK_OUTPUTS:
+            return False
+        n = spec.out_features
+        size = f"{n} outputs: a dense output factor would hold {n}^2 floats ({n * n * 4 / 2**30:.1f} GiB in float32)"
+        if self.method in ("kflr", "kfra") and self.output_factor == "low_rank":
+            raise ValueError(f"output_factor='low_rank' needs a method whose output factor is a sum of few outer "
+                             f"products ('kfac', 'empirical' or 'projection'), got method={self.method!r}")
+        if self.method in ("kflr", "kfra"):
+            how = ("use method='kfac' or 'empirical', whose output factor is exactly low rank and kept as a thin "
+                   "eigendecomposition (output_factor='low_rank'), or output_factor='dense' to form it anyway")
+            raise refuse(self.method, lp.label, lp.module, f"has {size}, and {self.method.upper()}'s has full rank "
+                         "(it back-propagates every column of the output Hessian's square root)", how)
+        for flag, what in ((keep_per_sample, "keep_per_sample (eigenvalue corrections, EKFAC)"),
+                           (distributed is not None, "distributed")):
+            if flag:
+                raise refuse(self.method, lp.label, lp.module, f"has {size} and gets a low-rank output factor "
+                             f"(output_factor={self.output_factor!r}), which {what} cannot use yet",
+                             "pass output_factor='dense', or freeze the layer")
+        return True
+
+    def require_dense_output_factors(self, what: str) -> None:
+        """Raise unless every block's output factor is a dense matrix: for consumers that factorise ``G``
+        themselves (Cholesky, eigendecomposition, damping by adding to its diagonal) and cannot take a
+        :class:`~curvkit.linalg.kron.LowRankFactor` yet (they name ``what``)."""
+        for (lp, spec), low in zip(self.blocks, self.low_rank):
+            if low:
+                n = spec.out_features
+                raise refuse(what, lp.label, lp.module, f"has a low-rank output factor ({n} outputs, more than "
+                             f"{LOW_RANK_OUTPUTS}; output_factor={self.output_factor!r}), which this consumer cannot "
+                             "use yet", "freeze the layer (requires_grad_(False)), or, where the estimator options "
+                             f"are yours, build it with output_factor='dense' (a {n}^2 matrix)")
+
     def require_weight_matrix_blocks(self, what: str) -> None:
         """Raise unless every block is one whole layer's ``G (x) A`` of ``[W.reshape(out, -1) | b]`` with
         dense factors (Linear, Conv1d/Conv2d with groups 1): for consumers that read the factors in that
         layout (they name ``what``). Embedding, normalisation, attention and grouped-convolution blocks
         have other views (:class:`~curvkit.linalg.kron.KroneckerBlock` ``index``)."""
+        self.require_dense_output_factors(what)
         for lp, spec in self.blocks:
             if spec.index is not None or spec.ids or spec.form != "kron":
                 raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "
@@ -523,7 +580,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 outs.append(s.output)
                 feeds.append([])
             feeds[where[id(s.output)]].append(i)
-        stats: list[Tensor | None] = [None] * len(sites)
+        stats: list[Any] = [None] * len(sites)  # Tensor, GramRows (low-rank output factors) or None
         per: list[list[Tensor]] = [[] for _ in sites]
         weights: list[float] = []
         fired = [False] * len(outs)
@@ -533,7 +590,7 @@ class KroneckerEstimator(CurvatureEstimator):
             w = weights[-1]
             for i in feeds[j]:
                 r = sites[i].read(g.detach())
-                term = self._output_term(self.blocks[i][1], r) * w
+                term = self._output_term(self.blocks[i][1], r, self.low_rank[i]) * w
                 stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
                 if self.keep_per_sample:
                     per[i].append(r)
@@ -609,11 +666,13 @@ class KroneckerEstimator(CurvatureEstimator):
     def _grad_structure(self, spec: BlockSpec) -> NormStructure:
         return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
 
-    def _output_term(self, spec: BlockSpec, r: Tensor) -> Tensor:
+    def _output_term(self, spec: BlockSpec, r: Tensor, low_rank: bool = False) -> Tensor | GramRows:
         if spec.form == "grad":  # per-sample gradients (B, P)
             return (r * r).sum(0) if self._grad_structure(spec) == "diag" else r.T @ r
         if self._sharing(spec) == "reduce":
-            return _gram(r.sum(1))
+            return GramRows(r.sum(1)) if low_rank else _gram(r.sum(1))
+        if low_rank:  # (1/R) sum g g^T = sum (g / sqrt R)(g / sqrt R)^T
+            return GramRows(_rows(r) * (1.0 / r.shape[1]) ** 0.5)
         return _gram(_rows(r)).div_(r.shape[1])
 
     @staticmethod
@@ -683,6 +742,24 @@ class KroneckerEstimator(CurvatureEstimator):
                 g_shapes.append((spec.out_features, spec.out_features))
         return a_shapes + g_shapes
 
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`CurvatureEstimator.state_dict`; a low-rank output statistic is saved as ``{"rows": R}``
+        (plain tensors: loadable with ``weights_only=True``)."""
+        out = super().state_dict()
+        if out["stats"] is not None:
+            out["stats"] = [{"rows": t.rows} if isinstance(t, GramRows) else t for t in out["stats"]]
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        stats = state.get("stats")
+        if stats is not None:
+            state = {**state, "stats": [GramRows(t["rows"]) if isinstance(t, dict) else t for t in stats]}
+            K = len(self.blocks)
+            if len(stats) == 2 * K and [isinstance(t, GramRows) for t in state["stats"][K:]] != self.low_rank:
+                raise ValueError("state_dict output factors do not match this estimator's output_factor "
+                                 f"({self.output_factor!r}): low-rank and dense blocks differ")
+        super().load_state_dict(state)
+
     def factors(self) -> list[tuple[str, Tensor, Tensor]]:
         """(weight name, G, A) per block at the operator's scale (G carries the 'sum' factor N)."""
         return [(b.weight_name, b.G, b.A) for b in self.operator().blocks]
@@ -694,6 +771,8 @@ class KroneckerEstimator(CurvatureEstimator):
         K = len(self.blocks)
         blocks = []
         for (_, spec), A, G in zip(self.blocks, means[:K], means[K:]):
+            if isinstance(G, GramRows):
+                G = LowRankFactor.from_rows(G.rows)  # type: ignore[assignment]
             explicit = spec.index is not None
             blocks.append(KroneckerBlock.from_gram(G, A, spec.weight, spec.bias, scale_G=scale, index=spec.index,
                                                    label=spec.label if explicit else None,
@@ -795,6 +874,49 @@ def _kfra_chain(structure: Any) -> Any:
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
                                     "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc
+
+
+class GramRows:
+    """A Gram matrix ``R^T R`` (n, n) held as its rows R (k, n): the statistic of a low-rank output factor
+    (``output_factor``). The arithmetic the accumulation uses stays in rows: ``+`` stacks them, a
+    non-negative scalar ``c`` scales them by ``sqrt(c)``, ``/ c`` by ``1 / sqrt(c)``; :attr:`shape` is the
+    matrix's. Memory n x k (k = the vectors back-propagated so far, summed over updates, e.g. with ``ema``);
+    once k would exceed n the rows are replaced by the (n, n) triangle of their QR decomposition (the same
+    Gram matrix; the size of a dense factor)."""
+
+    def __init__(self, rows: Tensor):
+        self.rows = rows
+
+    @property
+    def shape(self) -> torch.Size:
+        n = self.rows.shape[1]
+        return torch.Size((n, n))
+
+    def __add__(self, other: GramRows) -> GramRows:
+        if not isinstance(other, GramRows):
+            return NotImplemented
+        rows = torch.cat([self.rows, other.rows])
+        if rows.shape[0] > rows.shape[1]:  # the (n, n) triangle T of R = Q T: T^T T = R^T R
+            rows = torch.linalg.qr(rows, mode="r")[1]
+        return GramRows(rows)
+
+    def __mul__(self, c: float) -> GramRows:
+        c = float(c)
+        if c < 0:
+            raise ValueError(f"GramRows: a Gram matrix can only be scaled by a non-negative number, got {c}")
+        return GramRows(self.rows * c**0.5)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, c: float) -> GramRows:
+        return self * (1.0 / float(c))
+
+    def sum(self) -> Tensor:
+        """The sum of the rows' entries (finite exactly when the rows are)."""
+        return self.rows.sum()
+
+    def clone(self) -> GramRows:
+        return GramRows(self.rows.clone())
 
 
 @dataclass

@@ -602,12 +602,16 @@ class OutputFactorOperator(ExactCurvatureOperator):
                                    materialize_grads=True, is_grads_batched=True)[0]
 
     # ------------------------------------------------------------------ products
-    def _backward_product(self, i: int, y: Tensor, entry: dict[str, Any], Jv: Tensor, out: Tensor) -> None:
+    def _backward_product(self, i: int, y: Tensor, entry: dict[str, Any], Jv: Tensor, out: Tensor,
+                          first: bool = False) -> None:
         """Add the (d, k) columns w J^T M (J v) to ``out`` from the tangents Jv (k, B, *P, C) and the graph of
         the forward pass ``entry`` (each parameter's gradient is written into its rows: no concatenated
-        copy)."""
+        copy). ``first``: ``out`` is uninitialised and gets the columns written instead (no zero fill and
+        no extra read of a parameter-sized matrix)."""
         f, k = entry["f"], out.shape[1]
         if not f.requires_grad:
+            if first:
+                out.zero_()
             return
         U = self.output_matvec(i, f.detach(), y, Jv)
         del Jv  # (the caller holds no other reference: freed before the backward pass)
@@ -615,16 +619,19 @@ class OutputFactorOperator(ExactCurvatureOperator):
         grads = torch.autograd.grad(f, entry["leaves"], U[0] if k == 1 else U, retain_graph=True,
                                     allow_unused=True, materialize_grads=True, is_grads_batched=k > 1)
         for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
-            out[o:o + n] += g.reshape(k, n).T
+            if first:
+                out[o:o + n] = g.reshape(k, n).T
+            else:
+                out[o:o + n] += g.reshape(k, n).T
 
     def _matmat_chunk(self, M: Tensor) -> Tensor:
         """C M for a (d, k) block: J (tangent), M in output space, J^T (backward), per batch (class doc)."""
         k = M.shape[1]
         V = cols_to_params(self.layout, M)
-        out = torch.zeros_like(M)
+        out = torch.empty_like(M)
         for i, (X, y) in enumerate(self.batches):
             entry = self._entry(i, X, graph=True)
-            self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out)
+            self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out, first=i == 0)
         return out
 
     def quadratic_form(self, M: Tensor) -> Tensor:

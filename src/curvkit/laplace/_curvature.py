@@ -50,6 +50,7 @@ class KroneckerSource:
             # factors() divides by the number of samples: the per-datum curvature of thesis Eq. 5.7
             self.estimator = KroneckerEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
                                                 mc_samples=mc_samples, seed=seed, **(options or {}))
+            self.estimator.require_dense_output_factors("Laplace(structure='kron')")
         self.own_pass = any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
 
     def update(self, X: Tensor, y: Tensor) -> Tensor | None:

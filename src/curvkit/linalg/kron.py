@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -57,6 +57,7 @@ __all__ = [
     "KroneckerInverseOperator",
     "KroneckerOperator",
     "KroneckerSpectralOperator",
+    "LowRankFactor",
     "block_matrix",
     "block_positions",
     "kron_matvec",
@@ -155,13 +156,137 @@ def psd_eigh(C: Tensor, previous: Tensor | None = None) -> tuple[Tensor, Tensor]
         return ((C @ previous) * previous).sum(0).clamp(min=0), previous
     return w.clamp(min=0), V
 
+# ---------------------------------------------------------------------------------------------- low-rank factors
+class LowRankFactor:
+    """A symmetric (n, n) factor held as a thin eigendecomposition, never as an (n, n) matrix:
+
+        M = U diag(s) U^T + c (I - U U^T),   U (n, r) orthonormal columns, s (r,), c a scalar,
+
+    i.e. eigenvalues ``s`` on span(U) and ``c`` (multiplicity n - r) on its complement. The output factor of a
+    layer with a huge output dimension (a language model's vocabulary) is ``G = (1/N) S S^T`` with ``S``
+    (n, k) the k << n back-propagated sampled vectors (KFAC-MC, empirical Fisher): exactly rank <= k, c = 0
+    (``docs/architecture.md``, "Low-rank output factors"). Every function of M stays in this form
+    (``f(M) = U f(s) U^T + f(c) (I - U U^T)``): damping is ``s + d, c + d``, the inverse ``1/s, 1/c``.
+
+    It offers what :class:`KroneckerBlock` and :class:`KroneckerOperator` ask of a factor: ``shape``,
+    ``dtype``, ``device``, ``dim()``, ``M @ X`` (O(n r) per column), ``diagonal()``, ``trace()``, ``T``,
+    scalar ``*``; :func:`_dense` forms the matrix only where a dense result is requested (``to_dense``).
+    """
+
+    def __init__(self, U: Tensor, s: Tensor, c: float = 0.0):
+        if not isinstance(U, Tensor) or U.dim() != 2 or U.shape[1] > U.shape[0]:
+            raise ValueError(f"LowRankFactor: U must be an (n, r) tensor with r <= n, got "
+                             f"{tuple(U.shape) if isinstance(U, Tensor) else type(U).__name__}")
+        if not isinstance(s, Tensor) or s.shape != (U.shape[1],) or s.dtype != U.dtype or s.device != U.device:
+            raise ValueError(f"LowRankFactor: s must be an ({U.shape[1]},) tensor of U's dtype and device, got "
+                             f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__}")
+        if not (bool(torch.isfinite(U).all()) and bool(torch.isfinite(s).all()) and math.isfinite(float(c))):
+            raise ValueError("LowRankFactor: U, s and c must be finite")
+        self.U, self.s, self.c = U, s, float(c)
+
+    @classmethod
+    def from_rows(cls, R: Tensor, scale: float = 1.0) -> LowRankFactor:
+        """``scale * R^T R`` for rows R (k, n) without forming it: a thin QR ``R^T = Q T`` (Q (n, k)) and the
+        (k, k) eigendecomposition ``T T^T = P diag(w) P^T`` give ``U = Q P``, ``s = scale * w``. Eigenvalues
+        at rounding level (``<= k * eps * max w``: a rank-deficient R) are dropped, so U has exactly
+        orthonormal columns; c = 0."""
+        k, n = R.shape
+        if k >= n:  # no thinner form: the full eigendecomposition of the (n, n) Gram matrix
+            w, V = stable_eigh(R.T @ R, "low-rank factor")
+            return cls(V, w.clamp(min=0) * scale)
+        Q, T = torch.linalg.qr(R.T)  # (n, k), (k, k)
+        w, P = stable_eigh(T @ T.T, "low-rank factor")
+        keep = w > k * torch.finfo(w.dtype).eps * float(w.abs().max().clamp(min=torch.finfo(w.dtype).tiny))
+        return cls(Q @ P[:, keep], w[keep] * scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        n = self.U.shape[0]
+        return torch.Size((n, n))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.U.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.U.device
+
+    @property
+    def rank(self) -> int:
+        """r, the number of eigenvalues held explicitly."""
+        return int(self.U.shape[1])
+
+    @property
+    def complement(self) -> int:
+        """n - r, the multiplicity of the eigenvalue c."""
+        return int(self.U.shape[0] - self.U.shape[1])
+
+    @property
+    def T(self) -> LowRankFactor:  # as Tensor.T
+        return self
+
+    def dim(self) -> int:
+        return 2
+
+    def __matmul__(self, X: Tensor) -> Tensor:
+        """``M X`` for X (n, ...) = ``U ((s - c) * U^T X) + c X``."""
+        if X.shape[0] != self.U.shape[0]:
+            raise ValueError(f"LowRankFactor of size {self.U.shape[0]} @ X: X must have {self.U.shape[0]} rows, "
+                             f"got shape {tuple(X.shape)}")
+        Y = self.U @ ((self.s - self.c)[:, None] * (self.U.T @ X.reshape(X.shape[0], -1)))
+        out = Y if self.c == 0 else Y + self.c * X.reshape(X.shape[0], -1)
+        return out.reshape(X.shape)
+
+    def diagonal(self) -> Tensor:
+        return (self.U * self.U) @ (self.s - self.c) + self.c
+
+    def trace(self) -> Tensor:
+        return self.s.sum() + self.c * self.complement
+
+    def frobenius(self) -> float:
+        return math.sqrt(float((self.s * self.s).sum()) + self.c**2 * self.complement)
+
+    def __mul__(self, a: float) -> LowRankFactor:
+        a = float(a)
+        return LowRankFactor(self.U, a * self.s, a * self.c)
+
+    __rmul__ = __mul__
+
+    def shifted(self, d: float) -> LowRankFactor:
+        """``M + d I``."""
+        return LowRankFactor(self.U, self.s + d, self.c + d)
+
+    def inverse(self, what: str) -> LowRankFactor:
+        """``M^{-1}`` (raises :class:`NotPositiveDefiniteError` naming ``what`` unless M is positive definite)."""
+        if not (bool((self.s > 0).all()) and (self.c > 0 or self.complement == 0)):
+            raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the "
+                                           "damping")
+        return LowRankFactor(self.U, 1.0 / self.s, 1.0 / self.c if self.c > 0 else 0.0)
+
+    def to_dense(self) -> Tensor:
+        """The (n, n) matrix (only where a dense result is asked for)."""
+        D = (self.U * (self.s - self.c)) @ self.U.T
+        return D + self.c * torch.eye(D.shape[0], dtype=D.dtype, device=D.device) if self.c else D
+
+    def __repr__(self) -> str:
+        return f"LowRankFactor(n={self.U.shape[0]}, rank={self.rank}, c={self.c:g})"
+
+
+def _dense(M: Any) -> Tensor:
+    """A factor as a dense tensor (a vector stays a vector)."""
+    return M.to_dense() if isinstance(M, LowRankFactor) else M
+
+
 # ---------------------------------------------------------------------------------------------- blocks
 @dataclass
 class KroneckerBlock:
     """One curvature block ``G (x) A`` in the row-major layout of a matrix view ``W_hat`` (out, in_aug).
 
     Attributes:
-        G: (out, out) symmetric output-side factor (pre-activation curvature, e.g. the GGN ``G_l``).
+        G: (out, out) symmetric output-side factor (pre-activation curvature, e.g. the GGN ``G_l``), or a
+            :class:`LowRankFactor` (a thin eigendecomposition: the output factor of a layer with a huge output
+            dimension, e.g. a language model's vocabulary, is never formed as a matrix).
         A: (in_aug, in_aug) symmetric input-side factor, or an (in_aug,) vector: a DIAGONAL input factor
             ``diag(A)`` (an ``nn.Embedding``'s token counts; never a V x V matrix). By default
             ``in_aug = in + 1`` when ``bias_name`` is given (bias column LAST), else ``in``; for a
@@ -183,7 +308,7 @@ class KroneckerBlock:
     stored symmetrised. Their agreement with the parameter shapes is checked by :class:`KroneckerOperator`.
     """
 
-    G: Tensor
+    G: Tensor  # or a LowRankFactor: it offers the factor operations used here (typed as Tensor for consumers)
     A: Tensor
     weight_name: str
     bias_name: str | None = None
@@ -193,7 +318,9 @@ class KroneckerBlock:
 
     def __post_init__(self) -> None:
         what = f"KroneckerBlock({self.name!r})"
-        _check_square_symmetric(self.G, f"{what}.G")
+        low_rank = isinstance(self.G, LowRankFactor)  # validated (finite, thin eigendecomposition) on creation
+        if not low_rank:
+            _check_square_symmetric(self.G, f"{what}.G")
         if isinstance(self.A, Tensor) and self.A.dim() == 1:
             _check_diagonal_factor(self.A, f"{what}.A")
         else:
@@ -204,7 +331,7 @@ class KroneckerBlock:
         if not self.factored and self.G.shape != (1, 1):
             raise ValueError(f"{what}: a block with factored=False is [[g]] (x) A and needs a (1, 1) G, got "
                              f"{tuple(self.G.shape)}")
-        self.G = _symmetrise(self.G)
+        self.G = self.G if low_rank else _symmetrise(self.G)
         self.A = self.A.clone() if self.A.dim() == 1 else _symmetrise(self.A)
 
     @classmethod
@@ -217,7 +344,7 @@ class KroneckerBlock:
         result is exactly symmetric in floating point, as a validated block is (a diagonal A: ``scale * A``).
         """
         blk = cls.__new__(cls)
-        blk.G = torch.add(G, G.T).mul_(0.5 * scale_G)
+        blk.G = G * scale_G if isinstance(G, LowRankFactor) else torch.add(G, G.T).mul_(0.5 * scale_G)
         blk.A = A * scale_A if A.dim() == 1 else torch.add(A, A.T).mul_(0.5 * scale_A)
         blk.weight_name, blk.bias_name = weight_name, bias_name
         blk.index, blk.label, blk.factored = index, label, factored
@@ -236,6 +363,11 @@ class KroneckerBlock:
     def in_dim(self) -> int:
         """Size of A (``in + 1`` with a bias)."""
         return int(self.A.shape[0])
+
+    @property
+    def low_rank_output(self) -> bool:
+        """G is a :class:`LowRankFactor` (thin eigendecomposition)."""
+        return isinstance(self.G, LowRankFactor)
 
     @property
     def diagonal_input(self) -> bool:
@@ -271,16 +403,53 @@ class KroneckerEigh:
     The block ``G (x) A + delta I`` has eigenvalues ``outer(lG, lA) + delta`` (row-major (out, in_aug)) with
     eigenvectors ``vec_row(QG[:, i] QA[:, j]^T)``. ``A_eigvecs`` is None for a diagonal input factor (its
     eigenvectors are the identity, never formed).
+
+    A :class:`LowRankFactor` G has ``G_eigvecs`` U (out, r) and ``G_rest`` = out - r > 0: the eigenvalue
+    ``G_rest_value`` on the complement of span(U), its eigenvectors never formed. A block's spectrum then
+    has one more row (:attr:`G_values`), the complement's, which stands for ``G_rest`` rows.
     """
 
     G_eigvals: Tensor
     G_eigvecs: Tensor
     A_eigvals: Tensor
     A_eigvecs: Tensor | None
+    G_rest: int = 0
+    G_rest_value: float = 0.0
+
+    @property
+    def G_values(self) -> Tensor:
+        """The rows of the block's spectrum: ``G_eigvals``, then ``G_rest_value`` when ``G_rest > 0``."""
+        if not self.G_rest:
+            return self.G_eigvals
+        return torch.cat([self.G_eigvals, self.G_eigvals.new_full((1,), self.G_rest_value)])
 
     def eigenvalues(self, damping: float = 0.0) -> Tensor:
-        """(out, in_aug) eigenvalues of ``G (x) A + damping I``."""
-        return torch.outer(self.G_eigvals, self.A_eigvals) + damping
+        """(rows, in_aug) eigenvalues of ``G (x) A + damping I`` (rows of :attr:`G_values`; the last row
+        counts ``G_rest`` times when ``G_rest > 0``)."""
+        return torch.outer(self.G_values, self.A_eigvals) + damping
+
+
+def _spectrum_sum(e: KroneckerEigh, lam: Tensor) -> Tensor:
+    """The sum of a block's spectrum ``lam`` (rows of ``e.G_values``), the complement row ``e.G_rest`` times."""
+    if not e.G_rest:
+        return lam.sum()
+    return lam[:-1].sum() + e.G_rest * lam[-1].sum()
+
+
+def _spectrum_values(e: KroneckerEigh, lam: Tensor, k: int) -> Tensor:
+    """A block's spectrum as a flat vector, the complement row repeated ``min(G_rest, k)`` times (enough for
+    the k largest or smallest eigenvalues)."""
+    if not e.G_rest:
+        return lam.reshape(-1)
+    return torch.cat([lam[:-1].reshape(-1), lam[-1].repeat(min(e.G_rest, max(int(k), 1)))])
+
+
+def _complement_apply(e: KroneckerEigh, X: Tensor, row: Tensor) -> Tensor:
+    """``(I - U U^T) X[:, :, j] QA diag(row) QA^T`` for every column j of X (out, in_aug, k): the block's
+    function on the complement of a low-rank G's span (U = ``e.G_eigvecs``)."""
+    U, QA = e.G_eigvecs, e.A_eigvecs
+    P = X - _sandwich(U, _sandwich(U.T, X, None), None)
+    return _sandwich(None, _sandwich(None, P, QA) * row[None, :, None], _transpose(QA))
 
 
 def _check_diagonal_factor(a: Tensor, what: str) -> None:
@@ -295,7 +464,9 @@ def _trace(M: Tensor) -> Tensor:
     return M.sum() if M.dim() == 1 else M.trace()
 
 
-def _fro(M: Tensor) -> float:
+def _fro(M: Tensor | LowRankFactor) -> float:
+    if isinstance(M, LowRankFactor):
+        return M.frobenius()
     return float(torch.linalg.vector_norm(M)) if M.dim() == 1 else float(torch.linalg.matrix_norm(M))
 
 
@@ -310,6 +481,13 @@ def _eye_like(M: Tensor) -> Tensor:
     return torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
 
 
+def _shift(M: Tensor, d: float) -> Tensor:
+    """``M + d I`` in M's form (a vector: a diagonal factor; a :class:`LowRankFactor` stays one)."""
+    if isinstance(M, LowRankFactor):
+        return cast(Tensor, M.shifted(d))
+    return M + d * _eye_like(M)
+
+
 def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device | str = "cpu") -> Tensor:
     """The (out, in_aug) positions of ``W_hat = [W.reshape(out, -1) | b]`` in ``[W.flatten(), b]``."""
     out, n = int(weight_shape[0]), int(math.prod(weight_shape[1:]))
@@ -317,6 +495,9 @@ def standard_index(weight_shape: Sequence[int], bias: bool, device: torch.device
     if bias:
         idx = torch.cat([idx, (out * n + torch.arange(out, device=device))[:, None]], dim=1)
     return idx
+
+
+_PERM_CACHE = 2**20  # index maps of blocks up to this many entries (8 MiB) are cached
 
 
 class BlockView(Protocol):
@@ -410,28 +591,33 @@ class _BlockIndex:
 
     @property
     def perm(self) -> Tensor:
-        """W_hat row-major position -> flat parameter index (built on first use)."""
-        if self._perm is None:
-            if self._local is None:
-                idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
-                if self._b0 is not None:
-                    idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
-                self._perm = idx.reshape(-1)
-            else:
-                loc = self._local.reshape(-1)
-                glob = loc + self._w0
-                if self._b0 is not None:
-                    glob = torch.where(loc < self._wn, glob, loc - self._wn + self._b0)
-                self._perm = glob
-        return self._perm
+        """W_hat row-major position -> flat parameter index (built on first use; kept only for blocks of at
+        most ``_PERM_CACHE`` entries: an int64 map is 8 bytes per parameter, 1.3 GB for GPT-2-small, so a
+        large block rebuilds it per use, which costs an integer pass over the block)."""
+        if self._perm is not None:
+            return self._perm
+        if self._local is None:
+            idx = self._w0 + torch.arange(self.out * self.in_w, device=self._device).reshape(self.out, self.in_w)
+            if self._b0 is not None:
+                idx = torch.cat([idx, (self._b0 + torch.arange(self.out, device=self._device))[:, None]], dim=1)
+            perm = idx.reshape(-1)
+        else:
+            loc = self._local.reshape(-1)
+            perm = loc + self._w0
+            if self._b0 is not None:
+                perm = torch.where(loc < self._wn, perm, loc - self._wn + self._b0)
+        if self.size <= _PERM_CACHE:
+            self._perm = perm
+        return perm
 
-    def gather(self, M: Tensor) -> Tensor:
-        """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j]."""
-        return M.index_select(0, self.perm).reshape(self.out, self.in_aug, -1)
+    def gather(self, M: Tensor, perm: Tensor | None = None) -> Tensor:
+        """(d, k) flat -> (out, in_aug, k): column j of M as the matrix W_hat[:, :, j] (``perm``: this
+        block's :attr:`perm`, when the caller already holds it)."""
+        return M.index_select(0, self.perm if perm is None else perm).reshape(self.out, self.in_aug, -1)
 
-    def scatter(self, Y: Tensor, out: Tensor) -> None:
+    def scatter(self, Y: Tensor, out: Tensor, perm: Tensor | None = None) -> None:
         """Write (out, in_aug, k) into the rows of the flat (d, k) ``out``."""
-        out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
+        out.index_copy_(0, self.perm if perm is None else perm, Y.reshape(self.size, -1))
 
 
 def block_positions(layout: ParamLayout, weight_name: str, bias_name: str | None = None, index: Tensor | None = None,
@@ -444,20 +630,20 @@ def block_positions(layout: ParamLayout, weight_name: str, bias_name: str | None
     return ix.perm.reshape(ix.out, ix.in_aug)
 
 
-def _sandwich(L: Tensor, X: Tensor, R: Tensor | None) -> Tensor:
+def _sandwich(L: Tensor | LowRankFactor | None, X: Tensor, R: Tensor | None) -> Tensor:
     """``L X[:, :, j] R`` for every column j of X (m, n, k), with two plain 2-D matrix products.
 
-    ``R`` may be a vector (``diag(R)``) or None (the identity). (Avoids broadcast batched matmuls, which are
-    slow for small factors.)
+    ``R`` may be a vector (``diag(R)``) or None (the identity); ``L`` may be None (the identity) or a
+    :class:`LowRankFactor`. (Avoids broadcast batched matmuls, which are slow for small factors.)
     """
     m, n, k = X.shape
-    Z = (L @ X.reshape(m, n * k)).reshape(L.shape[0], n, k)
+    Z = X if L is None else (L @ X.reshape(m, n * k)).reshape(L.shape[0], n, k)
     if R is None:
         return Z
     if R.dim() == 1:
         return Z * R[None, :, None]
     Y = R.T @ Z.transpose(0, 1).reshape(n, -1)  # (n', m' k)
-    return Y.reshape(R.shape[1], L.shape[0], k).transpose(0, 1)
+    return Y.reshape(R.shape[1], Z.shape[0], k).transpose(0, 1)
 
 
 def _transpose(Q: Tensor | None) -> Tensor | None:
@@ -492,9 +678,10 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: 
     out = [_BlockIndex(layout, s[0], s[1], device, *(s[2:4] if len(s) > 2 else ()), slices=slices, shapes=shapes)
            for s in named]
     if partial:  # blocks that hold parts of parameters: every entry exactly once
-        counts = torch.zeros(layout.dim, dtype=torch.int64, device=device)
+        counts = torch.zeros(layout.dim, dtype=torch.int32, device=device)
         for ix in out:
-            counts.index_add_(0, ix.perm, torch.ones_like(ix.perm))
+            perm = ix.perm
+            counts.index_add_(0, perm, torch.ones(perm.shape, dtype=counts.dtype, device=device))
         bad = torch.nonzero(counts != 1)
         if bad.numel():
             pos = int(bad[0, 0])
@@ -555,7 +742,8 @@ class KroneckerOperator(CurvatureOperator):
         M = M.to(self.dtype)
         out = torch.empty_like(M)
         for b, ix in zip(self.blocks, self._index):
-            ix.scatter(_sandwich(b.G, ix.gather(M), b.A), out)
+            perm = ix.perm  # (built once per product for a large block: not cached)
+            ix.scatter(_sandwich(b.G, ix.gather(M, perm), b.A), out, perm)
         return out + self.damping * M if self.damping != 0 else out
 
     def to_dense(self) -> Tensor:
@@ -564,7 +752,7 @@ class KroneckerOperator(CurvatureOperator):
         D = torch.zeros(d, d, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
             A = torch.diag(b.A) if b.diagonal_input else b.A
-            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(b.G.contiguous(), A.contiguous())
+            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(_dense(b.G).contiguous(), A.contiguous())
         if self.damping != 0:
             D.diagonal().add_(self.damping)
         return D
@@ -591,19 +779,23 @@ class KroneckerOperator(CurvatureOperator):
         if self._eigh is None:
             out = []
             for b in self.blocks:
-                lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
+                rest: tuple[int, float] = (0, 0.0)
+                if isinstance(b.G, LowRankFactor):  # already a thin eigendecomposition
+                    lG, QG, rest = b.G.s, b.G.U, (b.G.complement, b.G.c)
+                else:
+                    lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
                 if b.diagonal_input:
-                    out.append(KroneckerEigh(lG, QG, b.A.clone(), None))
+                    out.append(KroneckerEigh(lG, QG, b.A.clone(), None, *rest))
                     continue
                 lA, QA = stable_eigh(b.A, f"factor A of {b.name!r}")
-                out.append(KroneckerEigh(lG, QG, lA, QA))
+                out.append(KroneckerEigh(lG, QG, lA, QA, *rest))
             self._eigh = out
         return self._eigh
 
     def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
                     num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Exact top-k (or bottom-k) eigenvalues from the factors' spectra, in descending order."""
-        allv = torch.cat([e.eigenvalues(self.damping).reshape(-1) for e in self.eigh()])
+        allv = torch.cat([_spectrum_values(e, e.eigenvalues(self.damping), k) for e in self.eigh()])
         vals = torch.sort(allv, descending=True).values
         return vals[:k] if which == "largest" else vals[-k:]
 
@@ -619,7 +811,7 @@ class KroneckerOperator(CurvatureOperator):
         delta = self.damping + _check_damping(damping)
         spectra = []
         for b, e in zip(self.blocks, self.eigh()):
-            prod = torch.outer(e.G_eigvals, e.A_eigvals)
+            prod = torch.outer(e.G_values, e.A_eigvals)
             noise = max(prod.shape) * torch.finfo(prod.dtype).eps * float(prod.abs().max())
             low = float(prod.min())
             if low >= -noise:
@@ -637,7 +829,8 @@ class KroneckerOperator(CurvatureOperator):
     def _logdet(self, damping: float) -> Tensor:
         """``log det(C + damping I) = sum_l sum_ij log(lG_i lA_j + delta)`` (raises if not PD)."""
         spectra = self._damped_spectra(damping, "logdet")
-        return sum((torch.log(s).sum() for s in spectra), torch.zeros((), dtype=self.dtype, device=self.device))
+        return sum((_spectrum_sum(e, torch.log(s)) for e, s in zip(self.eigh(), spectra)),
+                   torch.zeros((), dtype=self.dtype, device=self.device))
 
     # ------------------------------------------------------------------ algebra that stays structured
     def add_identity(self, damping: float) -> KroneckerOperator:
@@ -729,7 +922,7 @@ class KroneckerOperator(CurvatureOperator):
                     raise ValueError(f"block {b.name!r}: its scale {g:g} must be positive to carry damping")
                 G, A = b.G, b.A + (delta / g) * _eye_like(b.A)
             else:
-                G = b.G + (k / p) * _eye_like(b.G)
+                G = _shift(b.G, k / p)
                 A = b.A + (p * k) * _eye_like(b.A)
             blocks.append(KroneckerBlock.from_gram(G, A, b.weight_name, b.bias_name, index=b.index, label=b.label,
                                                    factored=b.factored))
@@ -811,7 +1004,13 @@ class KroneckerOperator(CurvatureOperator):
         noise = torch.empty(self.layout.dim, S, dtype=self.dtype, device=self.device)
         for e, lam, ix in zip(self.eigh(), spectra, self._index):
             Z = torch.randn(ix.out, ix.in_aug, S, dtype=self.dtype, device=self.device, generator=generator)
-            ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], _transpose(e.A_eigvecs)), noise)
+            if not e.G_rest:
+                ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], _transpose(e.A_eigvecs)), noise)
+                continue
+            # low-rank G: the span of U from Z's coordinates in it, the complement from Z projected onto it
+            inside = _sandwich(e.G_eigvecs, _sandwich(e.G_eigvecs.T, Z, None) / lam[:-1].sqrt()[:, :, None],
+                               _transpose(e.A_eigvecs))
+            ix.scatter(inside + _complement_apply(e, Z, lam[-1].rsqrt()), noise)
         samples = mean.to(self.dtype)[None, :] + scale * noise.T
         if as_list:
             return [t.movedim(-1, 0) for t in self.layout.unflatten(samples.T)]
@@ -823,6 +1022,8 @@ class KroneckerOperator(CurvatureOperator):
 
 
 def _spd_inverse(M: Tensor, what: str) -> Tensor:
+    if isinstance(M, LowRankFactor):
+        return cast(Tensor, M.inverse(what))
     if M.dim() == 1:  # a diagonal factor
         if not bool((M > 0).all()):
             raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
@@ -856,6 +1057,10 @@ class KroneckerSpectralOperator(CurvatureOperator):
         if len(spectra) != len(eigh):
             raise ValueError(f"need one spectrum per block ({len(eigh)}), got {len(spectra)}")
         for b, e, lam in zip(op.blocks, eigh, spectra):
+            if e.G_rest:
+                raise ValueError(f"block {b.name!r} has a low-rank output factor (a thin eigendecomposition of "
+                                 f"rank {e.G_eigvals.numel()} of {e.G_eigvecs.shape[0]}), which an eigenbasis "
+                                 "correction cannot use: build the estimator with output_factor='dense'")
             shape = (e.G_eigvals.numel(), e.A_eigvals.numel())
             if tuple(lam.shape) != shape:
                 raise ValueError(f"spectrum of block {b.name!r} has shape {tuple(lam.shape)}, expected {shape}")
@@ -867,13 +1072,19 @@ class KroneckerSpectralOperator(CurvatureOperator):
         out = torch.empty_like(M)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
             QG, QA = e.G_eigvecs, e.A_eigvecs
-            ix.scatter(_sandwich(QG, _sandwich(QG.T, ix.gather(M), QA) * lam[:, :, None], _transpose(QA)), out)
+            X = ix.gather(M)
+            inner = lam[:-1] if e.G_rest else lam
+            Y = _sandwich(QG, _sandwich(QG.T, X, QA) * inner[:, :, None], _transpose(QA))
+            ix.scatter(Y + _complement_apply(e, X, lam[-1]) if e.G_rest else Y, out)
         return out
 
     def _exact_diagonal(self) -> DiagonalOperator:
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for e, lam, ix in zip(self._eigh, self._spectra, self._index):
-            GL = (e.G_eigvecs**2) @ lam
+            U2 = e.G_eigvecs**2
+            GL = U2 @ lam[:-1] if e.G_rest else U2 @ lam
+            if e.G_rest:  # the complement: (1 - |U_i|^2) times the complement row
+                GL = GL + (1 - U2.sum(1))[:, None] * lam[-1][None, :]
             flat[ix.perm] = (GL if e.A_eigvecs is None else GL @ (e.A_eigvecs**2).T).reshape(-1)
         return DiagonalOperator.from_flat(self.layout, flat)
 
@@ -882,11 +1093,13 @@ class KroneckerSpectralOperator(CurvatureOperator):
               distribution: Literal["rademacher", "gaussian"] = "rademacher") -> Tensor:
         if method != "exact":
             return super().trace(method, num_probes, generator, distribution)
-        return sum((lam.sum() for lam in self._spectra), torch.zeros((), dtype=self.dtype, device=self.device))
+        return sum((_spectrum_sum(e, lam) for e, lam in zip(self._eigh, self._spectra)),
+                   torch.zeros((), dtype=self.dtype, device=self.device))
 
     def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
                     num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
-        vals = torch.sort(torch.cat([lam.reshape(-1) for lam in self._spectra]), descending=True).values
+        vals = torch.sort(torch.cat([_spectrum_values(e, lam, k) for e, lam in zip(self._eigh, self._spectra)]),
+                          descending=True).values
         return vals[:k] if which == "largest" else vals[-k:]
 
     def _shifted(self, damping: float, what: str) -> list[Tensor]:
@@ -898,7 +1111,7 @@ class KroneckerSpectralOperator(CurvatureOperator):
         return out
 
     def _logdet(self, damping: float) -> Tensor:
-        return sum((lam.log().sum() for lam in self._shifted(damping, "logdet")),
+        return sum((_spectrum_sum(e, lam.log()) for e, lam in zip(self._eigh, self._shifted(damping, "logdet"))),
                    torch.zeros((), dtype=self.dtype, device=self.device))
 
     def add_identity(self, damping: float) -> KroneckerSpectralOperator:

@@ -343,6 +343,7 @@ class GaussNewton(CurvatureOptimizer):
             distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
             weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
             parameter_structure=hp["parameter_structure"])
+        self.estimator.require_dense_output_factors("GaussNewton")
         self.source, self.source_reason = source, reason
 
     def _first_pass(self, X: Tensor) -> None:
