@@ -568,3 +568,44 @@ def test_mapping_batches_are_refused_by_gauss_newton_and_laplace_on_this_branch(
     with pytest.raises(TypeError, match=r"X is a mapping of tensors .*pass a tensor X"):
         Laplace(hf, lik, structure="diag").fit(data)
     assert_same_state(model, before)
+
+
+def test_lora_adapters_on_gpt2_conv1d():
+    """``add_lora`` adapts GPT-2's Conv1D attention projections (weight stored (in, out)): the adapted layer is
+    ``x W + b + s B A x``; only the adapters are trainable; full-GGN Laplace on them is the prior plus the dense
+    GGN of the adapters; Kronecker Laplace and a Gauss-Newton step run on them and leave the base unchanged."""
+    from curvkit.architectures import LoRALinear, add_lora
+    from curvkit.laplace import Laplace
+    from curvkit.optim import GaussNewton
+
+    model = gpt2(layers=2)
+    lora = add_lora(model, rank=2, targets=lambda n, m: n.endswith("attn.c_attn"), init_b="normal", seed=3)
+    adapted = [m for m in lora.modules() if isinstance(m, LoRALinear)]
+    assert len(adapted) == 2 and all(type(m.base).__name__ == "Conv1D" for m in adapted)
+    layer = adapted[0]
+    x = torch.randn(3, 8, dtype=D64)
+    by_hand = x @ layer.base.weight + layer.base.bias + layer.scaling * x @ layer.lora_A.weight.T @ layer.lora_B.weight.T
+    torch.testing.assert_close(layer(x), by_hand, atol=ATOL, rtol=0)
+    trainable = sorted(n for n, p in lora.named_parameters() if p.requires_grad)
+    assert trainable and all("lora_" in n for n in trainable) and len(trainable) == 4
+    assert all(p.requires_grad for n, p in model.named_parameters()), "the user's model is not changed"
+
+    hf = HuggingFace(lora)
+    data = tensor_batch(lm_batch())
+    lik = CrossEntropy(ignore_index=-100)
+    base = {n: p.detach().clone() for n, p in hf.named_parameters() if not p.requires_grad}
+    G = dense_ggn_flat(hf, CrossEntropy("sum", ignore_index=-100), data)  # over the trainable adapters only
+    assert G.shape[0] == sum(p.numel() for p in hf.parameters() if p.requires_grad)
+    full = Laplace(hf, lik, structure="full", curvature="ggn", prior_precision=0.5).fit(data)
+    torch.testing.assert_close(full.precision().to_dense(), G + 0.5 * torch.eye(G.shape[0], dtype=D64),
+                               atol=1e-10, rtol=0)
+    kron = Laplace(hf, lik, structure="kron", curvature="kfac", prior_precision=0.5).fit(data)
+    assert torch.isfinite(kron.log_marginal_likelihood())
+    gn = GaussNewton([p for p in hf.parameters() if p.requires_grad], model=hf, likelihood=lik)
+    first = float(gn.step(batch=data))
+    with torch.no_grad():
+        after = float(lik(hf(data[0]), data[1]))
+    assert first == first and after < first
+    for n, p in hf.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n

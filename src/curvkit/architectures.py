@@ -258,26 +258,32 @@ def conv1d_tagger(channels: int = 3, hidden: int = 8, groups: int = 2, num_class
 class LoRALinear(nn.Module):
     """``base(x) + (alpha / r) lora_B(lora_A(x))`` with ``base`` frozen (Hu et al. 2021).
 
-    ``lora_A`` (in -> r) and ``lora_B`` (r -> out) are bias-free ``nn.Linear`` modules, so every curvature
-    structure that knows ``nn.Linear`` covers them. ``init_b='zeros'`` (LoRA's choice: the adapted model
+    ``base`` is an ``nn.Linear`` or GPT-2's ``transformers.pytorch_utils.Conv1D`` (a linear layer whose
+    weight is stored (in, out); recognised by its class, transformers is not imported). ``lora_A`` (in -> r)
+    and ``lora_B`` (r -> out) are bias-free ``nn.Linear`` modules, so every curvature structure that knows
+    ``nn.Linear`` covers them. ``init_b='zeros'`` (LoRA's choice: the adapted model
     starts as the base) or ``'normal'`` (small random B; a zero B makes the output independent of A to
     first order, so A's curvature is zero).
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float | None = None,
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None,
                  init_b: Literal["zeros", "normal"] = "zeros", generator: torch.Generator | None = None):
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"LoRALinear adapts an nn.Linear, got {type(base).__name__}")
+        dims = _linear_dims(base)
+        if dims is None:
+            raise TypeError(f"LoRALinear adapts an nn.Linear or GPT-2's Conv1D, got {type(base).__name__}")
+        in_features, out_features = dims
         _positive("rank", rank)
         if init_b not in ("zeros", "normal"):
             raise ValueError(f"init_b must be 'zeros' or 'normal', got {init_b!r}")
         self.base = base
         for p in self.base.parameters():
             p.requires_grad_(False)
-        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **kw)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **kw)
+        weight = base.weight
+        assert isinstance(weight, Tensor)
+        kw = {"dtype": weight.dtype, "device": weight.device}
+        self.lora_A = nn.Linear(in_features, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, **kw)
         with torch.no_grad():  # nn.Linear's own init, redrawn from ``generator`` (the global RNG is not used)
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
             if init_b == "zeros":
@@ -290,19 +296,32 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.scaling * self.lora_B(self.lora_A(x))
 
 
-def add_lora(model: nn.Module, rank: int, targets: Callable[[str, nn.Linear], bool] | None = None,
+def _linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of an ``nn.Linear`` or of GPT-2's ``Conv1D`` (weight (in, out)); None for anything else."""
+    if type(module) is nn.Linear:
+        return module.in_features, module.out_features
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    if (cls.__module__, cls.__name__) == ("transformers.pytorch_utils", "Conv1D") and isinstance(weight, Tensor) \
+            and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def add_lora(model: nn.Module, rank: int, targets: Callable[[str, nn.Module], bool] | None = None,
              alpha: float | None = None, init_b: Literal["zeros", "normal"] = "zeros", freeze_rest: bool = True,
              seed: int = 0) -> nn.Module:
-    """A COPY of ``model`` with every ``nn.Linear`` for which ``targets(name, module)`` holds (default: all,
+    """A COPY of ``model`` with every ``nn.Linear`` (or GPT-2 ``Conv1D``) for which ``targets(name, module)``
+    holds (default: all,
     except those inside ``nn.MultiheadAttention``, whose forward reads ``out_proj.weight`` directly and
     would bypass an adapter) replaced by a :class:`LoRALinear`; with ``freeze_rest`` every other parameter
     is frozen too. The user's model is not changed. Raises if no module matched."""
     model = copy.deepcopy(model)
     inside_mha = {f"{n}.out_proj" for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     chosen = [n for n, m in model.named_modules()
-              if type(m) is nn.Linear and n not in inside_mha and (targets is None or targets(n, m))]
+              if _linear_dims(m) is not None and n not in inside_mha and (targets is None or targets(n, m))]
     if not chosen:
-        raise ValueError("add_lora: no nn.Linear module matched the targets")
+        raise ValueError("add_lora: no nn.Linear (or GPT-2 Conv1D) module matched the targets")
     if freeze_rest:
         for p in model.parameters():
             p.requires_grad_(False)
