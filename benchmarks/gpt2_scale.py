@@ -29,6 +29,13 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   factor's eigendecomposition: about 60 dense eigendecompositions of up to 3,073 x 3,073, minutes on this
   CPU).
 
+* ``LoRA gradient`` / ``LoRA Kronecker Laplace`` / ``LoRA GaussNewton``: the model with rank-8 LoRA adapters
+  (``curvkit.architectures.add_lora``) on every ``attn.c_attn`` (GPT-2's fused query/key/value ``Conv1D``) and
+  every other parameter frozen (294,912 trainable parameters): a gradient pass over the adapters (the unit of
+  these rows), ``Laplace(structure="kron", curvature="kfac")`` fitted on the batch (then the log marginal
+  likelihood), one ``GaussNewton`` step (``curvature="auto"``: KFAC for per-token outputs; alpha* and rho
+  from exact products through the whole model, 50,257-way softmax included).
+
 Every worker first runs three gradient passes (warm-up, then two timed): each arm's ratio is to the gradient
 pass of its own process. Times are CPU seconds of the process (``time.process_time``, all its threads): the
 cost of the computation, which other jobs time-slicing the shared cores do not inflate (wall-clock seconds
@@ -60,13 +67,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 
 ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvlinops GGN", "curvlinops Hessian",
-        "curvkit KFAC expand", "curvkit KFAC reduce")
+        "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient", "LoRA Kronecker Laplace", "LoRA GaussNewton")
+LORA_RANK = 8
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 300, "n_positions": 64}
 
 
 # ============================================================================ worker side
 def build(spec: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
-    """(curvkit-wrapped model, batch mapping, targets) as the module docstring."""
+    """(curvkit-wrapped model, batch mapping, targets) as the module docstring; for the ``LoRA`` arms the model
+    is a copy with rank-``LORA_RANK`` adapters on every ``attn.c_attn`` and everything else frozen."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from curvkit.hf import HuggingFace
@@ -78,7 +87,25 @@ def build(spec: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], torch.Ten
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
     batch = {"input_ids": ids[:, :-1].contiguous(), "position_ids": torch.arange(T).expand(B, T).contiguous()}
+    if spec["arm"].startswith("LoRA"):
+        from curvkit.architectures import add_lora
+
+        model = add_lora(model, LORA_RANK, targets=lambda n, m: n.endswith("attn.c_attn"), seed=0)
     return HuggingFace(model), batch, ids[:, 1:].contiguous()
+
+
+class Ids(torch.nn.Module):
+    """The model as a function of the token ids alone ((B, T) -> (B, T, V) logits; position ids fixed): for
+    ``Laplace.fit`` and ``GaussNewton.step``, which take a tensor input."""
+
+    def __init__(self, hf: torch.nn.Module, position_ids: torch.Tensor):
+        super().__init__()
+        self.hf = hf
+        self.position_ids = position_ids
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.hf({"input_ids": ids, "position_ids": self.position_ids})
+        return out
 
 
 class Flat(torch.nn.Module):
@@ -143,6 +170,20 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
                                      output_factor=spec["output_factor"], seed=0)
             return est.update((batch, y)).operator()
         return construct, (lambda op: op @ v_flat)
+    if arm == "LoRA Kronecker Laplace":  # fit on the batch; 'product': the log marginal likelihood
+        from curvkit.laplace import Laplace
+        from curvkit.likelihoods import CrossEntropy
+
+        net = Ids(hf, batch["position_ids"])
+        return ((lambda: Laplace(net, CrossEntropy("mean"), structure="kron", curvature="kfac")
+                 .fit([(batch["input_ids"], y)])), (lambda la: la.log_marginal_likelihood().detach()))
+    if arm == "LoRA GaussNewton":  # construction: the optimiser; 'product': one step (KFAC, alpha*, rho)
+        from curvkit.likelihoods import CrossEntropy
+        from curvkit.optim import GaussNewton
+
+        net = Ids(hf, batch["position_ids"])
+        return ((lambda: GaussNewton(params, model=net, likelihood=CrossEntropy("mean"))),
+                (lambda gn: torch.as_tensor(float(gn.step(batch=(batch["input_ids"], y))))))
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -160,7 +201,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         grads.append(time.process_time() - t0)
         walls.append(time.perf_counter() - w0)
     out: dict[str, Any] = {"num_params": d, "grad_s": statistics.median(grads), "grad_wall_s": statistics.median(walls)}
-    if spec["arm"] == "gradient":
+    if spec["arm"] in ("gradient", "LoRA gradient"):
         out["first"] = peak_rss_delta(lambda: gradient_pass(hf, batch, y))
         return out
     construct, product = make_arm(spec["arm"], hf, batch, y, spec)
@@ -220,15 +261,18 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         mem_f = r.get("first", {}).get("peak_delta_mib")
         before = r.get("first", {}).get("rss_before_mib")
         absolute = "-" if mem_f is None or before is None else fmt_mib(mem_f + before)
-        if arm == "gradient":
+        if arm in ("gradient", "LoRA gradient"):
             lines.append(f"| {arm} | {fmt_seconds(g)} = 1x | | | | {fmt_mib(mem_f)} = 1x | | {absolute} | | |")
             continue
 
         def cell(t: float | None, g: float = g) -> str:
             return "-" if t is None else f"{fmt_seconds(t)} ({fmt_ratio(t / g)})"
 
-        def mcell(m: float | None) -> str:
-            return f"{fmt_mib(m)} ({fmt_ratio(m / gmem) if m is not None and gmem else '-'})"
+        unit = (results.get("LoRA gradient", {}).get("first", {}).get("peak_delta_mib") if arm.startswith("LoRA")
+                else gmem)  # a LoRA arm's unit: the gradient pass over the adapters
+
+        def mcell(m: float | None, unit: float | None = unit) -> str:
+            return f"{fmt_mib(m)} ({fmt_ratio(m / unit) if m is not None and unit else '-'})"
 
         first = r["construct_s"] + r["first_s"]
         steady_mem = r.get("steady", {})
@@ -242,8 +286,9 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
                      f"{mcell(steady_mem.get('peak_delta_mib'))} | {absolute} | {inv} | {r['value']:.5g} |")
     lines.append("")
     lines.append("Times: CPU seconds of the process (all threads); in parentheses / the gradient pass of the same "
-                 "process. 'construction + 1st product' = a fresh operator's cost (KFAC: update + operator() + "
-                 "one product op @ v); steady = median of "
+                 "process (LoRA arms: over the adapters, every other parameter frozen). 'construction + 1st product' = a fresh operator's cost (KFAC: update + operator() + "
+                 "one product op @ v; LoRA Kronecker Laplace: the fit, then the log marginal likelihood; LoRA "
+                 "GaussNewton: the optimiser, then one step); steady = median of "
                  f"{args.steady}. Peak memory: increase of the resident set during the call, in parentheses / the "
                  f"gradient pass's. torch threads {args.threads}; float32; CPU. KFAC output factor: "
                  f"{args.output_factor!r}.\n")

@@ -1,5 +1,6 @@
 """``benchmarks/gpt2_scale.py`` (issue 22, section 3) does not rot: its ``--tiny`` mode (a 2-layer GPT-2 with
-random weights, workers in-process) runs the exact-product, curvlinops and KFAC arms, writes its table, and
+random weights, workers in-process) runs the exact-product, curvlinops, KFAC and LoRA (Kronecker Laplace,
+GaussNewton) arms, writes its table, and
 the arms compute the same GGN product."""
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     import gpt2_scale
 
-    arms = ["gradient", "curvkit GGN", "curvkit KFAC expand", "curvkit KFAC reduce"]
+    arms = ["gradient", "curvkit GGN", "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient",
+            "LoRA Kronecker Laplace", "LoRA GaussNewton"]
     if importlib.util.find_spec("curvlinops") is not None:
         arms.append("curvlinops GGN")
     out, js = tmp_path / "scale.md", tmp_path / "scale.json"
@@ -32,7 +34,7 @@ def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     assert not [a for a, r in results.items() if "error" in r]
     text = out.read_text()
     assert "tiny GPT-2" in text and "failed" not in text and "load average" in text
-    for arm in arms[1:]:
+    for arm in [a for a in arms if "gradient" not in a]:
         assert results[arm]["steady_s"] > 0 and results[arm]["first"]["peak_delta_mib"] is not None
     if "curvlinops GGN" in results:  # the same matrix: the same product norm
         assert results["curvlinops GGN"]["value"] == pytest.approx(results["curvkit GGN"]["value"], rel=1e-4)
