@@ -191,3 +191,14 @@ def test_smoke_runs_through_the_cli_and_an_interrupted_run_resumes_to_the_same_r
         again = json.loads((tmp_path / "cut" / "results.json").read_text())
     assert _numbers(resumed) == _numbers(full)
     assert _numbers(again) == _numbers(resumed)
+
+
+def test_cli_lists_modern_with_every_scale(capsys):
+    from curvkit.cli import build_parser, main
+
+    assert main(["reproduce", "--list"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("modern "))
+    assert "smoke/medium/paper" in line
+    for scale in ("smoke", "medium", "paper"):
+        args = build_parser().parse_args(["reproduce", "modern", "--scale", scale, "--out", "x"])
+        assert (args.name, args.scale) == ("modern", scale)

@@ -155,12 +155,18 @@ def ood_images(n: int | None) -> Tensor:
     return X if n is None else X[:n]
 
 
+def device() -> torch.device:
+    """Where the experiment runs: the GPU when there is one (the paper scale is sized for it), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def model_fn(arch: str, sc: Scale, seed: int) -> Callable[[], nn.Module]:
-    """The architecture's builder at this scale, every call the same initial weights (from ``seed``)."""
+    """The architecture's builder at this scale on :func:`device`, every call the same initial weights (drawn
+    on the CPU from ``seed``)."""
     if arch == "vit":
-        return lambda: vit(seed=seed, **sc.vit)
+        return lambda: vit(seed=seed, **sc.vit).to(device())
     if arch == "resnet":
-        return lambda: resnet(widths=sc.resnet_widths, seed=seed)
+        return lambda: resnet(widths=sc.resnet_widths, seed=seed).to(device())
     raise ValueError(f"unknown architecture {arch!r}; use one of {ARCHS}")
 
 
@@ -286,11 +292,11 @@ VARIANTS = (Variant("KF Laplace (all weights)", "kron", "kflr", "all"),
 def classification_scores(probs: Tensor, y: Tensor, probs_ood: Tensor) -> dict[str, float]:
     """Accuracy, mean NLL, ECE (15 bins) on the test set; AUROC of in- vs out-of-distribution by the
     predictive entropy (:func:`curvkit.experiments.laplace_ood.auroc`)."""
-    p = probs.double()
+    p, y = probs.detach().double().cpu(), y.cpu()
     return {"accuracy": float((p.argmax(1) == y).double().mean()),
             "nll": float(-p.gather(1, y[:, None]).clamp_min(1e-12).log().mean()),
             "ece": ece(p, y),
-            "auroc_kmnist": auroc(entropy(p).numpy(), entropy(probs_ood.double()).numpy())}
+            "auroc_kmnist": auroc(entropy(p).numpy(), entropy(probs_ood.detach().double().cpu()).numpy())}
 
 
 @torch.no_grad()
@@ -393,8 +399,8 @@ def continual(sc: Scale, out: Path, seed: int) -> dict[str, Any]:
                          min_epochs=sc.task_epochs, max_epochs=sc.task_epochs, patience=sc.task_epochs,
                          val_size=max(1, n // 10), curvature_batch=500)
 
-    def build(s: int) -> nn.Module:
-        return nn.Sequential(nn.Unflatten(1, (1, 28, 28)), vit(seed=s, **sc.vit))
+    def build(s: int) -> nn.Module:  # the trainer moves the (CPU) task data to the model's device
+        return nn.Sequential(nn.Unflatten(1, (1, 28, 28)), vit(seed=s, **sc.vit)).to(device())
 
     runs = {}
     for m in continual_methods(sc):
@@ -496,7 +502,8 @@ def _reproduce(scale: str, out: Path, seed: int, stop_after: int | None) -> dict
     t0 = time.perf_counter()
     Xtr, ytr = images(True, sc.n_train)
     Xte, yte = images(False, sc.n_test)
-    data = {"Xtr": Xtr, "ytr": ytr, "Xte": Xte, "yte": yte, "Xood": ood_images(sc.n_ood)}
+    data = {k: v.to(device()) for k, v in
+            {"Xtr": Xtr, "ytr": ytr, "Xte": Xte, "yte": yte, "Xood": ood_images(sc.n_ood)}.items()}
     opt: dict[str, Any] = {}
     for arch in ARCHS:
         res = optimisation(arch, sc, data, out, seed, stop_after)
@@ -513,7 +520,8 @@ def _reproduce(scale: str, out: Path, seed: int, stop_after: int | None) -> dict
                "optimisation": {a: {k: v for k, v in o.items() if k != "runs"} for a, o in opt.items()},
                "curves": {a: {n: {"loss": r["loss"], "time": r["time"], "evals": r["evals"]} for n, r in o["runs"].items()}
                           for a, o in opt.items()},
-               "uncertainty": unc, "continual": cont, "holds": holds, "seconds": seconds, "machine": machine_info()}
+               "uncertainty": unc, "continual": cont, "holds": holds, "seconds": seconds, "machine": machine_info(),
+               "device": str(device())}
     write_json(out / "results.json", results)
     write_report(out, scale, sc, opt, unc, cont, holds, seconds)
     return results
