@@ -187,7 +187,9 @@ def test_smoke_runs_through_the_cli_and_an_interrupted_run_resumes_to_the_same_r
         assert modern.reproduce("smoke", tmp_path / "cut", stop_after=3) is None  # interrupted twice
         assert modern.reproduce("smoke", tmp_path / "cut") is not None
         resumed = json.loads((tmp_path / "cut" / "results.json").read_text())
+        stored = {f: f.stat().st_mtime_ns for f in (tmp_path / "cut").rglob("*.pt")}
         assert modern.reproduce("smoke", tmp_path / "cut") is not None  # finished: everything read back
+        assert {f: f.stat().st_mtime_ns for f in (tmp_path / "cut").rglob("*.pt")} == stored  # nothing redone
         again = json.loads((tmp_path / "cut" / "results.json").read_text())
     assert _numbers(resumed) == _numbers(full)
     assert _numbers(again) == _numbers(resumed)
