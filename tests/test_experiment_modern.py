@@ -204,3 +204,16 @@ def test_cli_lists_modern_with_every_scale(capsys):
     for scale in ("smoke", "medium", "paper"):
         args = build_parser().parse_args(["reproduce", "modern", "--scale", scale, "--out", "x"])
         assert (args.name, args.scale) == ("modern", scale)
+
+
+@pytest.mark.parametrize("scale", ["smoke", "medium", "paper"])
+def test_every_scale_builds_its_models_and_runs(scale):
+    sc = modern.SCALES[scale]
+    X = torch.rand(2, 1, 28, 28)
+    for arch in modern.ARCHS:
+        assert modern.model_fn(arch, sc, 0)()(X).shape == (2, 10)
+    specs = modern.run_specs(sc, "vit", True)
+    assert [s.lr for s in specs if s.kind == "adamw"] == list(sc.adamw_lrs)
+    assert ("kfac", "expand") in sc.gn and ("kfac", "reduce") in sc.gn and any(c == "kflr" for c, _ in sc.gn)
+    assert all(s.steps == sc.resnet_steps for s in modern.run_specs(sc, "resnet", False))
+    assert [m.label for m in modern.continual_methods(sc)][-1] == "none"
