@@ -427,9 +427,10 @@ def claims(opt: dict[str, Any], unc: dict[str, Any], cont: dict[str, Any], sc: S
         for name, r in u.items():
             if name == "MAP" or "not_run" in r:
                 continue
-            ref = r.get("lora_map", base)
-            holds[f"{arch}: {name} improves NLL, ECE and AUROC over its MAP"] = (
-                r["nll"] < ref["nll"] and r["ece"] < ref["ece"] and r["auroc_kmnist"] > ref["auroc_kmnist"])
+            ref = r.get("lora_map", base)  # the LoRA posterior's mean is the fine-tuned network
+            holds[f"{arch}: {name} lowers the test NLL of its MAP"] = r["nll"] < ref["nll"]
+            holds[f"{arch}: {name} lowers the ECE of its MAP"] = r["ece"] < ref["ece"]
+            holds[f"{arch}: {name} raises the KMNIST AUROC of its MAP"] = r["auroc_kmnist"] > ref["auroc_kmnist"]
     final = {k: v["mean_seen"][-1] for k, v in cont.items()}
     for lam in sc.lams:
         kf, dg = final[Method("online", "kron", lam).label], final[Method("online", "diag", lam).label]
