@@ -445,7 +445,13 @@ def write_report(out: Path, scale: str, sc: Scale, opt: dict[str, Any], unc: dic
           f"MNIST ({'all' if sc.n_train is None else sc.n_train} training images, "
           f"{'10000' if sc.n_test is None else sc.n_test} test images), KMNIST test "
           f"({'10000' if sc.n_ood is None else sc.n_ood} images) as OOD. ViT {sc.vit}, ResNet-BN widths "
-          f"{sc.resnet_widths}. Minibatch {sc.batch}, weight decay {WEIGHT_DECAY:g}.", ""]
+          f"{sc.resnet_widths}. Minibatch {sc.batch}, weight decay {WEIGHT_DECAY:g}. AdamW: constant learning "
+          f"rates {', '.join(f'{lr:g}' for lr in sc.adamw_lrs)}; GaussNewton: the current minibatch's curvature, "
+          "FAST_ADAPTATION damping. Objective = minibatch loss + weight decay term before each update, smoothed "
+          "over 10 updates; train loss on the first "
+          f"{sc.eval_n} training images. Laplace: curvature over the first "
+          f"{'all' if sc.laplace_fit_n is None else sc.laplace_fit_n} training images with N = the training-set "
+          "size, prior precision by marginal likelihood (one value), GLM probit predictive.", ""]
     for arch, o in opt.items():
         md += [f"## Optimisation: {arch}", ""]
         if o["gauss_newton_refusal"]:
