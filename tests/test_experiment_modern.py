@@ -116,6 +116,14 @@ def test_reach_and_final_objective_read_the_smoothed_curve():
     assert modern.final_objective({**rec, "diverged": {"step": 2}}) == math.inf
 
 
+def test_map_network_is_chosen_by_its_eval_mode_training_loss():
+    runs = {"adamw-lr1": {"diverged": None, "loss": [0.1], "evals": [{"loss": 0.9}]},  # lowest objective
+            "adamw-lr2": {"diverged": None, "loss": [0.3], "evals": [{"loss": 0.4}]},
+            "adamw-lr3": {"diverged": {"step": 2}, "loss": [0.1], "evals": [{"loss": math.inf}]},
+            "gn-kfac-expand": {"diverged": None, "loss": [0.1], "evals": [{"loss": 0.1}]}}
+    assert modern.choose_map(runs) == "adamw-lr2"
+
+
 def test_classification_scores_on_known_probabilities():
     p = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])
     y = torch.tensor([0, 1, 1])
