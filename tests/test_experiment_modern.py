@@ -92,6 +92,24 @@ def test_gauss_newton_options_reach_the_optimiser_and_old_keys_stay_valid(tmp_pa
     assert "options" not in rec["key"]["spec"] and "test_n" not in rec["key"]
 
 
+def test_a_model_gauss_newton_refuses_is_an_error_not_a_divergence(tmp_path, monkeypatch):
+    """An UnsupportedModelError is a ValueError, which train_run otherwise records as a divergence; a refusal
+    (at construction, as BatchNorm in training mode, or during a step) must propagate instead."""
+    from curvkit.structure import UnsupportedModelError
+
+    spec = RunSpec("g", "gauss_newton", 2, curvature="kfac")
+    with pytest.raises(UnsupportedModelError, match="BatchNorm"):
+        train_run(_task(_tiny_resnet, test=False), spec, tmp_path / "g")
+
+    def refuse(self, *args, **kwargs):
+        raise UnsupportedModelError("GaussNewton: module 'x' (Probe) refused in a step")
+
+    monkeypatch.setattr(GaussNewton, "step", refuse)
+    with pytest.raises(UnsupportedModelError, match="refused in a step"):
+        train_run(_task(_tiny_vit, test=False), spec, tmp_path / "h")
+    assert not (tmp_path / "g" / "result.pt").exists() and not (tmp_path / "h" / "result.pt").exists()
+
+
 # ---------------------------------------------------------------------------------------------- experiment helpers
 def test_gauss_newton_refuses_batchnorm_in_training_mode_and_the_model_is_unchanged():
     X, y = _images(8)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from curvkit import checkpoint
 from curvkit.likelihoods import Likelihood
 from curvkit.optim import GaussNewton
+from curvkit.structure import UnsupportedModelError
 
 __all__ = [
     "RunSpec", "Task", "adam_grid", "glorot_", "load_mnist", "load_user_dataset", "smooth", "topk_mean",
@@ -334,6 +335,8 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
                 loss.backward()
                 opt.step()
         except (FloatingPointError, ValueError) as err:
+            if isinstance(err, UnsupportedModelError):  # a model the optimiser refuses did not diverge
+                raise
             rec["diverged"] = {"step": t + 1, "error": str(err)[:300]}
             break
         elapsed += time.perf_counter() - t0
