@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from curvkit import checkpoint
 from curvkit.likelihoods import Likelihood
 from curvkit.optim import GaussNewton
+from curvkit.structure import UnsupportedModelError
 
 __all__ = [
     "RunSpec", "Task", "adam_grid", "glorot_", "load_mnist", "load_user_dataset", "smooth", "topk_mean",
@@ -139,7 +140,11 @@ class RunSpec:
     (``curvature``, ``ema``, ``inversion``; everything else at its default; ``ema=None`` is the curvature of
     the current minibatch, the thesis's solid curves, ``0.9`` its dashed ones); ``kind='adam'`` uses
     ``torch.optim.Adam`` (default betas, eps) with learning rate ``lr`` halved every ``halving`` updates
-    (None: never).
+    (None: never); ``kind='adamw'`` the same schedule with ``torch.optim.AdamW`` (decoupled weight decay:
+    each update also shrinks the weights by ``lr * weight_decay``, Loshchilov & Hutter 2019).
+    ``options``: further keyword arguments of :class:`curvkit.optim.GaussNewton` as (name, value) pairs
+    (e.g. ``(("weight_sharing", "reduce"),)``); left out of the stored run's key when empty, so runs stored
+    before the field existed are still read back.
     """
 
     name: str
@@ -152,6 +157,7 @@ class RunSpec:
     halving: int | None = None
     eval_every: int = 50
     checkpoint_every: int = 50
+    options: tuple[tuple[str, Any], ...] = ()
 
     def lr_at(self, t: int) -> float:
         """Adam's learning rate for update t (0-based): lr * 0.5^floor(t / halving)."""
@@ -162,7 +168,9 @@ class RunSpec:
 class Task:
     """What a run trains: a model factory (shared initialisation), the likelihood, the training data, the
     minibatch size, the weight decay, and ``metrics(f, y) -> {name: SUM over the chunk}`` evaluated on the
-    first ``eval_n`` training points (divided by ``eval_n`` in the records)."""
+    first ``eval_n`` training points (divided by ``eval_n`` in the records); with ``test=(X, Y)`` the same
+    metrics on that held-out set too, recorded as ``test_<name>``. Evaluation runs in eval mode (BatchNorm's
+    running statistics), the model's mode restored afterwards."""
 
     name: str
     model_fn: Callable[[], nn.Module]
@@ -174,6 +182,7 @@ class Task:
     metrics: Callable[[Tensor, Tensor], dict[str, float]]
     eval_n: int
     extra: dict[str, Any] = field(default_factory=dict)
+    test: tuple[Tensor, Tensor] | None = None
 
 
 def adam_grid(lrs_log2: Sequence[int], fractions: Sequence[float], steps: int, eval_every: int,
@@ -216,14 +225,25 @@ class _Batches:
 
 @torch.no_grad()
 def evaluate(task: Task, model: nn.Module, chunk: int = 1000) -> dict[str, float]:
-    """The task's metrics on its first ``eval_n`` training points (per point)."""
-    tot: dict[str, float] = {}
-    n = task.eval_n
-    for s in range(0, n, chunk):
-        f = model(task.X[s:min(n, s + chunk)])
-        for k, v in task.metrics(f, task.Y[s:min(n, s + chunk)]).items():
-            tot[k] = tot.get(k, 0.0) + float(v)
-    return {k: v / n for k, v in tot.items()}
+    """The task's metrics on its first ``eval_n`` training points and, with ``task.test``, on the test set
+    (``test_<name>``), per point, in eval mode (the model's mode is restored)."""
+    sets = [("", task.X[:task.eval_n], task.Y[:task.eval_n])]
+    if task.test is not None:
+        sets.append(("test_", *task.test))
+    was_training = model.training
+    model.eval()
+    try:
+        out: dict[str, float] = {}
+        for prefix, X, Y in sets:
+            tot: dict[str, float] = {}
+            n = int(X.shape[0])
+            for s in range(0, n, chunk):
+                for k, v in task.metrics(model(X[s:s + chunk]), Y[s:s + chunk]).items():
+                    tot[k] = tot.get(k, 0.0) + float(v)
+            out.update({prefix + k: v / n for k, v in tot.items()})
+        return out
+    finally:
+        model.train(was_training)
 
 
 def _objective(task: Task, model: nn.Module, loss: Tensor) -> float:
@@ -236,23 +256,36 @@ def _make_optimizer(task: Task, spec: RunSpec, model: nn.Module) -> torch.optim.
     if spec.kind == "gauss_newton":
         return GaussNewton(model.parameters(), model=model, likelihood=task.likelihood,
                            curvature=spec.curvature, ema=spec.ema, inversion=spec.inversion,  # type: ignore[arg-type]
-                           weight_decay=task.weight_decay)
+                           weight_decay=task.weight_decay, **dict(spec.options))
+    if spec.options:
+        raise ValueError(f"run {spec.name!r}: options {dict(spec.options)} are GaussNewton's; kind {spec.kind!r} "
+                         "takes none")
     if spec.kind == "adam":
         return torch.optim.Adam(model.parameters(), lr=spec.lr, weight_decay=task.weight_decay)
-    raise ValueError(f"unknown run kind {spec.kind!r}; use 'gauss_newton' or 'adam'")
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=task.weight_decay)
+    raise ValueError(f"unknown run kind {spec.kind!r}; use 'gauss_newton', 'adam' or 'adamw'")
 
 
 def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, stop_after: int | None = None,
-              on_step: Callable[[int], None] | None = None) -> dict[str, Any] | None:
+              on_step: Callable[[int], None] | None = None, keep_model: bool = False) -> dict[str, Any] | None:
     """Train one run (module docstring) and return its record; ``stop_after`` stops after that many
-    updates in this call (a simulated interruption: the checkpoint is written and None returned)."""
+    updates in this call (a simulated interruption: the checkpoint is written and None returned).
+    ``keep_model``: also store the final weights (``state_dict``) in ``run_dir / "model.pt"`` (read them
+    with :func:`curvkit.checkpoint.load`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     done, ck_path = run_dir / "result.pt", run_dir / "checkpoint.pt"
-    key = {"task": task.name, "spec": asdict(spec), "batch_seed": batch_seed, "batch_size": task.batch_size,
+    spec_key = asdict(spec)
+    if not spec.options:  # the key of runs stored before ``options`` existed
+        del spec_key["options"]
+    key = {"task": task.name, "spec": spec_key, "batch_seed": batch_seed, "batch_size": task.batch_size,
            "weight_decay": task.weight_decay, "n": int(task.X.shape[0]), "eval_n": task.eval_n}
+    if task.test is not None:
+        key["test_n"] = int(task.test[0].shape[0])
     if spec.kind == "gauss_newton":  # runs of curvkit 0.1 (ema=None was the running mean) are not reused
         key["gauss_newton"] = GAUSS_NEWTON_FORMAT
-    if done.exists():
+    model_path = run_dir / "model.pt"
+    if done.exists() and (model_path.exists() or not keep_model):
         finished = checkpoint.load(done)
         if finished.get("key") == key:
             return finished  # type: ignore[no-any-return]
@@ -302,6 +335,8 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
                 loss.backward()
                 opt.step()
         except (FloatingPointError, ValueError) as err:
+            if isinstance(err, UnsupportedModelError):  # a model the optimiser refuses did not diverge
+                raise
             rec["diverged"] = {"step": t + 1, "error": str(err)[:300]}
             break
         elapsed += time.perf_counter() - t0
@@ -320,6 +355,8 @@ def train_run(task: Task, spec: RunSpec, run_dir: Path, batch_seed: int = 0, sto
         rec["evals"].append({"step": rec["diverged"]["step"], "time": elapsed,
                              **{k: math.inf for k in rec["evals"][0] if k not in ("step", "time")}})
     _count(rec, lik, counters0)
+    if keep_model:
+        checkpoint.save(model.state_dict(), model_path)
     checkpoint.save(rec, done)
     if ck_path.exists():
         ck_path.unlink()
