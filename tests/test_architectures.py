@@ -76,3 +76,25 @@ def test_curvature_kernels_restore_the_users_settings():
         assert torch.backends.mha.get_fastpath_enabled()
         assert flags == (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
                          torch.backends.cuda.mem_efficient_sdp_enabled())
+
+
+def test_lora_inside_an_encoder_layer_under_the_fused_inference_path():
+    """In eval mode without gradients PyTorch's fused nn.TransformerEncoderLayer path reads linear1.weight /
+    linear2.weight instead of calling the modules: with LoRA adapters there it computes the ADAPTED layer (the
+    same output as the unfused math path), not the base and not an AttributeError."""
+    from curvkit.architectures import add_lora, vit
+    from curvkit.structure import curvature_kernels
+
+    model = vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=8, num_classes=3, seed=0,
+                dtype=torch.float64).eval()
+    lora = add_lora(model, 2, init_b="normal", seed=1)
+    X = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        fused = lora(X)
+        with curvature_kernels():
+            unfused = lora(X)
+        base = model(X)
+    torch.testing.assert_close(fused, unfused, atol=1e-12, rtol=0)
+    assert (fused - base).abs().max() > 1e-3
+    layer = lora.blocks[0].linear1
+    torch.testing.assert_close(layer.weight, layer.base.weight + layer.scaling * layer.lora_B.weight @ layer.lora_A.weight)

@@ -403,3 +403,21 @@ def test_probabilities_are_refused_and_the_model_state_is_kept():
     assert all(torch.equal(b, c) for b, c in zip(model.buffers(), state[1]))
     assert model.training == state[2] and [p.requires_grad for p in model.parameters()] == state[3]
     assert not all(torch.equal(p, c) for p, c in zip(model.parameters(), state[0]))
+
+
+def test_model_switched_to_train_mode_after_construction_is_refused_at_the_step():
+    """GaussNewton reads the model when it is built; model.train() afterwards turns the ResNet's BatchNorm to
+    batch statistics: the next step names the layer and model.eval() (it failed inside torch.func with an
+    in-place RuntimeError), and changes nothing; back in eval mode the step runs."""
+    model, lik, (X, y) = _case("resnet")
+    gn = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfac")
+    gn.step(batch=(X, y))
+    model.train()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(UnsupportedModelError, match=r"BatchNorm2d\) normalises with batch statistics.*model\.eval\(\)"):
+        gn.step(batch=(X, y))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert gn.num_steps == 1
+    model.eval()
+    gn.step(batch=(X, y))
+    assert gn.num_steps == 2

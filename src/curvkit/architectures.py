@@ -295,6 +295,23 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.scaling * self.lora_B(self.lora_A(x))
 
+    @property
+    def weight(self) -> Tensor:
+        """The adapted layer's effective weight, ``W + (alpha / r) B A``, in the base's layout ((out, in) for
+        nn.Linear, (in, out) for Conv1D); not a parameter. PyTorch's fused ``nn.TransformerEncoderLayer``
+        inference path reads ``linear1.weight`` / ``linear2.weight`` instead of calling the modules: with this
+        it computes the adapted layer too."""
+        delta = self.scaling * (self.lora_B.weight @ self.lora_A.weight)  # (out, in)
+        base_weight = self.base.weight
+        assert isinstance(base_weight, Tensor)
+        return base_weight + (delta if type(self.base) is nn.Linear else delta.T)
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The base layer's bias (the adapters have none)."""
+        bias = self.base.bias
+        return bias if isinstance(bias, Tensor) else None
+
 
 def _linear_dims(module: nn.Module) -> tuple[int, int] | None:
     """(in, out) of an ``nn.Linear`` or of GPT-2's ``Conv1D`` (weight (in, out)); None for anything else."""

@@ -526,6 +526,21 @@ class _CallCounter:
         self._handles.clear()
 
 
+def require_fixed_mode(model: nn.Module, what: str) -> None:
+    """Raise if ``model`` NOW has a module that is random (Dropout with p > 0, RReLU in training mode) or
+    couples the samples (BatchNorm with batch statistics): for users that read the model once and run it
+    many times (an optimiser), since ``model.train()`` after construction changes what the forward pass is.
+    One pass over the modules, no forward pass."""
+    for name, mod in model.named_modules():
+        if _is_random(mod):
+            raise refuse(what, _label(name), mod, "is random in training mode (model.train() was called after "
+                         f"{what} was created)", "call model.eval() (or set its p to 0) before the step")
+        if _mixes_samples(mod):
+            raise refuse(what, _label(name), mod, "normalises with batch statistics (model.train() was called "
+                         f"after {what} was created), so the per-sample curvature does not exist",
+                         "call model.eval() before the step, to use its running statistics")
+
+
 def read_model(model: nn.Module) -> ModelStructure:
     """Read ``model``'s structure once (see :class:`ModelStructure` and the module docstring)."""
     return ModelStructure(model)

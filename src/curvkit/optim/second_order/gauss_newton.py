@@ -101,7 +101,7 @@ from curvkit.optim.second_order.quadratic import (
     reduction_ratio,
     two_direction_minimum,
 )
-from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model
+from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, require_fixed_mode
 from curvkit.validation import integer, looks_like_probabilities, nonnegative, unit_interval
 
 __all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
@@ -436,6 +436,8 @@ class GaussNewton(CurvatureOptimizer):
                             "step(batch=(X, y)) runs the forward pass itself, step(closure) takes the loss and the "
                             "gradient from the closure")
         self._check_trainable()
+        if self.model is not None:
+            require_fixed_mode(self.model, type(self).__name__)
         if batch is not None:
             batch = self._checked_batch(batch)
         t0 = time.perf_counter()
