@@ -7,6 +7,11 @@
   (not in the thesis; what users of Laplace libraries expect): ``f ~ N(f*, J Sigma J^T)``; classification
   by the probit approximation ``softmax(f* / sqrt(1 + pi/8 diag(J Sigma J^T)))`` (MacKay 1992;
   ``link='mc'`` samples f instead), regression in closed form ``N(f*, J Sigma J^T + sigma^2 I)``.
+  ``link='mc'`` draws f either from the (C, C) covariance ``J Sigma J^T`` per position (``sampler=
+  'covariance'``) or as ``f* + J delta`` with ``delta = theta - theta*`` a posterior draw pushed through the
+  network by one forward-mode product (``sampler='jvp'``: the same distribution, never a Jacobian or a
+  (C, C) matrix; one JVP per sample for the whole batch, so a 50,257-token vocabulary costs what a small
+  one does). ``'auto'``: ``jvp`` above ``JVP_CLASSES`` = 512 classes.
 * :func:`functional_variance` - ``J Sigma J^T`` per input, batch by batch (memory bounded by
   ``batch_size``; see :mod:`curvkit.laplace._jacobians`).
 * :func:`predictive_nll` - the mean negative log predictive density of targets (used to select N and the
@@ -34,7 +39,8 @@ from curvkit.linalg.kron import block_positions
 from curvkit.structure import UnsupportedModelError, read_model
 from curvkit.validation import finite_tensor, integer
 
-__all__ = ["functional_variance", "glm_predictive", "mc_predictive", "predictive_function", "predictive_nll"]
+__all__ = ["JVP_CLASSES", "functional_variance", "glm_predictive", "linearised_samples", "mc_predictive",
+           "predictive_function", "predictive_nll"]
 
 
 def _chunks(X: Tensor, batch_size: int) -> list[Tensor]:
@@ -227,16 +233,65 @@ def functional_variance(post: Any, X: Tensor, batch_size: int = 256, diagonal: b
     return torch.cat([f for f, _ in parts]), torch.cat([v for _, v in parts])
 
 
+JVP_CLASSES = 512  # sampler='auto': above this many classes link='mc' samples through JVPs
+
+
+def _num_classes(post: Any, X: Tensor) -> int:
+    """The model's number of outputs per position (its last output dimension), from a one-row pass."""
+    with torch.no_grad():
+        out = read_model(post.model).functional_call(post.params, (X[:1],),
+                                                     {n: b.clone() for n, b in post.buffers.items()})
+    return int(out.shape[-1])
+
+
+def linearised_samples(post: Any, X: Tensor, deltas: Tensor) -> tuple[Tensor, Tensor]:
+    """``(f*, f* + J delta_k)``: the outputs at the posterior mean (B, *P, C) and the linearised model's
+    outputs for each flat parameter offset ``delta_k`` (rows of ``deltas`` (K, d), :attr:`layout` order),
+    (K, B, *P, C): one ``torch.func.jvp`` per offset through the model (math attention kernels), no
+    Jacobian formed."""
+    structure = read_model(post.model)
+    names = list(post.names)
+
+    def f(*covered: Tensor) -> Tensor:
+        params = dict(post.params)
+        params.update(zip(names, covered))
+        out: Tensor = structure.functional_call(params, (X,), post.buffers)
+        return out
+
+    primals = tuple(post.params[n] for n in names)
+    f0: Tensor | None = None
+    outs = []
+    for delta in deltas:
+        tangents = tuple(t.to(p.dtype) for t, p in zip(post.layout.unflatten(delta), primals))
+        value, jd = torch.func.jvp(f, primals, tangents)[:2]
+        f0 = value
+        outs.append(value + jd)
+    if f0 is None:
+        raise ValueError("deltas must hold at least one row")
+    return f0.detach(), torch.stack(outs).detach()
+
+
 def glm_predictive(post: Any, X: Tensor, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
-                   num_samples: int = 100, generator: torch.Generator | None = None) -> Any:
+                   num_samples: int = 100, generator: torch.Generator | None = None,
+                   sampler: Literal["auto", "covariance", "jvp"] = "auto") -> Any:
     """The linearised predictive (module docstring); ``link`` for classification only. Outputs with
     positions give per-position predictions (B, *P, C). Batch by batch; the probit link and regression use
-    only the variances of ``J Sigma J^T``, ``link='mc'`` the (C, C) covariance per position."""
+    only the variances of ``J Sigma J^T``; ``link='mc'`` samples the linearised outputs from the (C, C)
+    covariance per position (``sampler='covariance'``) or by forward-mode products of posterior draws
+    (``'jvp'``; ``'auto'``: ``jvp`` above ``JVP_CLASSES`` classes). With ``jvp`` the posterior draws are
+    the same for every chunk of ``X``."""
     lik = post.likelihood
     if link not in ("probit", "mc"):
         raise ValueError(f"link must be 'probit' or 'mc', got {link!r}")
+    if sampler not in ("auto", "covariance", "jvp"):
+        raise ValueError(f"sampler must be 'auto', 'covariance' or 'jvp', got {sampler!r}")
     S = integer("num_samples", num_samples)
     X = _check_inputs(post, X)
+    if link == "mc" and not isinstance(lik, Gaussian):
+        if sampler == "jvp" or (sampler == "auto" and _num_classes(post, X) > JVP_CLASSES):
+            deltas = post.sample(S, generator) - post.mean
+            return torch.cat([_link(post, linearised_samples(post, xb, deltas)[1]).mean(0)
+                              for xb in _chunks(X, batch_size)])
     setup = _glm_setup(post)
     diagonal = isinstance(lik, Gaussian) or link == "probit"
     out: list[Tensor] = []
