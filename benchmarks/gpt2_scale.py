@@ -33,7 +33,9 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   (``curvkit.architectures.add_lora``) on every ``attn.c_attn`` (GPT-2's fused query/key/value ``Conv1D``) and
   every other parameter frozen (294,912 trainable parameters): a gradient pass over the adapters (the unit of
   these rows), ``Laplace(structure="kron", curvature="kfac")`` fitted on the batch (then the log marginal
-  likelihood), one ``GaussNewton`` step (``curvature="auto"``: KFAC for per-token outputs; alpha* and rho
+  likelihood), the same fit then its linearised (GLM) predictive at every token of the batch over the whole
+  vocabulary (``predict(link="mc")``: 10 posterior draws pushed through the network by forward-mode
+  products, ``sampler="jvp"``, no Jacobian and no V x V matrix), one ``GaussNewton`` step (``curvature="auto"``: KFAC for per-token outputs; alpha* and rho
   from exact products through the whole model, 50,257-way softmax included).
 
 Every worker first runs three gradient passes (warm-up, then two timed): each arm's ratio is to the gradient
@@ -67,7 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 
 ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvlinops GGN", "curvlinops Hessian",
-        "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient", "LoRA Kronecker Laplace", "LoRA GaussNewton")
+        "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient", "LoRA Kronecker Laplace", "LoRA GLM predictive",
+        "LoRA GaussNewton")
+GLM_SAMPLES = 10
 LORA_RANK = 8
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 300, "n_positions": 64}
 
@@ -95,16 +99,16 @@ def build(spec: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], torch.Ten
 
 
 class Ids(torch.nn.Module):
-    """The model as a function of the token ids alone ((B, T) -> (B, T, V) logits; position ids fixed): for
-    ``Laplace.fit`` and ``GaussNewton.step``, which take a tensor input."""
+    """The model as a function of the token ids alone ((B, T) -> (B, T, V) logits; position ids 0..T-1 with
+    the batch dimension): for ``Laplace.fit``/``predict`` and ``GaussNewton.step``, which take a tensor."""
 
-    def __init__(self, hf: torch.nn.Module, position_ids: torch.Tensor):
+    def __init__(self, hf: torch.nn.Module):
         super().__init__()
         self.hf = hf
-        self.position_ids = position_ids
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.hf({"input_ids": ids, "position_ids": self.position_ids})
+        positions = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+        out: torch.Tensor = self.hf({"input_ids": ids, "position_ids": positions})
         return out
 
 
@@ -174,14 +178,23 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
         from curvkit.laplace import Laplace
         from curvkit.likelihoods import CrossEntropy
 
-        net = Ids(hf, batch["position_ids"])
+        net = Ids(hf)
         return ((lambda: Laplace(net, CrossEntropy("mean"), structure="kron", curvature="kfac")
                  .fit([(batch["input_ids"], y)])), (lambda la: la.log_marginal_likelihood().detach()))
+    if arm == "LoRA GLM predictive":  # fit; 'product': the linearised predictive over the whole vocabulary
+        from curvkit.laplace import Laplace
+        from curvkit.likelihoods import CrossEntropy
+
+        net = Ids(hf)
+        return ((lambda: Laplace(net, CrossEntropy("mean"), structure="kron", curvature="kfac")
+                 .fit([(batch["input_ids"], y)])),
+                (lambda la: la.predict(batch["input_ids"], link="mc", num_samples=GLM_SAMPLES,
+                                       generator=torch.Generator().manual_seed(4))))
     if arm == "LoRA GaussNewton":  # construction: the optimiser; 'product': one step (KFAC, alpha*, rho)
         from curvkit.likelihoods import CrossEntropy
         from curvkit.optim import GaussNewton
 
-        net = Ids(hf, batch["position_ids"])
+        net = Ids(hf)
         return ((lambda: GaussNewton(params, model=net, likelihood=CrossEntropy("mean"))),
                 (lambda gn: torch.as_tensor(float(gn.step(batch=(batch["input_ids"], y))))))
     raise ValueError(f"unknown arm {arm!r}")
@@ -287,7 +300,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     lines.append("")
     lines.append("Times: CPU seconds of the process (all threads); in parentheses / the gradient pass of the same "
                  "process (LoRA arms: over the adapters, every other parameter frozen). 'construction + 1st product' = a fresh operator's cost (KFAC: update + operator() + "
-                 "one product op @ v; LoRA Kronecker Laplace: the fit, then the log marginal likelihood; LoRA "
+                 "one product op @ v; LoRA Kronecker Laplace: the fit, then the log marginal likelihood; LoRA GLM "
+                 "predictive: the fit, then the predictive; LoRA "
                  "GaussNewton: the optimiser, then one step); steady = median of "
                  f"{args.steady}. Peak memory: increase of the resident set during the call, in parentheses / the "
                  f"gradient pass's. torch threads {args.threads}; float32; CPU. KFAC output factor: "

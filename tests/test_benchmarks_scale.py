@@ -22,7 +22,7 @@ def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     import gpt2_scale
 
     arms = ["gradient", "curvkit GGN", "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient",
-            "LoRA Kronecker Laplace", "LoRA GaussNewton"]
+            "LoRA Kronecker Laplace", "LoRA GLM predictive", "LoRA GaussNewton"]
     if importlib.util.find_spec("curvlinops") is not None:
         arms.append("curvlinops GGN")
     out, js = tmp_path / "scale.md", tmp_path / "scale.json"
