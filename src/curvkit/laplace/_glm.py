@@ -71,6 +71,22 @@ class GLMTerm:
         return None
 
 
+class _PairTerm(GLMTerm):
+    """A term whose chunk variances are ``sum X * Y`` over a block's output rows for a pair ``(X, Y) =
+    self._y(state, D)`` with ``Y = X Sigma_block`` in the block's own basis (factored and spectral blocks)."""
+
+    def _y(self, state: Any, D: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def diag(self, state: Any, D: Tensor) -> Tensor:
+        X, Y = self._y(state, D)
+        return (X * Y).flatten(2).sum(-1)
+
+    def full(self, state: Any, D: Tensor, C: int) -> Tensor:
+        X, Y = self._y(state, D)
+        return _pairs(X, Y, C)
+
+
 # ---------------------------------------------------------------------------------------------- factored
 @dataclass
 class _FactoredState:
@@ -80,7 +96,7 @@ class _FactoredState:
     v: Tensor | None = None  # (B, R, in_aug) = L_A^{-1} a
 
 
-class FactoredTerm(GLMTerm):
+class FactoredTerm(_PairTerm):
     """``Sigma = S_G (x) P_A^{-1}``: ``S_G`` (out, out) the inverse output factor, ``L_A`` the Cholesky factor
     of ``P_A`` (in_aug, in_aug), or the square root of a diagonal ``P_A`` (in_aug,)."""
 
@@ -119,14 +135,6 @@ class FactoredTerm(GLMTerm):
             return D, E * st.kin[None, :, :, :]
         return D, torch.einsum("brs,kbso->kbro", st.kin, E)
 
-    def diag(self, state: Any, D: Tensor) -> Tensor:
-        X, Y = self._y(state, D)
-        return (X * Y).flatten(2).sum(-1)
-
-    def full(self, state: Any, D: Tensor, C: int) -> Tensor:
-        X, Y = self._y(state, D)
-        return _pairs(X, Y, C)
-
     def root(self, state: Any, diagonal: bool) -> Tensor:
         kd = state.kin_diag  # (B, R)
         if diagonal:
@@ -143,7 +151,7 @@ class _SpectralState:
     vt: Tensor | None = None  # (B, R, in_aug)
 
 
-class SpectralTerm(GLMTerm):
+class SpectralTerm(_PairTerm):
     """``Sigma = (QG (x) QA) diag(s) (QG (x) QA)^T``; ``QG``/``QA`` None for the identity, ``s`` (out, in_aug)."""
 
     def __init__(self, QG: Tensor | None, QA: Tensor | None, s: Tensor):
@@ -180,14 +188,6 @@ class SpectralTerm(GLMTerm):
             return M, M * self.s
         assert st.kern is not None
         return Dt, torch.einsum("bors,kbso->kbro", st.kern, Dt)
-
-    def diag(self, state: Any, D: Tensor) -> Tensor:
-        X, Y = self._y(state, D)
-        return (X * Y).flatten(2).sum(-1)
-
-    def full(self, state: Any, D: Tensor, C: int) -> Tensor:
-        X, Y = self._y(state, D)
-        return _pairs(X, Y, C)
 
     def root(self, state: Any, diagonal: bool) -> Tensor:
         w = state.w  # (B, R, out = C)
