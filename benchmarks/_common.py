@@ -107,6 +107,29 @@ def peak_rss_delta(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"peak_delta_mib": max(peak - before, 0) / 1024, "rss_before_mib": before / 1024}
 
 
+def time_steps(step: Callable[..., Any], batches: list[Any], warmup: int, steps: int) -> dict[str, Any]:
+    """Training steps ``step(*batch)`` cycling over ``batches``: ``warmup`` untimed, then ``steps`` timed one
+    by one (wall clock). Returns ``mean_s``, ``median_s``, ``samples_s`` and the peak RSS increase of the
+    timed steps (``peak_delta_mib``: model, data and optimiser state allocated before)."""
+    k = 0
+    for _ in range(warmup):
+        step(*batches[k % len(batches)])
+        k += 1
+    times: list[float] = []
+
+    def timed() -> None:
+        nonlocal k
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step(*batches[k % len(batches)])
+            times.append(time.perf_counter() - t0)
+            k += 1
+
+    mem = peak_rss_delta(timed)
+    return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "samples_s": times,
+            "peak_delta_mib": mem["peak_delta_mib"]}
+
+
 def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """Run ``python SCRIPT --worker JSON`` in a fresh process; it must print one JSON line last. A worker
     that fails or runs past ``timeout`` seconds gives ``{"error": ...}`` (the table says so; the run goes on)."""

@@ -42,14 +42,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, require_library, run_worker
+from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
 
 PROBLEMS = {
     "autoencoder": ["Adam", "KFRA", "KFAC"],
@@ -114,23 +113,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
         def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
             gn.step(batch=(xb, yb))
-    k = 0
-    for _ in range(int(spec["warmup"])):
-        step(*batches[k % len(batches)])
-        k += 1
-    times: list[float] = []
-
-    def timed() -> None:
-        nonlocal k
-        for _ in range(int(spec["steps"])):
-            t0 = time.perf_counter()
-            step(*batches[k % len(batches)])
-            times.append(time.perf_counter() - t0)
-            k += 1
-
-    mem = peak_rss_delta(timed)
-    return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "samples_s": times,
-            "peak_delta_mib": mem["peak_delta_mib"], "params": sum(p.numel() for p in model.parameters())}
+    out = time_steps(step, batches, int(spec["warmup"]), int(spec["steps"]))
+    return {**out, "params": sum(p.numel() for p in model.parameters())}
 
 
 def time_to_target(results_dir: Path) -> list[list[Any]] | None:
