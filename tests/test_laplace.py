@@ -197,9 +197,9 @@ def test_kron_exact_prior_equals_n_kron_plus_identity_and_one_datum_equals_the_e
 def test_trace_balancing_splits_the_prior_by_the_trace_ratio():
     net, (X, y) = _net(), _data()
     post = Laplace(net, CrossEntropy(), "kron", "kflr", trace_balance=True, prior_precision=0.3).fit((X, y))
-    for b in post.blocks:
+    for blk in post.blocks:
+        (b,), ((PG, PA),) = blk.factors, blk.damped(9.0, post.prior_precision)
         pi = math.sqrt((float(b.A.trace()) / b.A.shape[0]) / (float(b.G.trace()) / b.G.shape[0]))
-        PG, PA = b.factors(9.0, post.prior_precision)
         torch.testing.assert_close(PG - 3 * b.G, math.sqrt(0.3) / pi * torch.eye(b.G.shape[0], dtype=DT))
         torch.testing.assert_close(PA - 3 * b.A, math.sqrt(0.3) * pi * torch.eye(b.A.shape[0], dtype=DT))
 

@@ -328,8 +328,14 @@ class CrossEntropy(Likelihood):
         C = f.shape[-1]
         idx = torch.arange(C, device=f.device)[cols]
         sp = p[..., idx].sqrt()  # (..., r)
-        onehot = (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)  # (C, r)
-        return (onehot - p[..., :, None]) * sp[..., None, :]
+        r = idx.numel()
+        # built column-major, (r, ..., C) in memory, so that the column-batched backward passes of the layerwise
+        # diagonal (S.permute(-1, ...)) read it without a copy; returned as the (..., C, r) view
+        cols_first = torch.empty((r, *f.shape), dtype=p.dtype, device=p.device)
+        torch.mul(p[None], -sp.movedim(-1, 0)[..., None], out=cols_first)  # -sqrt(p_c) p
+        flat = cols_first.view(r, -1, C)
+        flat[torch.arange(r, device=f.device), :, idx] += sp.reshape(-1, r).T  # + sqrt(p_c) e_c
+        return cols_first.movedim(0, -1)
 
     def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         flat = f.reshape(-1, f.shape[-1]).softmax(-1)

@@ -109,10 +109,11 @@ def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, o
     for i, spec in enumerate(specs):
         a, d = inputs[i], deltas[i]  # d: (R, B, *out_shape)
         mod = spec.module
-        if isinstance(mod, nn.Linear):
-            out[spec.weight] = torch.einsum("rbo,bi->oi", d**2, a**2)
+        if isinstance(mod, nn.Linear):  # sum_r d_rbo^2 first: (B, out), then one (out, B) x (B, in) product
+            q = d.square_().sum(0)
+            out[spec.weight] = q.T @ a**2
             if spec.bias is not None:
-                out[spec.bias] = (d**2).sum((0, 1))
+                out[spec.bias] = q.sum(0)
         else:
             assert isinstance(mod, nn.Conv2d)
             cols = conv_patches(mod, a).transpose(1, 2)  # (B, K, P), any padding mode

@@ -20,7 +20,7 @@ and output gradient could not be paired) or its output was overwritten in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,17 +263,18 @@ class BlockCapture:
         for v in self._versions:
             v.clear()
 
-    def substitute(self, batch: int) -> dict[str, Tensor]:
+    def substitute(self, batch: int, values: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a
         :class:`~curvkit.layerkinds.ParameterHandler`), each emitted as its block's site (the gradient with
-        respect to P is the per-sample gradient); returns {name: P} for the forward pass to use."""
+        respect to P is the per-sample gradient); returns {name: P} for the forward pass to use. ``values``
+        (canonical name -> tensor) gives p where the pass evaluates the model at other parameters."""
         out: dict[str, Tensor] = {}
         for i, lp in enumerate(self.plans):
             if lp.handler.kind != "parameter":
                 continue
-            p = getattr(lp.module, lp.handler.attr)
-            P = p.detach().expand(batch, *p.shape[1:]).requires_grad_()
             name = lp.blocks[0].weight
+            p = values[name] if values is not None and name in values else getattr(lp.module, lp.handler.attr)
+            P = p.detach().expand(batch, *p.shape[1:]).requires_grad_()
             out[name] = P
             self._emitter(i)(Site(0, P.detach(), P, _flat_rows(batch)))
         return out

@@ -50,6 +50,7 @@ Per-step use inside an optimiser shares the forward pass::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import pairwise
@@ -63,7 +64,7 @@ from curvkit.curvature.capture import BlockCapture
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site
-from curvkit.likelihoods import BernoulliBCE, Gaussian, Likelihood
+from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
@@ -539,6 +540,7 @@ class KroneckerEstimator(CurvatureEstimator):
                     per[i].append(r)
 
         roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
+        closed = [j for j in roots if self._closed_form_root([sites[i] for i in feeds[j]], [i for i in feeds[j]], f)]
         targets = [outs[j] for j in _lowest(outs) if j not in roots] or [f]
         handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
         try:
@@ -550,7 +552,8 @@ class KroneckerEstimator(CurvatureEstimator):
                 weights.append(w)
                 V = V.to(f.dtype)
                 for j in roots:
-                    consume(j, V)
+                    if j not in closed:
+                        consume(j, V)
                 if len(targets) > 1 or targets[0] is not f:
                     torch.autograd.grad(f, targets, grad_outputs=V, retain_graph=not (free and following is None),
                                         allow_unused=True)
@@ -558,6 +561,13 @@ class KroneckerEstimator(CurvatureEstimator):
         finally:
             for h in handles:
                 h.remove()
+        if closed:  # KFLR at the output layer: sum_c s_c s_c^T = H_L per position, in closed form
+            H = _output_hessian_sum(self.likelihood, f.detach(), y)
+            R = math.prod(f.shape[1:-1])
+            for j in closed:
+                fired[j] = True
+                for i in feeds[j]:
+                    stats[i] = H / R
         for j, ok in enumerate(fired):
             if not ok:
                 lp = self.blocks[feeds[j][0]][0]
@@ -575,6 +585,27 @@ class KroneckerEstimator(CurvatureEstimator):
             self.per_sample = {spec.label: PerSample(self._per_sample_inputs(spec, site), torch.stack(p), wt)
                                for (_, spec), site, p in zip(self.blocks, sites, per)}
         return G
+
+    def _closed_form_root(self, sites: list[Site], idx: list[int], f: Tensor) -> bool:
+        """Whether KFLR's output factor of these sites on the model output is ``sum H_L / R`` in closed form:
+        every column of the square root back-propagated (``kflr``, weights 1), no per-sample rows kept, and
+        each site a Kronecker block (expand, or one position) whose output rows are f's positions themselves
+        (a head applied to every position), so that ``sum_c gram(s_c) = sum_positions H_L``."""
+        if self.method != "kflr" or self.keep_per_sample:
+            return False
+        R = math.prod(f.shape[1:-1])
+        for site, i in zip(sites, idx):
+            spec = self.blocks[i][1]
+            if spec.form != "kron" or spec.ids or (R > 1 and self._sharing(spec) != "expand"):
+                return False
+            probe = torch.arange(f.numel(), device=f.device).remainder_(16777213).to(f.dtype).reshape(f.shape)
+            try:
+                rows = site.read(probe)
+            except RuntimeError:
+                return False
+            if tuple(rows.shape) != (f.shape[0], R, f.shape[-1]) or not torch.equal(rows.reshape(-1), probe.reshape(-1)):
+                return False
+        return True
 
     def _grad_structure(self, spec: BlockSpec) -> NormStructure:
         return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
@@ -669,6 +700,28 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
+
+
+def _output_hessian_sum(lik: Any, f: Tensor, y: Tensor | None) -> Tensor:
+    """``sum over samples and positions of H_L`` (C, C) from O(C) output-space products, a few positions at a
+    time (never (B, C, C)); padded positions count zero."""
+    C = f.shape[-1]
+    ff = f.reshape(-1, C)
+    if isinstance(lik, CrossEntropy):  # sum_n diag(p_n) - p_n p_n^T: one (C, N) x (N, C) product
+        P = ff.softmax(-1)
+        keep = lik.mask(y) if y is not None else None
+        if keep is not None:
+            P = P * keep.reshape(-1, 1).to(P.dtype)
+        return torch.diag(P.sum(0)) - P.T @ P
+    yy = None if y is None else y.reshape(ff.shape[0], *y.shape[f.dim() - 1:])
+    eye = torch.eye(C, dtype=f.dtype, device=f.device)
+    out = f.new_zeros(C, C)
+    step = max(1, _BUDGET // (C * C))
+    for s in range(0, ff.shape[0], step):
+        fs = ff[s:s + step]
+        V = eye[:, None, :].expand(C, fs.shape[0], C)
+        out += lik.output_hessian_matvec(fs, V, None if yy is None else yy[s:s + step]).sum(1)
+    return 0.5 * (out + out.T)
 
 
 def _hook(consume: Any, j: int) -> Any:

@@ -2,15 +2,21 @@
 
 Each block holds per-datum MEAN curvature statistics and turns them, for a pseudo-data count N and prior
 precisions lambda (one per layer, a tensor ``lam`` indexed by layer), into the block's precision,
-covariance, log-determinant, samples and its share of the linearised (GLM) predictive variance
-``J Sigma J^T``. Nothing is recomputed from data when N or lambda change.
+covariance, log-determinant, samples and its terms of the linearised (GLM) predictive variance
+``J Sigma J^T`` (:mod:`curvkit.laplace._glm`). Nothing is recomputed from data when N or lambda change.
 
-* :class:`KroneckerBlock` - a Linear/Conv2d layer, ``W_hat = [W | b]`` (out, in_aug), precision
-  ``(sqrt(N) G + sqrt(lam)/pi I) (x) (sqrt(N) A + pi sqrt(lam) I)`` (thesis Eq. 5.14 in PyTorch's
-  output-first layout; ``pi = 1`` is the thesis's omega = 1, ``balance=True`` the trace-norm split of
-  Eq. 4.27) or, with ``form='exact'``, ``N G (x) A + lam I`` through the factors' eigendecompositions.
+* :class:`KroneckerBlock` - the Kronecker blocks ``G_j (x) A_j`` that share parameters (the engine's blocks of
+  :mod:`curvkit.layerkinds`: a Linear or convolution layer's ``[W | b]``, one block per convolution group or
+  per query/key/value row slice of a packed attention weight, an embedding's ``W^T`` with a DIAGONAL input
+  factor, and ``factored=False`` blocks ``[[g]] (x) A`` of normalisation layers and raw parameters), each read
+  through its ``index``. A factored block's precision is ``(sqrt(N) G + sqrt(lam)/pi I) (x) (sqrt(N) A +
+  pi sqrt(lam) I)`` (thesis Eq. 5.14 in PyTorch's output-first layout; ``pi = 1`` is the thesis's omega = 1,
+  ``balance=True`` the trace-norm split of Eq. 4.27) or, with ``form='exact'``, ``N G (x) A + lam I`` through
+  the factors' eigendecompositions. A ``factored=False`` block has no factors to split the prior between:
+  its precision is ``N g A + lam I`` in both forms (the thesis's "standard Laplace" of the BatchNorm
+  parameters, Sec. 5.2.4).
 * :class:`DiagonalBlock` - precision ``N diag(F) + lam`` (thesis Eq. 5.11 with its typo fixed).
-* :class:`DenseBlock` - precision ``N F + diag(lam)`` (full Laplace of small nets; BatchNorm layers).
+* :class:`DenseBlock` - precision ``N F + diag(lam)`` (full Laplace of small nets).
 """
 
 from __future__ import annotations
@@ -23,28 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvkit.laplace._glm import FactoredTerm, GLMTerm, GradTerm, SpectralTerm
 from curvkit.linalg.kron import KroneckerBlock as KFactors
-from curvkit.linalg.kron import KroneckerOperator, psd_eigh
+from curvkit.linalg.kron import KroneckerOperator, block_positions, psd_eigh
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DenseOperator, DiagonalOperator
 
-__all__ = ["DenseBlock", "DiagonalBlock", "KroneckerBlock", "LayerJacobian", "PosteriorBlock"]
-
-
-class LayerJacobian:
-    """What the GLM variance of a Linear/Conv2d layer needs for a batch of B inputs, without forming the
-    Jacobian: the layer's input rows ``a`` (B, T, in_aug) (bias column included when the block has a bias;
-    T output locations, 1 for Linear) and the Jacobian of the C network outputs with respect to the layer's
-    output ``delta`` (B, C, T, out). The per-sample Jacobian of output c with respect to ``W_hat`` is
-    ``sum_t delta[c, t] a[t]^T``."""
-
-    def __init__(self, a: Tensor, delta: Tensor):
-        self.a, self.delta = a, delta
-
-    def matrices(self) -> Tensor:
-        """The explicit per-sample Jacobians (B, C, out, in_aug) (memory B C out in_aug)."""
-        return torch.einsum("bcto,bti->bcoi", self.delta, self.a)
+__all__ = ["DenseBlock", "DiagonalBlock", "KroneckerBlock", "PosteriorBlock"]
 
 
 def _chol(M: Tensor, what: str) -> Tensor:
@@ -54,14 +46,17 @@ def _chol(M: Tensor, what: str) -> Tensor:
     return L
 
 
+def _positive_vector(v: Tensor, what: str) -> Tensor:
+    if not bool((v > 0).all()):
+        raise NotPositiveDefiniteError(f"{what} is not positive definite; increase the prior precision or N")
+    return v
+
+
 class PosteriorBlock:
     """Base class (module docstring). ``layout`` is the block's own parameter layout; ``layers`` the
     indices (into the posterior's per-layer prior precisions) of the layer of each of its parameters."""
 
     layout: ParamLayout
-    #: 'layer' (Linear/Conv2d: GLM variance from LayerJacobian) or 'generic' (per-sample Jacobian rows)
-    jacobian: str = "generic"
-    module: Any = None
 
     def __init__(self, layout: ParamLayout, layers: Sequence[int], dtype: torch.dtype, device: torch.device):
         if len(layers) != len(layout.names):
@@ -98,169 +93,183 @@ class PosteriorBlock:
         """(S, d_b) zero-mean draws with the block's covariance, flat in the block's layout."""
         raise NotImplementedError
 
-    def glm_variance(self, N: float, lam: Tensor, jac: Any) -> Tensor:
-        """The block's share (B, C, C) of ``J Sigma J^T`` for a LayerJacobian or generic rows (B, C, d_b)."""
+    def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
+        """The block's GLM term on Jacobian rows (k, B, d_b) of its parameters (flat, its layout)."""
         raise NotImplementedError
 
-    def state(self) -> dict[str, Tensor]:
+    def state(self) -> dict[str, Any]:
         raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------------- Kronecker
 class KroneckerBlock(PosteriorBlock):
-    """A Linear/Conv2d layer with per-datum factors ``G`` (out, out) and ``A`` (in_aug, in_aug)."""
+    """Kronecker blocks ``factors`` (per-datum, :class:`curvkit.linalg.kron.KroneckerBlock`, sharing one
+    layer's prior precision) over the parameters of ``layout`` (every entry in exactly one block)."""
 
-    jacobian = "layer"
-
-    def __init__(self, layout: ParamLayout, layer: int, weight: str, bias: str | None, module: Any, G: Tensor,
-                 A: Tensor, form: str = "factored", balance: bool = False):
-        super().__init__(layout, [layer] * len(layout.names), G.dtype, G.device)
+    def __init__(self, layout: ParamLayout, layer: int, factors: Sequence[KFactors], form: str = "factored",
+                 balance: bool = False):
+        factors = list(factors)
+        if not factors:
+            raise ValueError("a Kronecker posterior block needs at least one Kronecker block")
+        super().__init__(layout, [layer] * len(layout.names), factors[0].G.dtype, factors[0].G.device)
         if form not in ("factored", "exact"):
             raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {form!r}")
-        self.weight, self.bias, self.module, self.form = weight, bias, module, form
-        self.layer = layer
-        shapes = dict(zip(layout.names, layout.shapes))
-        self.wshape = tuple(shapes[weight])
-        self.out, self.in_w = int(self.wshape[0]), int(math.prod(self.wshape[1:]))
-        self.in_aug = self.in_w + (bias is not None)
-        if G.shape != (self.out, self.out) or A.shape != (self.in_aug, self.in_aug):
-            raise ValueError(f"factors of {weight!r}: G {tuple(G.shape)}, A {tuple(A.shape)}; expected "
-                             f"({self.out}, {self.out}) and ({self.in_aug}, {self.in_aug})")
-        self.G, self.A = G, A
+        self.form, self.layer, self.factors = form, layer, factors
+        KroneckerOperator(layout, factors)  # checks the blocks against the layout: shapes, every entry once
         self.balance = bool(balance)
-        self.pi = 1.0
-        if self.balance:
-            tG, tA = float(G.trace()) / self.out, float(A.trace()) / self.in_aug
-            if tG > 0 and tA > 0:
-                self.pi = math.sqrt(tA / tG)
+        self.pis = [self._pi(b) for b in factors]
+        self.positions = [block_positions(layout, b.weight_name, b.bias_name, b.index, self.device) for b in factors]
+
+    def _pi(self, b: KFactors) -> float:
+        """The trace-norm split of Eq. 4.27 (``balance``), 1 otherwise (omega = 1 of Eq. 5.14)."""
+        if not (self.balance and b.factored):
+            return 1.0
+        tG = float(b.G.trace()) / b.out_dim
+        tA = float(b.A.sum() if b.diagonal_input else b.A.trace()) / b.in_dim
+        return math.sqrt(tA / tG) if tG > 0 and tA > 0 else 1.0
 
     @functools.cached_property
-    def _eigen(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(lG, QG, lA, QA)``: the eigendecompositions of G and A (eigenvalues clamped at 0), computed on first
-        use - the exact form and the factored form's log-determinant need them, the factored form's sampling
-        and predictives do not. :func:`curvkit.linalg.kron.psd_eigh` retries in float64 where LAPACK fails on
-        the repeated zero eigenvalues of a rank-deficient factor (MNIST's always-zero border pixels in A)."""
-        lG, QG = psd_eigh(self.G)
-        lA, QA = psd_eigh(self.A)
-        return lG, QG, lA, QA
-
-    @property
-    def lG(self) -> Tensor:
-        return self._eigen[0]
-
-    @property
-    def QG(self) -> Tensor:
-        return self._eigen[1]
-
-    @property
-    def lA(self) -> Tensor:
-        return self._eigen[2]
-
-    @property
-    def QA(self) -> Tensor:
-        return self._eigen[3]
+    def _eigen(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+        """Per block ``(lG, QG, lA, QA)``, eigenvalues clamped at 0 (QA None: a diagonal A, its eigenvectors
+        the identity), computed on first use - the exact form and the factored form's log-determinant need
+        them, the factored form's sampling and predictives do not. :func:`curvkit.linalg.kron.psd_eigh`
+        retries in float64 where LAPACK fails on the repeated zero eigenvalues of a rank-deficient factor
+        (MNIST's always-zero border pixels in A)."""
+        out: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
+        for b in self.factors:
+            lG, QG = psd_eigh(b.G)
+            if b.diagonal_input:
+                out.append((lG, QG, b.A.clamp_min(0), None))
+            else:
+                lA, QA = psd_eigh(b.A)
+                out.append((lG, QG, lA, QA))
+        return out
 
     def _eye(self, n: int) -> Tensor:
         return torch.eye(n, dtype=self.dtype, device=self.device)
 
-    def factors(self, N: float, lam: Tensor) -> tuple[Tensor, Tensor]:
-        """The damped factors ``(P_G, P_A)`` of Eq. 5.14 (form 'factored')."""
-        sN, sl = math.sqrt(N), math.sqrt(float(lam[self.layer]))
-        return (sN * self.G + (sl / self.pi) * self._eye(self.out),
-                sN * self.A + (self.pi * sl) * self._eye(self.in_aug))
+    def damped(self, N: float, lam: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per block the precision factors ``(P_G, P_A)`` of the factored form (Eq. 5.14; ``P_A`` a vector for
+        a diagonal A); a ``factored=False`` block gives ``([[1]], N g A + lam I)``."""
+        sN, l = math.sqrt(N), float(lam[self.layer])
+        sl = math.sqrt(l)
+        out = []
+        for b, pi in zip(self.factors, self.pis):
+            if not b.factored:
+                g = float(b.G[0, 0])
+                PA = N * g * b.A + (l if b.diagonal_input else l * self._eye(b.in_dim))
+                out.append((self._eye(1), PA))
+                continue
+            PA = sN * b.A + (pi * sl if b.diagonal_input else pi * sl * self._eye(b.in_dim))
+            out.append((sN * b.G + (sl / pi) * self._eye(b.out_dim), PA))
+        return out
 
-    def _cholesky(self, N: float, lam: Tensor) -> tuple[Tensor, Tensor]:
-        def build() -> tuple[Tensor, Tensor]:
-            PG, PA = self.factors(N, lam)
-            return _chol(PG, f"the output factor of {self.weight!r}"), _chol(PA, f"the input factor of {self.weight!r}")
+    def _cholesky(self, N: float, lam: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per block the Cholesky factors of ``(P_G, P_A)`` (a diagonal ``P_A`` stays a vector)."""
+        def build() -> list[tuple[Tensor, Tensor]]:
+            out = []
+            for b, (PG, PA) in zip(self.factors, self.damped(N, lam)):
+                LG = _chol(PG, f"the output factor of {b.name!r}")
+                LA = (_positive_vector(PA, f"the input factor of {b.name!r}").sqrt() if PA.dim() == 1
+                      else _chol(PA, f"the input factor of {b.name!r}"))
+                out.append((LG, LA))
+            return out
 
         return self._cached(("chol", N, float(lam[self.layer])), build)  # type: ignore[no-any-return]
 
-    def _spectrum(self, N: float, lam: Tensor) -> Tensor:
-        """(out, in_aug) eigenvalues ``N lG lA^T + lam`` of the exact form."""
-        return N * torch.outer(self.lG, self.lA) + lam[self.layer]
+    def _spectra(self, N: float, lam: Tensor) -> list[Tensor]:
+        """Per block the (out, in_aug) eigenvalues ``N lG lA^T + lam`` of the exact form."""
+        return [N * torch.outer(lG, lA) + lam[self.layer] for lG, _, lA, _ in self._eigen]
 
     def precision(self, N: float, lam: Tensor) -> CurvatureOperator:
         if self.form == "factored":
-            PG, PA = self.factors(N, lam)
-            return KroneckerOperator(self.layout, [KFactors(PG, PA, self.weight, self.bias)])
-        return KroneckerOperator(self.layout, [KFactors(N * self.G, self.A, self.weight, self.bias)],
-                                 damping=float(lam[self.layer]))
+            blocks = [KFactors.from_gram(PG, PA, b.weight_name, b.bias_name, index=b.index, label=b.label,
+                                         factored=b.factored) for b, (PG, PA) in zip(self.factors, self.damped(N, lam))]
+            return KroneckerOperator(self.layout, blocks)
+        blocks = [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=N, index=b.index, label=b.label,
+                                     factored=b.factored) for b in self.factors]
+        return KroneckerOperator(self.layout, blocks, damping=float(lam[self.layer]))
 
     def covariance(self, N: float, lam: Tensor) -> CurvatureOperator:
-        if self.form == "factored":
-            LG, LA = self._cholesky(N, lam)
-            iG, iA = torch.cholesky_inverse(LG), torch.cholesky_inverse(LA)
-            return KroneckerOperator(self.layout, [KFactors(0.5 * (iG + iG.T), 0.5 * (iA + iA.T), self.weight,
-                                                            self.bias)])
-        return self.precision(N, lam).inverse()
+        if self.form == "exact":
+            return self.precision(N, lam).inverse()
+        blocks = []
+        for b, (LG, LA) in zip(self.factors, self._cholesky(N, lam)):
+            iA = 1.0 / LA**2 if LA.dim() == 1 else torch.cholesky_inverse(LA)
+            blocks.append(KFactors.from_gram(torch.cholesky_inverse(LG), iA, b.weight_name, b.bias_name,
+                                             index=b.index, label=b.label, factored=b.factored))
+        return KroneckerOperator(self.layout, blocks)
 
     def logdet(self, N: Tensor, lam: Tensor) -> Tensor:
         l = lam[self.layer]
-        if self.form == "factored":
-            sN, sl = N.sqrt(), l.sqrt()
-            return (self.in_aug * torch.log(sN * self.lG + sl / self.pi).sum()
-                    + self.out * torch.log(sN * self.lA + self.pi * sl).sum())
-        return torch.log(N * torch.outer(self.lG, self.lA) + l).sum()
-
-    def _to_flat(self, X: Tensor) -> Tensor:
-        """(S, out, in_aug) -> (S, d_b) in the block's layout order."""
-        S = X.shape[0]
-        parts = {self.weight: X[:, :, :self.in_w].reshape(S, -1)}
-        if self.bias is not None:
-            parts[self.bias] = X[:, :, self.in_w]
-        return torch.cat([parts[n] for n in self.layout.names], dim=1)
+        total = torch.zeros((), dtype=self.dtype, device=self.device)
+        for b, pi, (lG, _, lA, _) in zip(self.factors, self.pis, self._eigen):
+            if self.form == "exact" or not b.factored:  # the exact spectrum N lG lA^T + lam
+                total = total + torch.log(N * torch.outer(lG, lA) + l).sum()
+            else:  # det(P_G (x) P_A) = det(P_G)^in_aug det(P_A)^out
+                sN, sl = N.sqrt(), l.sqrt()
+                total = (total + b.in_dim * torch.log(sN * lG + sl / pi).sum()
+                         + b.out_dim * torch.log(sN * lA + pi * sl).sum())
+        return total
 
     def sample(self, N: float, lam: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
-        Z = torch.randn(num_samples, self.out, self.in_aug, dtype=self.dtype, device=self.device,
-                        generator=generator)
-        if self.form == "factored":
-            # W = M + L_G^{-T} Z L_A^{-1}: two triangular solves, Cov(vec_row W) = P_G^{-1} (x) P_A^{-1}
-            LG, LA = self._cholesky(N, lam)
-            X = torch.linalg.solve_triangular(LG.T, Z, upper=True)
-            X = torch.linalg.solve_triangular(LA, X, upper=False, left=False)
-        else:
-            X = self.QG @ (Z / self._spectrum(N, lam).sqrt()) @ self.QA.T
-        return self._to_flat(X)
+        """Per block ``W_hat = L_G^{-T} Z L_A^{-1}`` (factored: Cov(vec_row W_hat) = P_G^{-1} (x) P_A^{-1}) or
+        ``QG (Z / sqrt(N lG lA^T + lam)) QA^T`` (exact), written into the block's entries."""
+        out = torch.empty(num_samples, self.dim, dtype=self.dtype, device=self.device)
+        exact = self.form == "exact"
+        chol = None if exact else self._cholesky(N, lam)
+        spectra = self._spectra(N, lam) if exact else None
+        for j, (b, pos) in enumerate(zip(self.factors, self.positions)):
+            Z = torch.randn(num_samples, b.out_dim, b.in_dim, dtype=self.dtype, device=self.device,
+                            generator=generator)
+            if chol is not None:
+                LG, LA = chol[j]
+                X = torch.linalg.solve_triangular(LG.T, Z, upper=True)
+                X = X / LA if LA.dim() == 1 else torch.linalg.solve_triangular(LA, X, upper=False, left=False)
+            else:
+                assert spectra is not None
+                _, QG, _, QA = self._eigen[j]
+                X = QG @ (Z / spectra[j].sqrt())
+                X = X if QA is None else X @ QA.T
+            out[:, pos.reshape(-1)] = X.reshape(num_samples, -1)
+        return out
 
-    def glm_variance(self, N: float, lam: Tensor, jac: LayerJacobian) -> Tensor:
-        a, delta = jac.a, jac.delta  # (B, T, in_aug), (B, C, T, out)
-        if self.form == "factored":
-            LG, LA = self._cholesky(N, lam)
-            u = torch.linalg.solve_triangular(LG, delta.unsqueeze(-1), upper=False).squeeze(-1)
-            v = torch.linalg.solve_triangular(LA, a.unsqueeze(-1), upper=False).squeeze(-1)
-            if a.shape[1] == 1:
-                return torch.einsum("bci,bdi->bcd", u[:, :, 0], u[:, :, 0]) * (v[:, 0] ** 2).sum(-1)[:, None, None]
-            M = torch.einsum("bcto,bti->bcoi", u, v)
-            return torch.einsum("bcoi,bdoi->bcd", M, M)
-        ut = delta @ self.QG  # (B, C, T, out) in G's eigenbasis
-        vt = a @ self.QA  # (B, T, in_aug)
-        inv = 1.0 / self._spectrum(N, lam)
-        if a.shape[1] == 1:
-            return torch.einsum("bci,bdi,ij,bj->bcd", ut[:, :, 0], ut[:, :, 0], inv, vt[:, 0] ** 2)
-        M = torch.einsum("bcto,bti->bcoi", ut, vt)
-        return torch.einsum("bcoi,bdoi,oi->bcd", M, M, inv)
+    def glm_terms(self, N: float, lam: Tensor) -> list[GLMTerm]:
+        """One GLM term per Kronecker block, in :attr:`factors` order (:mod:`curvkit.laplace._glm`): a
+        ``factored=False`` block's Jacobian rows are per-sample gradients against ``(N g A + lam I)^{-1}`` (both
+        forms), a factored block's are its output rows against the inverse factors or the exact spectrum."""
+        terms: list[GLMTerm] = []
+        spectra = self._spectra(N, lam) if self.form == "exact" else None
+        for j, (b, (_, PA)) in enumerate(zip(self.factors, self.damped(N, lam))):
+            if not b.factored:
+                terms.append(GradTerm(chol=_chol(PA, f"the block of {b.name!r}")) if PA.dim() == 2 else
+                             GradTerm(inverse=1.0 / _positive_vector(PA, f"the block of {b.name!r}")))
+            elif spectra is not None:
+                _, QG, _, QA = self._eigen[j]
+                terms.append(SpectralTerm(QG, QA, 1.0 / spectra[j]))
+            else:
+                LG, LA = self._cholesky(N, lam)[j]
+                SG = torch.cholesky_inverse(LG)
+                terms.append(FactoredTerm(0.5 * (SG + SG.T), LA))
+        return terms
 
-    def state(self) -> dict[str, Tensor]:
-        return {"G": self.G, "A": self.A}
+    def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
+        return GradTerm(dense=self.covariance(N, lam).to_dense())
+
+    def state(self) -> dict[str, Any]:
+        return {"blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": b.index,
+                            "label": b.label, "factored": b.factored} for b in self.factors]}
 
 
 # ---------------------------------------------------------------------------------------------- diagonal
 class DiagonalBlock(PosteriorBlock):
     """Diagonal curvature ``f`` (flat, the block's layout) of one layer's parameters."""
 
-    def __init__(self, layout: ParamLayout, layers: Sequence[int], f: Tensor, module: Any = None,
-                 weight: str | None = None, bias: str | None = None):
+    def __init__(self, layout: ParamLayout, layers: Sequence[int], f: Tensor):
         super().__init__(layout, layers, f.dtype, f.device)
         if f.shape != (layout.dim,):
             raise ValueError(f"diagonal of shape {tuple(f.shape)}, expected ({layout.dim},)")
         self.f = f.clamp_min(0)
-        self.module, self.weight, self.bias = module, weight, bias
-        if weight is not None:
-            self.jacobian = "layer"
-            shapes = dict(zip(layout.names, layout.shapes))
-            self.wshape = tuple(shapes[weight])
-            self.out, self.in_w = int(self.wshape[0]), int(math.prod(self.wshape[1:]))
 
     def _prec(self, N: float | Tensor, lam: Tensor) -> Tensor:
         return N * self.f + self.prior_vector(lam)
@@ -271,31 +280,21 @@ class DiagonalBlock(PosteriorBlock):
     def covariance(self, N: float, lam: Tensor) -> CurvatureOperator:
         return self.precision(N, lam).inverse()
 
+    def variances(self, N: float, lam: Tensor) -> Tensor:
+        """The posterior variances (d_b,), flat in the block's layout."""
+        return 1.0 / _positive_vector(self._prec(N, lam), "the diagonal posterior precision")
+
     def logdet(self, N: Tensor, lam: Tensor) -> Tensor:
         return torch.log(self._prec(N, lam)).sum()
 
     def sample(self, N: float, lam: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
         z = torch.randn(num_samples, self.dim, dtype=self.dtype, device=self.device, generator=generator)
-        return z / self._prec(N, lam).sqrt()
+        return z * self.variances(N, lam).sqrt()
 
-    def _hat(self, flat: Tensor) -> Tensor:
-        """Flat (d_b,) -> (out, in_aug) in the W_hat order."""
-        parts = dict(zip(self.layout.names, self.layout.unflatten(flat)))
-        W = parts[self.weight].reshape(self.out, self.in_w)  # type: ignore[index]
-        return W if self.bias is None else torch.cat([W, parts[self.bias][:, None]], dim=1)
+    def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
+        return GradTerm(inverse=self.variances(N, lam))
 
-    def glm_variance(self, N: float, lam: Tensor, jac: Any) -> Tensor:
-        inv = 1.0 / self._prec(N, lam)
-        if isinstance(jac, LayerJacobian):
-            ih = self._hat(inv)
-            if jac.a.shape[1] == 1:
-                d = jac.delta[:, :, 0]
-                return torch.einsum("bci,bdi,ij,bj->bcd", d, d, ih, jac.a[:, 0] ** 2)
-            M = jac.matrices()
-            return torch.einsum("bcoi,bdoi,oi->bcd", M, M, ih)
-        return torch.einsum("bck,bdk,k->bcd", jac, jac, inv)
-
-    def state(self) -> dict[str, Tensor]:
+    def state(self) -> dict[str, Any]:
         return {"f": self.f}
 
 
@@ -335,11 +334,8 @@ class DenseBlock(PosteriorBlock):
         z = torch.randn(self.dim, num_samples, dtype=self.dtype, device=self.device, generator=generator)
         return torch.linalg.solve_triangular(self._cholesky(N, lam).T, z, upper=True).T
 
-    def glm_variance(self, N: float, lam: Tensor, jac: Tensor) -> Tensor:
-        B, C, d = jac.shape
-        U = torch.linalg.solve_triangular(self._cholesky(N, lam), jac.reshape(B * C, d).T, upper=False)
-        U = U.reshape(d, B, C)
-        return torch.einsum("kbc,kbd->bcd", U, U)
+    def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
+        return GradTerm(chol=self._cholesky(N, lam))
 
-    def state(self) -> dict[str, Tensor]:
+    def state(self) -> dict[str, Any]:
         return {"F": self.F}

@@ -28,7 +28,7 @@ from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import Likelihood
-from curvkit.structure import LayerInfo
+from curvkit.linalg.kron import KroneckerBlock as KFactors
 
 __all__ = ["DenseSource", "DiagonalSource", "KroneckerSource"]
 
@@ -37,30 +37,41 @@ ELEMENT_METHODS = ("ggn", "mc_fisher", "empirical")
 
 
 class KroneckerSource:
-    """Kronecker factors of the layers ``names`` (their weights and biases) from a KroneckerEstimator."""
+    """Kronecker blocks of the parameters ``names`` from a KroneckerEstimator: every block of every layer kind
+    (:mod:`curvkit.layerkinds`: ``[W | b]`` of Linear and convolutions, one block per convolution group and
+    per query/key/value row slice, an embedding's ``W^T`` with a diagonal input factor, the exact or diagonal
+    blocks (``factored=False``) of normalisation layers and raw parameters)."""
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
-                 mc_samples: int, seed: int):
+                 mc_samples: int, seed: int, options: dict[str, Any] | None = None):
         self.names = list(names)
         with only_trainable(model, self.names):
-            self.estimator = KroneckerEstimator(model, likelihood.with_reduction("mean"), method,  # type: ignore[arg-type]
-                                                mc_samples=mc_samples, seed=seed)
-        self.estimator.require_weight_matrix_blocks("Kronecker Laplace")
-        self.layers: list[LayerInfo] = list(self.estimator.layers)
+            # 'sum': the operator is the curvature of the summed loss (every position of every sample), which
+            # factors() divides by the number of samples: the per-datum curvature of thesis Eq. 5.7
+            self.estimator = KroneckerEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
+                                                mc_samples=mc_samples, seed=seed, **(options or {}))
+        self.own_pass = any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
 
-    def update(self, X: Tensor, y: Tensor) -> Tensor:
-        """Add the batch's statistics; returns the model's (detached) output of the forward pass they used."""
+    def update(self, X: Tensor, y: Tensor) -> Tensor | None:
+        """Add the batch's statistics; returns the model's (detached) output of the forward pass they used
+        (None when the estimator ran its own pass: raw parameters need per-sample copies)."""
         est = self.estimator
-        with est.capture() as cap, torch.enable_grad():
-            f = est.model(X)
-        est.accumulate(cap, f, y)
+        with only_trainable(est.model, self.names):  # no graph through parameters the posterior leaves out
+            if self.own_pass:
+                est.update((X, y))
+                return None
+            with est.capture() as cap, torch.enable_grad():
+                f = est.model(X)
+            est.accumulate(cap, f, y)
         return f.detach()
 
-    def factors(self) -> list[tuple[LayerInfo, Tensor, Tensor]]:
-        """(layer, G mean, A mean) per layer: the per-datum curvature block is ``G (x) A``."""
-        op = self.estimator.operator()
-        by_weight = {b.weight_name: b for b in op.blocks}
-        return [(lay, by_weight[lay.weight].G, by_weight[lay.weight].A) for lay in self.layers]  # type: ignore[index]
+    def blocks(self) -> list[KFactors]:
+        """The per-datum blocks (``G`` divided by the number of samples; ``A`` is a per-sample mean
+        already): the per-datum curvature is ``blockdiag G (x) A``."""
+        est = self.estimator
+        n = float(est.num_data)
+        return [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=1.0 / n, index=b.index,
+                                   label=b.label, factored=b.factored) for b in est.operator().blocks]
 
 
 class DiagonalSource:
@@ -69,8 +80,8 @@ class DiagonalSource:
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
                  mc_samples: int, seed: int):
         self.model, self.names = model, list(names)
-        with only_trainable(model, self.names):
-            self.estimator = DiagonalEstimator(model, likelihood.with_reduction("mean"), method,  # type: ignore[arg-type]
+        with only_trainable(model, self.names):  # 'sum' divided by the samples: per-datum (mean())
+            self.estimator = DiagonalEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
                                                mc_samples=mc_samples, seed=seed)
 
     def update(self, X: Tensor, y: Tensor) -> None:
@@ -78,8 +89,10 @@ class DiagonalSource:
             self.estimator.update((X, y))
 
     def mean(self) -> dict[str, Tensor]:
+        """Per-datum diagonal: the summed curvature over the samples seen."""
         op = self.estimator.operator()
-        return dict(zip(op.layout.names, op.tensors))
+        n = float(self.estimator.num_data)
+        return {name: t / n for name, t in zip(op.layout.names, op.tensors)}
 
 
 class DenseSource:

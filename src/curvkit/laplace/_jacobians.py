@@ -1,74 +1,212 @@
-"""Jacobians for the linearised (GLM) predictive, in pieces whose memory is bounded by the batch size.
+"""The pieces of the Jacobian that the GLM predictive variance ``J Sigma J^T`` needs, in chunks whose memory
+is bounded by the batch size, never the full Jacobian.
 
-The GLM predictive variance ``J Sigma J^T`` never needs the full Jacobian of all outputs with respect to
-all parameters at once:
+Outputs are (B, C) or (B, *P, C) (per-token classification); an output ENTRY is one output of one position,
+``e = p * C + c`` (:mod:`curvkit.laplace._glm`). Two routes:
 
-* for a Linear/Conv2d layer it needs only the layer's input rows and the Jacobian of the C outputs with
-  respect to the layer's OUTPUT (one forward pass with hooks and one batched backward pass over the C
-  outputs, :func:`layer_jacobians`): memory ``B * C * out * T`` per layer;
-* for any other parameter group (normalisation layers, the ``full`` posterior of a small net) the
-  per-sample Jacobian rows of that group only (``torch.func.vmap`` of ``jacrev``,
-  :func:`generic_jacobian`): memory ``B * C * d_group``.
+* :func:`engine_variance` - for parameters in blocks of the layer kinds (:mod:`curvkit.layerkinds`: Linear,
+  convolutions, embeddings, attention, normalisation layers, raw parameters): ONE forward pass at the
+  posterior mean with the layer kinds' hooks (:class:`curvkit.curvature.capture.BlockCapture`), then, for
+  each chunk of k output entries, one batched backward pass of their one-hot vectors to the blocks' outputs;
+  each block's output rows (k, B, R, out) (or per-sample gradients (k, B, P)) go straight into its
+  :class:`~curvkit.laplace._glm.GLMTerm` and are dropped. Memory: k x B x (the blocks' output rows).
+  A block whose output rows are the model's outputs (the head) takes its closed form and no backward pass.
+  The backward passes run inside the forward pass's ``functional_call`` (a forward hook on the model), so
+  everything a layer kind reads back (a BatchNorm's running statistics) is the posterior's, not the
+  module's current state.
+* :func:`generic_variance` - any other parameters: per-sample Jacobian rows (k, B, d) of a chunk of k
+  entries with respect to those parameters (``torch.func.vmap`` of ``jacrev``).
 
-B is the batch size the caller chooses.
+k is chosen so that one chunk holds about ``BUDGET`` numbers (at least one entry; whole positions when the
+(C, C) covariances are asked for).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.func import jacrev, vmap
 
-from curvkit.curvature.capture import LayerCapture, with_bias_column
-from curvkit.laplace._blocks import LayerJacobian
-from curvkit.structure import LayerInfo, ModelStructure
+from curvkit.curvature.capture import BlockCapture
+from curvkit.laplace._glm import GLMTerm
+from curvkit.structure import ModelStructure
 
-__all__ = ["generic_jacobian", "layer_jacobians"]
+__all__ = ["BUDGET", "engine_variance", "generic_variance", "new_variance"]
+
+#: numbers held by one chunk of output entries (their back-propagated rows, or Jacobian rows)
+BUDGET = 2**25
 
 
-def layer_jacobians(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
-                    layers: Sequence[LayerInfo], X: Tensor) -> tuple[Tensor, dict[str, LayerJacobian]]:
-    """Output f (B, C) at ``params`` and, per layer label, its :class:`LayerJacobian`."""
-    leaves = {n: t.detach().requires_grad_(True) for n, t in params.items()}
-    with LayerCapture(list(layers), "Laplace GLM predictive") as cap, torch.enable_grad():
-        f = structure.functional_call(leaves, (X,), buffers)
-        if not isinstance(f, Tensor) or f.dim() != 2:
-            raise ValueError(f"the model must return (batch, outputs), got "
-                             f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
-        outs = cap.outputs()
-        B, C = f.shape
-        eye = torch.eye(C, dtype=f.dtype, device=f.device)[:, None, :].expand(C, B, C)
+def new_variance(f: Tensor, dtype: torch.dtype, diagonal: bool) -> Tensor:
+    """Zero variances for outputs f (B, *P, C): (B, P*C) entries, or (B, P, C, C) per position."""
+    B, C = f.shape[0], f.shape[-1]
+    P = math.prod(f.shape[1:-1])
+    if diagonal:
+        return torch.zeros(B, P * C, dtype=dtype, device=f.device)
+    return torch.zeros(B, P, C, C, dtype=dtype, device=f.device)
+
+
+def _chunk_size(per_entry: int, total: int, C: int, diagonal: bool) -> int:
+    k = max(1, min(total, BUDGET // max(1, per_entry)))
+    return k if diagonal else C * max(1, k // C)
+
+
+def _one_hot(f: Tensor, e0: int, e1: int) -> Tensor:
+    """(e1 - e0, *f.shape): vector j is 1 at entry e0 + j of every sample."""
+    B = f.shape[0]
+    V = torch.zeros(e1 - e0, B, f[0].numel(), dtype=f.dtype, device=f.device)
+    V[torch.arange(e1 - e0, device=f.device), :, torch.arange(e0, e1, device=f.device)] = 1
+    return V.reshape(e1 - e0, *f.shape)
+
+
+def _add(var: Tensor, part: Tensor, e0: int, e1: int, C: int, diagonal: bool) -> None:
+    """Add a chunk's (k, B) variances or (B, n, C, C) covariances of entries [e0, e1) into ``var``."""
+    if diagonal:
+        var[:, e0:e1] += part.T.to(var.dtype)
+    else:
+        var[:, e0 // C:e1 // C] += part.to(var.dtype)
+
+
+def _batched_grad(f: Tensor, outs: Sequence[Tensor], V: Tensor) -> list[Tensor]:
+    """The gradients (k, *o.shape) of every vector of V (k, *f.shape) with respect to each of ``outs``."""
+    if not outs:
+        return []
+    try:
+        return list(torch.autograd.grad(f, outs, grad_outputs=V, retain_graph=True, is_grads_batched=True))
+    except RuntimeError:  # an operation without a batching rule: one backward pass per vector
+        per = [torch.autograd.grad(f, outs, grad_outputs=v, retain_graph=True) for v in V]
+        return [torch.stack([p[i] for p in per]) for i in range(len(outs))]
+
+
+def _read(site: Any, g: Tensor) -> Tensor:
+    """The site's rows of every vector of g (k, *output shape): (k, B, R, out) or (k, B, P)."""
+    try:
+        return vmap(site.read)(g)  # type: ignore[no-any-return]
+    except RuntimeError:
+        return torch.stack([site.read(v) for v in g])
+
+
+def _inputs(spec: Any, site: Any) -> Tensor | None:
+    """A block's input rows with the bias column (B, R, in_aug), its token ids (B, R), or None (gradients)."""
+    if spec.form == "grad":
+        return None
+    a = site.inputs
+    if spec.ids or spec.bias is None:
+        return a  # type: ignore[no-any-return]
+    return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+
+
+def _is_output_layer(spec: Any, site: Any, f: Tensor) -> bool:
+    """Whether the block's output rows are the model's outputs themselves (R = positions, out = C, the rows
+    a reshape of f), so that its closed form applies (:meth:`GLMTerm.root`)."""
+    if site.output is not f or spec.form != "kron" or spec.ids or spec.out_features != f.shape[-1]:
+        return False
+    probe = (torch.arange(f.numel(), device=f.device) % 16777213).to(f.dtype).reshape(f.shape)
+    try:
+        rows = site.read(probe)
+    except RuntimeError:
+        return False
+    P = math.prod(f.shape[1:-1])
+    return tuple(rows.shape) == (f.shape[0], P, f.shape[-1]) and torch.equal(rows.reshape(-1), probe.reshape(-1))
+
+
+def engine_variance(structure: ModelStructure, plans: Sequence[Any], terms: Sequence[GLMTerm],
+                    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], X: Tensor, diagonal: bool,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(f, variances) at ``params`` for the blocks of ``plans`` (:func:`curvkit.layerkinds.plan`), one term
+    per block in plan order: variances (B, P*C) of every entry, or (B, P, C, C) per position."""
+    names = {n for lp in plans if lp.handler.kind != "parameter" for spec in lp.blocks for n in spec.names}
+    leaves = {n: t.detach().requires_grad_(n in names) for n, t in params.items()}
+    cap = BlockCapture(plans, "Laplace GLM predictive")
+    result: dict[str, Tensor] = {}
+
+    def at_end(module: Any, args: Any, out: Any) -> None:  # inside functional_call: the posterior's state
+        result["var"] = _from_sites(cap, out, terms, diagonal, dtype)
+        result["f"] = out.detach()
+
+    with cap:
+        raw = cap.substitute(X.shape[0], values=params)
+        handle = structure.model.register_forward_hook(at_end)
         try:
-            grads = torch.autograd.grad(f, outs, grad_outputs=eye, is_grads_batched=True)
-        except RuntimeError:  # an operation without a batching rule: one backward pass per output
-            per = [torch.autograd.grad(f, outs, grad_outputs=eye[c], retain_graph=c < C - 1) for c in range(C)]
-            grads = tuple(torch.stack([p[i] for p in per]) for i in range(len(outs)))
-        out: dict[str, LayerJacobian] = {}
-        for rec, g in zip(cap.records, grads):
-            g = g.detach()
-            if g.dim() == 3:  # Linear: (C, B, out)
-                delta = g.transpose(0, 1)[:, :, None, :]
-            else:  # Conv2d: (C, B, out, H, W) -> (B, C, T, out)
-                delta = g.flatten(3).permute(1, 0, 3, 2)
-            T = delta.shape[2]
-            assert rec.a is not None
-            a = with_bias_column(rec.a, rec.has_bias).reshape(B, T, -1)
-            out[rec.info.label] = LayerJacobian(a, delta)
-    return f.detach(), out
+            with torch.enable_grad():
+                structure.functional_call({**leaves, **raw}, (X,), buffers)
+        finally:
+            handle.remove()
+    return result["f"], result["var"]
 
 
-def generic_jacobian(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
-                     names: Sequence[str], X: Tensor) -> Tensor:
-    """Per-sample Jacobian rows (B, C, d) of the outputs with respect to the parameters ``names`` (flat,
-    in the given order), by ``vmap(jacrev)`` over the batch."""
+def _from_sites(cap: BlockCapture, f: Tensor, terms: Sequence[GLMTerm], diagonal: bool,
+                dtype: torch.dtype) -> Tensor:
+    sites = cap.sites()
+    specs = [spec for _, spec in cap.specs]
+    B, C = f.shape[0], f.shape[-1]
+    var = new_variance(f, dtype, diagonal)
+    K = var.shape[1] if diagonal else var.shape[1] * C
+    roots = [_is_output_layer(spec, site, f) for spec, site in zip(specs, sites)]
+    rest = [i for i, r in enumerate(roots) if not r]
+    outs: list[Tensor] = []
+    for i in rest:
+        if sites[i].output is not f and all(sites[i].output is not o for o in outs):
+            outs.append(sites[i].output)
+    per_entry = 2 * sum(int(o.numel()) for o in outs) + 2 * sum(
+        int(sites[i].output.numel()) if specs[i].form == "kron" else B * specs[i].in_features for i in rest)
+    k = _chunk_size(per_entry, K, C, diagonal)
+    states = [term.prepare(_inputs(spec, site), spec.ids, k) if term.rows == "kron" else None
+              for spec, site, term in zip(specs, sites, terms)]
+    for i, root in enumerate(roots):
+        if root:
+            part = terms[i].root(states[i], diagonal)
+            assert part is not None
+            (var.view(B, -1, C) if diagonal else var).add_(part.to(dtype))
+    if not rest:
+        return var
+    for e0 in range(0, K, k):
+        e1 = min(K, e0 + k)
+        V = _one_hot(f, e0, e1)
+        grads = dict(zip(map(id, outs), _batched_grad(f, outs, V)))
+        for i in rest:
+            g = V if sites[i].output is f else grads[id(sites[i].output)]
+            D = _read(sites[i], g)
+            part = terms[i].diag(states[i], D) if diagonal else terms[i].full(states[i], D, C)
+            _add(var, part, e0, e1, C, diagonal)
+    return var
+
+
+def generic_rows(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+                 names: Sequence[str], X: Tensor, e0: int, e1: int) -> Tensor:
+    """Per-sample Jacobian rows (e1 - e0, B, d) of output entries [e0, e1) with respect to the parameters
+    ``names`` (flat, in the given order), by ``vmap(jacrev)`` over the batch."""
     sub = {n: params[n].detach() for n in names}
     rest = {n: t.detach() for n, t in params.items() if n not in sub}
 
     def single(p: dict[str, Tensor], x: Tensor) -> Tensor:
-        return structure.functional_call({**rest, **p}, (x.unsqueeze(0),), buffers)[0]  # type: ignore[no-any-return]
+        out = structure.functional_call({**rest, **p}, (x.unsqueeze(0),), buffers)
+        return out.reshape(-1)[e0:e1]  # type: ignore[no-any-return]
 
     J = vmap(jacrev(single), in_dims=(None, 0))(sub, X)
-    B, C = X.shape[0], next(iter(J.values())).shape[1]
-    return torch.cat([J[n].reshape(B, C, -1) for n in names], dim=-1)
+    B = X.shape[0]
+    return torch.cat([J[n].reshape(B, e1 - e0, -1) for n in names], dim=-1).transpose(0, 1)
+
+
+def generic_variance(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+                     blocks: Sequence[tuple[Sequence[str], GLMTerm]], X: Tensor, var: Tensor, C: int,
+                     diagonal: bool) -> None:
+    """Add the variances of the ``blocks`` (their parameter names and a gradient-rows term each) into ``var``
+    (:func:`new_variance`'s form), from per-sample Jacobian rows in chunks of entries."""
+    names = [n for ns, _ in blocks for n in ns]
+    dims = [sum(int(params[n].numel()) for n in ns) for ns, _ in blocks]
+    B = X.shape[0]
+    K = var.shape[1] if diagonal else var.shape[1] * C
+    k = _chunk_size(2 * B * sum(dims), K, C, diagonal)
+    for e0 in range(0, K, k):
+        e1 = min(K, e0 + k)
+        J = generic_rows(structure, params, buffers, names, X, e0, e1)
+        start = 0
+        for (_, term), d in zip(blocks, dims):
+            rows = J[:, :, start:start + d]
+            start += d
+            _add(var, term.diag(None, rows) if diagonal else term.full(None, rows, C), e0, e1, C, diagonal)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._graph import graph_leaves
-from curvkit.structure import LayerInfo, read_model
+from curvkit.structure import LayerInfo, curvature_kernels, read_model
 
 __all__ = ["ModuleCall", "last_layer_names", "only_trainable", "resolve_subset", "subset_layers", "traced_forward"]
 
@@ -78,9 +79,23 @@ def only_trainable(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
 
 
 def subset_layers(model: nn.Module, names: Sequence[str]) -> list[LayerInfo]:
-    """The layers (modules owning parameters of ``names``) with weight/bias restricted to ``names``."""
+    """The layers (modules owning parameters of ``names``) with weight/bias restricted to ``names``. A
+    parameter shared by several modules (a tied weight) belongs to the FIRST of them only (``named_modules``
+    order; its prior precision is that layer's); a layer left without parameters is dropped."""
     with only_trainable(model, names):
-        return list(read_model(model).layers)
+        layers = list(read_model(model).layers)
+    seen: set[str] = set()
+    out: list[LayerInfo] = []
+    for lay in layers:
+        own = tuple(n for n in lay.params if n not in seen)
+        seen.update(own)
+        if not own:
+            continue
+        if own != tuple(lay.params):
+            lay = replace(lay, params=own, weight=lay.weight if lay.weight in own else None,
+                          bias=lay.bias if lay.bias in own else None)
+        out.append(lay)
+    return out
 
 
 def traced_forward(model: nn.Module, X: Tensor, record: bool = True) -> tuple[Tensor, list[ModuleCall]]:
@@ -98,7 +113,7 @@ def traced_forward(model: nn.Module, X: Tensor, record: bool = True) -> tuple[Te
 
     handles = [mod.register_forward_hook(hook(name)) for name, mod in model.named_modules()] if record else []
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), curvature_kernels():  # the kernels every curvature pass uses (no MHA fast path)
             f = model(X)
     finally:
         for h in handles:

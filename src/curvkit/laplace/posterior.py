@@ -14,24 +14,37 @@ and the precision
 
 built per layer by the ``structure``:
 
-* ``'kron'`` (thesis Eqs. 5.12-5.14): Linear and Conv2d layers (Conv2d through the Kronecker factors of
-  the estimators, KFC convention) get the matrix-normal posterior
+* ``'kron'`` (thesis Eqs. 5.12-5.14): every block of the Kronecker engine's layer kinds
+  (:mod:`curvkit.layerkinds`: Linear with weight sharing, convolutions (one block per group), embeddings
+  (``W^T`` with a diagonal input factor), packed attention (query, key, value row slices and the output
+  projection), each read through its ``index``) gets the matrix-normal posterior
   ``W_hat ~ MN(W_hat*, (sqrt(N) G + sqrt(lam) I)^{-1}, (sqrt(N) A + sqrt(lam) I)^{-1})`` in PyTorch's
   output-first layout (``prior_form='factored'``, omega = 1 as Eq. 5.14; ``trace_balance=True`` splits
   ``sqrt(lam)`` by the trace-norm ratio of Eq. 4.27 instead); ``prior_form='exact'`` uses
-  ``N G (x) A + lam I`` exactly through the factors' eigendecompositions. Normalisation layers
-  (BatchNorm and friends; their parameters are vectors) get a diagonal or full per-layer Laplace
-  (``norm_structure``), as the thesis's "standard Laplace" for BatchNorm (Sec. 5.2.4). Any other layer
-  with trainable parameters is an error naming it.
-* ``'diag'`` (Eqs. 5.10-5.11): ``N diag(F) + lam`` per parameter.
-* ``'full'``: ``N F + diag(lam)`` over all parameters of the subset (small nets only).
+  ``N G (x) A + lam I`` exactly through the factors' eigendecompositions. Normalisation layers (LayerNorm,
+  GroupNorm, BatchNorm in eval mode) and raw parameters (a ViT's class token and position table) have
+  blocks from per-sample gradients instead (``factored=False``), their exact or diagonal per-layer
+  Laplace ``N F + lam I`` (``norm_structure``, ``parameter_structure``), as the thesis's "standard Laplace"
+  for BatchNorm (Sec. 5.2.4). A layer the engine cannot take is an error naming it, raised when the
+  posterior is built.
+* ``'diag'`` (Eqs. 5.10-5.11): ``N diag(F) + lam`` per parameter (any differentiable model).
+* ``'full'``: ``N F + diag(lam)`` over all parameters of the subset (small nets or small subsets only).
 
 Curvature sources (``curvature``): for ``kron`` ``'kflr'`` (exact output factor, default), ``'kfac'``
-(``mc_samples`` labels sampled from the model per datum), ``'kfra'``, ``'projection'``, ``'empirical'``;
-for ``diag`` and ``full`` ``'mc_fisher'`` (per-example gradients at ``mc_samples`` sampled labels: the
-Fisher identity of Eq. 5.10 with one sample per point, the thesis's choice and the default), ``'ggn'``
-(exact) or ``'empirical'``. Normalisation layers in a ``kron`` posterior use ``'ggn'`` for
-``kflr``/``kfra``/``projection``, ``'mc_fisher'`` for ``kfac`` and ``'empirical'`` for ``empirical``.
+(``mc_samples`` labels sampled from the model per datum), ``'kfra'`` (MLP chains only), ``'projection'``,
+``'empirical'``, with ``weight_sharing`` ``'expand'`` (default) or ``'reduce'`` for the positions that
+share a weight (tokens, patches, convolution locations; docs/architecture.md); the per-sample-gradient
+blocks use the same back-propagated vectors (KFLR's: the exact GGN block for (B, C) outputs). For ``diag``
+and ``full`` ``'mc_fisher'`` (per-example gradients at ``mc_samples`` sampled labels: the Fisher identity of
+Eq. 5.10 with one sample per point, the thesis's choice and the default), ``'ggn'`` (exact) or
+``'empirical'``.
+
+Outputs with positions (B, *P, C) (a per-token classifier, a language model; padding through the
+likelihood's ``ignore_index``/``ignore_value``): the curvature is that of the summed log-likelihood of all
+counted positions, N counts SAMPLES (sequences), and the predictives are per position (B, *P, C).
+
+LoRA and other frozen bases: the posterior covers exactly the trainable parameters of the subset
+(``requires_grad=False`` parameters are never covered, counted or given curvature).
 
 Prior precision: a scalar, or one value per layer (a sequence in :attr:`Laplace.layer_names` order or a
 dict by layer name). It is the precision of the Gaussian prior on the SUMMED log-likelihood (lambda of
@@ -65,18 +78,24 @@ from curvkit.laplace._curvature import (
     DiagonalSource,
     KroneckerSource,
 )
-from curvkit.laplace._subset import last_layer_names, resolve_subset, subset_layers, traced_forward
+from curvkit.laplace._subset import (
+    last_layer_names,
+    only_trainable,
+    resolve_subset,
+    subset_layers,
+    traced_forward,
+)
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
-from curvkit.structure import LayerInfo, read_model, refuse
+from curvkit.structure import LayerInfo, curvature_kernels, read_model
 from curvkit.validation import integer, iter_batches, positive
 
 __all__ = ["Laplace", "log_likelihood"]
 
 StructureName = Literal["kron", "diag", "full"]
-_NORM_SOURCE = {"kflr": "ggn", "kfra": "ggn", "projection": "ggn", "kfac": "mc_fisher", "empirical": "empirical"}
 
 
 @dataclass
@@ -101,11 +120,67 @@ def _check_positive_entries(name: str, value: Tensor) -> None:
 
 
 def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    """Per-sample log-likelihood (B,), with the Gaussian normaliser included (the evidence needs it)."""
+    """Per-sample log-likelihood (B,) (the sum over a sample's counted positions), with the Gaussian
+    normaliser included (the evidence needs it)."""
     ll = -likelihood.nll_per_sample(f, y)
     if isinstance(likelihood, Gaussian) and not likelihood.include_normaliser:
-        ll = ll - 0.5 * f.shape[-1] * math.log(2 * math.pi * likelihood.sigma**2)
+        keep = likelihood.mask(y)
+        positions = (torch.full_like(ll, math.prod(f.shape[1:-1])) if keep is None
+                     else keep.reshape(f.shape[0], -1).sum(1).to(ll.dtype))
+        ll = ll - 0.5 * f.shape[-1] * math.log(2 * math.pi * likelihood.sigma**2) * positions
     return ll
+
+
+def _check_finite_batch(i: int, X: Tensor, y: Tensor) -> None:
+    """Name a batch whose inputs or targets hold NaN or inf, before anything is computed from it."""
+    for what, t in (("inputs X", X), ("targets y", y)):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"batch {i} of the data: the {what} contain NaN or inf ({int((~torch.isfinite(t)).sum())} "
+                             f"of {t.numel()} entries); clean or drop them before fitting")
+
+
+def _check_natural_outputs(likelihood: Likelihood, f: Tensor) -> None:
+    """Refuse a model whose output is already the likelihood's mean (probabilities after a final softmax
+    or sigmoid) where the likelihood takes logits: its curvature and predictives would be those of
+    softmax(probabilities), silently wrong. Read off the output's last operation, and for a softmax
+    cross-entropy also off the values (every row non-negative and summing to 1)."""
+    op = type(f.grad_fn).__name__ if f.grad_fn is not None else ""
+    if isinstance(likelihood, CrossEntropy):
+        rows = f.detach()
+        tol = 1e3 * torch.finfo(rows.dtype).eps * rows.shape[-1]
+        probabilities = rows.shape[-1] > 1 and bool((rows >= 0).all()) and bool(
+            ((rows.sum(-1) - 1).abs() <= tol).all())
+        if op.startswith("Softmax") or probabilities:
+            raise ValueError("CrossEntropy takes logits, but the model's output is probabilities (it ends in a "
+                             "softmax: every row is non-negative and sums to 1); remove the final softmax (a "
+                             "log_softmax output is fine: its softmax is the same)")
+    if isinstance(likelihood, BernoulliBCE) and op.startswith("Sigmoid"):
+        raise ValueError("BernoulliBCE takes logits, but the model's output is probabilities (it ends in a "
+                         "sigmoid); remove the final sigmoid")
+
+
+def _components(blocks: Sequence[KFactors]) -> list[list[KFactors]]:
+    """The Kronecker blocks grouped by shared parameters (the query, key and value row slices of one packed
+    attention weight, the groups of one convolution), each group in block order."""
+    parent = list(range(len(blocks)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, b in enumerate(blocks):
+        for n in b.names:
+            if n in owner:
+                parent[root(i)] = root(owner[n])
+            else:
+                owner[n] = i
+    groups: dict[int, list[KFactors]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault(root(i), []).append(b)
+    return list(groups.values())
 
 
 class Laplace:
@@ -129,12 +204,14 @@ class Laplace:
         prior_form: ``'factored'`` (Eq. 5.14) | ``'exact'`` (kron only).
         trace_balance: split the prior term by the trace-norm ratio (factored kron only).
         norm_structure: ``'diag'`` | ``'full'`` per normalisation layer (kron only).
+        weight_sharing: ``'expand'`` | ``'reduce'`` (kron only; :class:`~curvkit.curvature.estimators.KroneckerEstimator`).
+        parameter_structure: ``'diag'`` | ``'full'`` per raw parameter (kron only).
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, structure: StructureName = "kron",
                  curvature: str | None = None, *, subset: Any = "all", prior_precision: Any = 1.0,
                  mc_samples: int = 1, seed: int = 0, prior_form: str = "factored", trace_balance: bool = False,
-                 norm_structure: str = "diag"):
+                 norm_structure: str = "diag", weight_sharing: str = "expand", parameter_structure: str = "diag"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(likelihood, (CrossEntropy, BernoulliBCE, Gaussian)):
@@ -154,10 +231,15 @@ class Laplace:
             raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {prior_form!r}")
         if norm_structure not in ("diag", "full"):
             raise ValueError(f"norm_structure must be 'diag' or 'full', got {norm_structure!r}")
+        if parameter_structure not in ("diag", "full"):
+            raise ValueError(f"parameter_structure must be 'diag' or 'full', got {parameter_structure!r}")
+        if weight_sharing not in ("expand", "reduce"):
+            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
         self.model, self.likelihood = model, likelihood
         self.structure, self.curvature = structure, curvature
         self.mc_samples, self.seed = integer("mc_samples", mc_samples), int(seed)
         self.prior_form, self.trace_balance, self.norm_structure = prior_form, bool(trace_balance), norm_structure
+        self.weight_sharing, self.parameter_structure = weight_sharing, parameter_structure
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
@@ -184,13 +266,8 @@ class Laplace:
     def _select(self, names: list[str]) -> None:
         """Fix the parameters the posterior covers (``names``, canonical, ``named_parameters()`` order)."""
         layer_info = subset_layers(self.model, names)
-        if self.structure == "kron":
-            for lay in layer_info:
-                if lay.kind not in ("linear", "conv2d", "norm"):
-                    raise refuse("Kronecker Laplace", lay.label, lay.module, "has trainable parameters but only "
-                                 "Linear and Conv2d layers have Kronecker factors (and normalisation layers a "
-                                 "per-layer Laplace)", "freeze it, leave it out of the subset, or use "
-                                 "structure='diag'/'full'")
+        if self.structure == "kron":  # the layer kinds must take every covered parameter: refused here, by name
+            self._kron_source(names)
         shapes = dict(self.model.named_parameters())
         layout = ParamLayout(tuple(names), tuple(shapes[n].shape for n in names))
         layer_of = {n: i for i, lay in enumerate(layer_info) for n in lay.params}
@@ -288,45 +365,90 @@ class Laplace:
     def fit(self, data: Any, num_data: float | None = None) -> Self:
         """Sum the curvature over ``data`` (an ``(X, y)`` pair or an iterable of pairs, read once) at the
         model's current parameters, which become the posterior mean. ``num_data`` sets N (default: the
-        number of data seen). Replaces any earlier fit."""
+        number of data seen). Replaces any earlier fit; on an error (NaN in a batch, targets that do not fit
+        the outputs, a model the structure cannot take) the posterior keeps its earlier fit, if any."""
         model, lik = self.model, self.likelihood
+        N = None if num_data is None else positive("num_data", num_data)
         structure = read_model(model)
         structure.require_deterministic("Laplace")
         structure.require_independent_samples("Laplace")
-        sources: dict[str, Any] | None = None
-        count, ll = 0, 0.0
-        for X, y in iter_batches(data, self.device):
-            if sources is None:
-                self._inspect(X)
-                sources = self._sources()
-            outputs = [src.update(X, y) for src in sources.values()]
-            f = next((o for o in outputs if o is not None), None)  # the Kronecker source's forward pass
-            with torch.no_grad():
-                if f is None:
-                    f = model(X)
-                lik.check(f, y)
-                ll += float(log_likelihood(lik, f, y).sum())
-            count += int(X.shape[0])
-        assert sources is not None  # iter_batches refuses data without a batch
+        self._check_parameters()
+        saved = (self._selection, getattr(self, "_prior", None))
+        try:
+            sources: dict[str, Any] | None = None
+            count, ll = 0, 0.0
+            for i, (X, y) in enumerate(iter_batches(data, self.device)):
+                _check_finite_batch(i, X, y)
+                if sources is None:
+                    self._inspect(X, y)
+                    sources = self._sources()
+                outputs = [src.update(X, y) for src in sources.values()]
+                f = next((o for o in outputs if o is not None), None)  # the Kronecker source's forward pass
+                with torch.no_grad(), curvature_kernels():
+                    if f is None:
+                        f = model(X)
+                    lik.check(f, y)
+                    ll += float(log_likelihood(lik, f, y).sum())
+                count += int(X.shape[0])
+            assert sources is not None  # iter_batches refuses data without a batch
+            stats = self._statistics(sources)
+            blocks = self._build(stats)
+        except BaseException:
+            self._selection = saved[0]
+            if saved[1] is not None:
+                self._prior = saved[1]
+            raise
         self.num_seen, self.loglik = count, ll
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        self._build(self._statistics(sources))
-        self._num_data = float(count) if num_data is None else positive("num_data", num_data)
+        self._install(blocks, stats)
+        self._num_data = float(count) if N is None else N
         self.input_spec = self._first_input
         return self
 
-    def _inspect(self, X: Tensor) -> None:
-        """One forward pass of the first batch with its graph: resolves ``subset='last_layer'`` from it and
-        warns (once) about covered parameters the output does not depend on."""
-        f, calls = traced_forward(self.model, X, record=self._selection is None)
-        if not isinstance(f, Tensor):
-            raise TypeError(f"the model must return one tensor of shape (batch, outputs), got {type(f).__name__}")
+    def _check_parameters(self) -> None:
+        """A covered parameter with NaN or inf is named before anything is computed from it."""
+        if self._selection is None:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        else:
+            names = self.names
+        own = dict(self.model.named_parameters())
+        for n in names:
+            if n in own and not bool(torch.isfinite(own[n].detach()).all()):
+                raise ValueError(f"parameter {n!r} of the model contains NaN or inf; a Laplace posterior is centred "
+                                 "on trained, finite parameters")
+
+    def _inspect(self, X: Tensor, y: Tensor) -> None:
+        """One forward pass of the first batch with its graph: checks that the output is what the likelihood
+        takes (logits, not probabilities), resolves ``subset='last_layer'`` from it and warns (once) about
+        covered parameters the output does not depend on. The graph's structure is what is read, so two rows
+        suffice (every batch's outputs and targets are checked again in :meth:`fit`); with the covered
+        parameters known, the graph spans only them."""
+        n = X.shape[0]
+        X = X[:2]
+        if self._selection is None:
+            f, calls = traced_forward(self.model, X, record=True)
+        else:
+            with only_trainable(self.model, self.names):
+                f, calls = traced_forward(self.model, X, record=False)
+        if not isinstance(f, Tensor) or f.dim() < 2:
+            shape = ("(" + ", ".join(["batch", *map(str, f.shape[1:])]) + (",)" if f.dim() == 1 else ")")
+                     if isinstance(f, Tensor) else type(f).__name__)
+            raise TypeError(f"the model must return one tensor of shape (batch, outputs) or (batch, positions..., "
+                            f"outputs), got {shape}")
+        _check_natural_outputs(self.likelihood, f)
+        self.likelihood.check(f.detach()[:1].expand(n, *f.shape[1:]), y)  # the targets against the whole batch
         if self._selection is None:
             self._select(last_layer_names(self.model, f, calls))
         named = dict(self.model.named_parameters())
         warn_unused("Laplace.fit", self.model, self.names, [named[n] for n in self.names], f)
         self._first_input = (X.dtype, tuple(X.shape[1:]))
+
+    def _kron_source(self, names: Sequence[str]) -> KroneckerSource:
+        """The Kronecker statistics of ``names`` (the estimator refuses a layer the engine cannot take, naming it)."""
+        options = {"weight_sharing": self.weight_sharing, "parameter_structure": self.parameter_structure,
+                   "norm_structure": self.norm_structure}
+        return KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed, options)
 
     def _sources(self) -> dict[str, Any]:
         m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
@@ -334,16 +456,7 @@ class Laplace:
             return {"diag": DiagonalSource(m, lik, self.names, self.curvature, k, s)}
         if self.structure == "full":
             return {"dense": DenseSource(m, lik, self.names, self.curvature, k, s)}
-        out: dict[str, Any] = {}
-        kron = [n for lay in self.layer_info if lay.kind != "norm" for n in lay.params]
-        if kron:
-            out["kron"] = KroneckerSource(m, lik, kron, self.curvature, k, s)
-        method = _NORM_SOURCE[self.curvature]
-        for lay in self.layer_info:
-            if lay.kind == "norm":
-                src: Any = DiagonalSource if self.norm_structure == "diag" else DenseSource
-                out[f"norm:{lay.label}"] = src(m, lik, list(lay.params), method, k, s)
-        return out
+        return {"kron": self._kron_source(self.names)}
 
     def _statistics(self, sources: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-block statistics (per-datum means), the form :meth:`state_dict` stores."""
@@ -356,42 +469,56 @@ class Laplace:
             return stats
         if "dense" in sources:
             return [{"type": "dense", "F": sources["dense"].mean()}]
-        kron = {lay.label: (G, A) for lay, G, A in sources["kron"].factors()} if "kron" in sources else {}
-        for lay in self.layer_info:
-            if lay.label in kron:
-                G, A = kron[lay.label]
-                stats.append({"type": "kron", "layer": lay.label, "G": G, "A": A})
-            elif self.norm_structure == "diag":
-                mean = sources[f"norm:{lay.label}"].mean()
-                stats.append({"type": "diag", "layer": lay.label,
-                              "f": torch.cat([mean[n].reshape(-1) for n in self._ordered(lay.params)])})
-            else:
-                stats.append({"type": "dense", "layer": lay.label, "F": sources[f"norm:{lay.label}"].mean()})
+        for group in _components(sources["kron"].blocks()):
+            layer = self._layer_of[group[0].weight_name]
+            stats.append({"type": "kron", "layer": self.layer_names[layer],
+                          "blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
+                                      "index": b.index, "label": b.label, "factored": b.factored} for b in group]})
         return stats
 
     def _ordered(self, names: Iterable[str]) -> list[str]:
         wanted = set(names)
         return [n for n in self.names if n in wanted]
 
-    def _build(self, stats: list[dict[str, Any]]) -> None:
+    def _build(self, stats: list[dict[str, Any]]) -> list[PosteriorBlock]:
+        """The posterior blocks of ``stats`` (:meth:`_statistics`' form, or a version-1 state_dict's)."""
         by_label = {lay.label: (i, lay) for i, lay in enumerate(self.layer_info)}
         blocks: list[PosteriorBlock] = []
         for s in stats:
             if s["type"] == "dense" and "layer" not in s:  # the full posterior
                 blocks.append(DenseBlock(self.layout, [self._layer_of[n] for n in self.names], s["F"]))
                 continue
+            if s["type"] == "kron":
+                blocks.append(self._kron_block(s, by_label))
+                continue
             i, lay = by_label[s["layer"]]
             names = self._ordered(lay.params)
             layout = sub_layout(self.layout, names)
-            if s["type"] == "kron":
-                blocks.append(KroneckerBlock(layout, i, lay.weight, lay.bias, lay.module, s["G"], s["A"],  # type: ignore[arg-type]
-                                             self.prior_form, self.trace_balance))
-            elif s["type"] == "diag":
-                layered = lay.kind in ("linear", "conv2d") and lay.weight is not None
-                blocks.append(DiagonalBlock(layout, [i] * len(names), s["f"], lay.module if layered else None,
-                                            lay.weight if layered else None, lay.bias if layered else None))
+            if s["type"] == "diag":
+                blocks.append(DiagonalBlock(layout, [i] * len(names), s["f"]))
             else:
                 blocks.append(DenseBlock(layout, [i] * len(names), s["F"]))
+        return blocks
+
+    def _kron_block(self, s: Mapping[str, Any], by_label: Mapping[str, Any]) -> KroneckerBlock:
+        """One :class:`KroneckerBlock` from its statistics (version 1: one standard block of a layer)."""
+        if "blocks" not in s:
+            _, lay = by_label[s["layer"]]
+            specs = [{"G": s["G"], "A": s["A"], "weight": lay.weight, "bias": lay.bias}]
+        else:
+            specs = list(s["blocks"])
+        factors = [KFactors(b["G"].to(self.device), b["A"].to(self.device), b["weight"], b.get("bias"),
+                            None if b.get("index") is None else b["index"].to(self.device), b.get("label"),
+                            bool(b.get("factored", True))) for b in specs]
+        names = self._ordered({n for b in factors for n in b.names})
+        layers = {self._layer_of[n] for n in names}
+        if len(layers) != 1:
+            raise ValueError(f"Kronecker blocks over {names} span the layers "
+                             f"{[self.layer_names[i] for i in sorted(layers)]}; one prior precision per block is needed")
+        return KroneckerBlock(sub_layout(self.layout, names), layers.pop(), factors, self.prior_form,
+                              self.trace_balance)
+
+    def _install(self, blocks: list[PosteriorBlock], stats: list[dict[str, Any]]) -> None:
         self.blocks = blocks
         self._block_index = [_indices(self.layout, b.layout.names, self.device) for b in blocks]
         self._stats = stats
@@ -491,7 +618,8 @@ class Laplace:
     def predict(self, X: Tensor, method: Literal["glm", "mc"] = "glm", **kwargs: Any) -> Any:
         """The predictive distribution at inputs ``X`` (:mod:`curvkit.laplace.predictive`): ``'mc'`` the Monte
         Carlo average of thesis Eq. 5.9, ``'glm'`` the linearised predictive. Classification returns
-        probabilities (B, C); regression ``(mean, variance)`` (B, C) each."""
+        probabilities (B, C); regression ``(mean, variance)`` (B, C) each; outputs with positions give
+        (B, *P, C) per position."""
         from curvkit.laplace import predictive
 
         if method == "mc":
@@ -500,31 +628,37 @@ class Laplace:
             return predictive.glm_predictive(self, X, **kwargs)
         raise ValueError(f"method must be 'glm' or 'mc', got {method!r}")
 
-    def functional_variance(self, X: Tensor, batch_size: int = 256) -> tuple[Tensor, Tensor]:
-        """``(f(X; theta*), J Sigma J^T)``: outputs (B, C) and their linearised covariance (B, C, C)."""
+    def functional_variance(self, X: Tensor, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
+        """``(f(X; theta*), J Sigma J^T)``: outputs (B, C) and their linearised covariance (B, C, C); with
+        positions (B, *P, C) and per-position covariances (B, *P, C, C); ``diagonal=True``: the variances
+        only, shaped like the outputs (:func:`curvkit.laplace.predictive.functional_variance`)."""
         from curvkit.laplace import predictive
 
-        return predictive.functional_variance(self, X, batch_size=batch_size)
+        return predictive.functional_variance(self, X, batch_size=batch_size, diagonal=diagonal)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything a fitted posterior needs (statistics, mean, hyperparameters), for ``torch.save``."""
         self._require_fit()
-        return {"version": 1, "structure": self.structure, "curvature": self.curvature, "names": list(self.names),
+        return {"version": 2, "structure": self.structure, "curvature": self.curvature, "names": list(self.names),
                 "layer_names": list(self.layer_names), "prior_form": self.prior_form,
                 "trace_balance": self.trace_balance, "norm_structure": self.norm_structure,
+                "weight_sharing": self.weight_sharing, "parameter_structure": self.parameter_structure,
                 "num_data": self.num_data, "num_seen": self.num_seen, "loglik": self.loglik,
                 "prior_precision": self._prior.clone(), "params": dict(self.params), "buffers": dict(self.buffers),
                 "stats": self._stats,
                 "input": None if self.input_spec is None else [str(self.input_spec[0]), list(self.input_spec[1])]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a fitted posterior saved by :meth:`state_dict` (built with the same model and settings)."""
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError("not a Laplace state_dict (version 1)")
-        for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"state_dict has {key}={state[key]!r}, this posterior {getattr(self, key)!r}")
+        """Restore a fitted posterior saved by :meth:`state_dict` (built with the same model and settings;
+        version 1, the Linear/Conv2d-only Kronecker blocks of earlier releases, is read too)."""
+        if not isinstance(state, Mapping) or state.get("version") not in (1, 2):
+            raise ValueError("not a Laplace state_dict (version 1 or 2)")
+        defaults = {"weight_sharing": "expand", "parameter_structure": "diag"}
+        for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure", "weight_sharing",
+                    "parameter_structure"):
+            if state.get(key, defaults.get(key)) != getattr(self, key):
+                raise ValueError(f"state_dict has {key}={state.get(key, defaults.get(key))!r}, this posterior {getattr(self, key)!r}")
         if self._selection is None:  # subset='last_layer' before any fit: the layer the saved posterior found
             self._select(resolve_subset(self.model, list(state["names"])))
         if list(state["names"]) != list(self.names) or list(state["layer_names"]) != list(self.layer_names):
@@ -537,7 +671,7 @@ class Laplace:
         self.buffers = {n: t.to(self.device) for n, t in state["buffers"].items()}
         self.num_seen, self.loglik = int(state["num_seen"]), float(state["loglik"])
         self._prior = state["prior_precision"].to(device=self.device, dtype=self.dtype)
-        self._build(state["stats"])
+        self._install(self._build(state["stats"]), list(state["stats"]))
         self._num_data = float(state["num_data"])
         spec = state.get("input")
         self.input_spec = None if spec is None else (getattr(torch, str(spec[0]).removeprefix("torch.")),

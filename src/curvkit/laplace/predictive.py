@@ -25,9 +25,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from curvkit.laplace._jacobians import generic_jacobian, layer_jacobians
+from curvkit import layerkinds
+from curvkit.laplace._glm import GLMTerm, GradTerm, SpectralTerm
+from curvkit.laplace._jacobians import engine_variance, generic_variance, new_variance
+from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
-from curvkit.structure import read_model
+from curvkit.linalg.kron import block_positions
+from curvkit.structure import UnsupportedModelError, read_model
 from curvkit.validation import finite_tensor, integer
 
 __all__ = ["functional_variance", "glm_predictive", "mc_predictive", "predictive_function", "predictive_nll"]
@@ -141,72 +145,147 @@ def mc_predictive(post: Any, X: Tensor, num_samples: int = 100, generator: torch
     return mean
 
 
-def functional_variance(post: Any, X: Tensor, batch_size: int = 256) -> tuple[Tensor, Tensor]:
-    """``(f*, J Sigma J^T)`` of shapes (B, C) and (B, C, C) at the posterior mean, batch by batch."""
-    X = _check_inputs(post, X)
+def _glm_setup(post: Any) -> dict[str, Any]:
+    """What the GLM variance of ``post`` needs, once per call: the layer kinds' plan of the covered
+    parameters with one :class:`~curvkit.laplace._glm.GLMTerm` per block (:func:`_jacobians.engine_variance`),
+    and the posterior blocks whose parameters take per-sample Jacobian rows (:func:`_jacobians.generic_variance`).
+
+    ``kron``: every block is a layer kind's block (the fit used them). ``diag``: the layer kinds' blocks where
+    the model has them (raw parameters and models the layer kinds refuse, e.g. tied weights, take Jacobian
+    rows), the posterior variances read through each block's index. ``full``: Jacobian rows."""
     N, lam = post._hyper()
     structure = read_model(post.model)
-    layered = [b for b in post.blocks if b.jacobian == "layer"]
-    generic = [b for b in post.blocks if b.jacobian != "layer"]
-    infos = {lay.label: lay for lay in post.layer_info}
-    layer_list = [infos[structure.label(b.module)] for b in layered]
-    fs, vs = [], []
-    for xb in _chunks(X, batch_size):
-        if layer_list:
-            f, jacs = layer_jacobians(structure, post.params, post.buffers, layer_list, xb)
-        else:
-            with torch.no_grad():
-                f = structure.functional_call(post.params, (xb,), post.buffers)
-            jacs = {}
-        var = torch.zeros(f.shape[0], f.shape[1], f.shape[1], dtype=f.dtype, device=f.device)
-        for b, lay in zip(layered, layer_list):
-            var += b.glm_variance(N, lam, jacs[lay.label])
-        if generic:
-            names = [n for b in generic for n in b.layout.names]
-            J = generic_jacobian(structure, post.params, post.buffers, names, xb)
-            start = 0
-            for b in generic:
-                var += b.glm_variance(N, lam, J[:, :, start:start + b.dim])
-                start += b.dim
-        fs.append(f)
-        vs.append(0.5 * (var + var.transpose(1, 2)))
-    return torch.cat(fs), torch.cat(vs)
+    setup: dict[str, Any] = {"structure": structure, "plans": [], "terms": [], "generic": []}
+    if post.structure == "full":
+        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
+        return setup
+    try:
+        with only_trainable(post.model, post.names):  # the plan covers exactly the posterior's parameters
+            plans = layerkinds.plan(read_model(post.model), "Laplace GLM predictive")
+    except UnsupportedModelError:
+        if post.structure == "kron":
+            raise
+        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
+        return setup
+    if post.structure == "kron":
+        by_key = {}
+        for b in post.blocks:
+            for fac, term in zip(b.factors, b.glm_terms(N, lam)):
+                by_key[(fac.weight_name, fac.label if fac.index is not None else None)] = term
+        setup["plans"] = plans
+        setup["terms"] = [by_key[(spec.weight, spec.label if spec.index is not None else None)]
+                          for lp in plans for spec in lp.blocks]
+        return setup
+    plans = [lp for lp in plans if lp.handler.kind != "parameter"]  # raw parameters: Jacobian rows
+    covered = {n for lp in plans for spec in lp.blocks for n in spec.names}
+    variances = torch.empty(post.layout.dim, dtype=post.dtype, device=post.device)
+    for b, idx in zip(post.blocks, post._block_index):
+        variances[idx] = b.variances(N, lam)
+    terms: list[GLMTerm] = []
+    for lp in plans:
+        for spec in lp.blocks:
+            s = variances[block_positions(post.layout, spec.weight, spec.bias, spec.index, post.device)]
+            terms.append(GradTerm(inverse=s.reshape(-1)) if spec.form == "grad" else SpectralTerm(None, None, s))
+    setup["plans"], setup["terms"] = plans, terms
+    rest = [n for n in post.names if n not in covered]
+    if rest:
+        where = post.layout.slices()
+        setup["generic"] = [(rest, GradTerm(inverse=torch.cat([variances[where[n]] for n in rest])))]
+    return setup
+
+
+def _variance_batch(post: Any, setup: dict[str, Any], xb: Tensor, diagonal: bool) -> tuple[Tensor, Tensor]:
+    """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C)."""
+    structure = setup["structure"]
+    if setup["plans"]:
+        f, var = engine_variance(structure, setup["plans"], setup["terms"], post.params, post.buffers, xb,
+                                 diagonal, post.dtype)
+    else:
+        with torch.no_grad():
+            f = structure.functional_call(post.params, (xb,), post.buffers)
+        var = new_variance(f, post.dtype, diagonal)
+    if not isinstance(f, Tensor) or f.dim() < 2:
+        raise ValueError(f"the model must return (batch, outputs) or (batch, positions..., outputs), got "
+                         f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
+    if setup["generic"]:
+        generic_variance(structure, post.params, post.buffers, setup["generic"], xb, var, f.shape[-1], diagonal)
+    shape = f.shape if diagonal else (*f.shape, f.shape[-1])
+    if not diagonal:
+        var = 0.5 * (var + var.transpose(-1, -2))
+    return f.detach(), var.reshape(shape)
+
+
+def functional_variance(post: Any, X: Tensor, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
+    """``(f*, J Sigma J^T)`` at the posterior mean, batch by batch: outputs (B, C) and their covariances
+    (B, C, C), or with positions (B, *P, C) and per-position covariances (B, *P, C, C) (the positions'
+    joint covariance is not formed); ``diagonal=True`` gives only the variances (B, *P, C), never forming
+    C x C per position (what the probit and Gaussian predictives use). Memory: one batch's chunks of the
+    Jacobian pieces (:mod:`curvkit.laplace._jacobians`)."""
+    X = _check_inputs(post, X)
+    setup = _glm_setup(post)
+    parts = [_variance_batch(post, setup, xb, diagonal) for xb in _chunks(X, batch_size)]
+    return torch.cat([f for f, _ in parts]), torch.cat([v for _, v in parts])
 
 
 def glm_predictive(post: Any, X: Tensor, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
                    num_samples: int = 100, generator: torch.Generator | None = None) -> Any:
-    """The linearised predictive (module docstring); ``link`` for classification only."""
-    f, V = functional_variance(post, X, batch_size)
+    """The linearised predictive (module docstring); ``link`` for classification only. Outputs with
+    positions give per-position predictions (B, *P, C). Batch by batch; the probit link and regression use
+    only the variances of ``J Sigma J^T``, ``link='mc'`` the (C, C) covariance per position."""
     lik = post.likelihood
-    if isinstance(lik, Gaussian):
-        return f, V.diagonal(dim1=1, dim2=2) + lik.sigma**2
-    if link == "probit":
-        kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8 * V.diagonal(dim1=1, dim2=2).clamp_min(0))
-        return _link(post, kappa * f)
-    if link != "mc":
+    if link not in ("probit", "mc"):
         raise ValueError(f"link must be 'probit' or 'mc', got {link!r}")
     S = integer("num_samples", num_samples)
-    C = f.shape[1]
-    jitter = 1e-10 * (1 + V.diagonal(dim1=1, dim2=2).abs().amax(-1))[:, None, None]
-    L, _ = torch.linalg.cholesky_ex(V + jitter * torch.eye(C, dtype=f.dtype, device=f.device))
-    z = torch.randn(S, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
-    fs = f + torch.einsum("bij,sbj->sbi", L, z)
-    return _link(post, fs).mean(0)
+    X = _check_inputs(post, X)
+    setup = _glm_setup(post)
+    diagonal = isinstance(lik, Gaussian) or link == "probit"
+    out: list[Tensor] = []
+    variances: list[Tensor] = []
+    for xb in _chunks(X, batch_size):
+        f, V = _variance_batch(post, setup, xb, diagonal)
+        if isinstance(lik, Gaussian):
+            out.append(f)
+            variances.append(V + lik.sigma**2)
+        elif link == "probit":
+            out.append(_link(post, f / torch.sqrt(1.0 + math.pi / 8 * V.clamp_min(0))))
+        else:
+            C = f.shape[-1]
+            jitter = 1e-10 * (1 + V.diagonal(dim1=-2, dim2=-1).abs().amax(-1))[..., None, None]
+            L, _ = torch.linalg.cholesky_ex(V + jitter * torch.eye(C, dtype=f.dtype, device=f.device))
+            z = torch.randn(S, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
+            fs = f + (L @ z[..., None]).squeeze(-1)
+            out.append(_link(post, fs).mean(0))
+    if isinstance(lik, Gaussian):
+        return torch.cat(out), torch.cat(variances)
+    return torch.cat(out)
 
 
 def predictive_nll(post: Any, prediction: Any, y: Tensor) -> float:
     """Mean negative log predictive density of targets ``y`` under ``prediction`` (what
     :func:`mc_predictive`/:func:`glm_predictive` returned; regression uses the Gaussian with the predicted
-    mean and variance)."""
+    mean and variance): the mean over samples, or with positions over the counted positions (padding, the
+    likelihood's ``ignore_index``/``ignore_value``, left out)."""
     lik = post.likelihood
     y = y.to(post.device)
+    if isinstance(lik, CrossEntropy):
+        lik.check(prediction.detach(), y)  # class indices of the right shape and range
     if isinstance(lik, Gaussian):
         mean, var = prediction
         yv = y.to(mean.dtype).reshape(mean.shape)
-        return float((0.5 * ((yv - mean) ** 2 / var + torch.log(2 * math.pi * var))).sum(-1).mean())
-    p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
-    if isinstance(lik, CrossEntropy):
-        return float(-torch.log(p.gather(1, y.long()[:, None])).mean())
-    q = (1 - prediction).clamp_min(torch.finfo(prediction.dtype).tiny)
-    yv = y.to(p.dtype)
-    return float(-(yv * p.log() + (1 - yv) * q.log()).sum(-1).mean())
+        terms = (0.5 * ((yv - mean) ** 2 / var + torch.log(2 * math.pi * var))).sum(-1)
+    elif isinstance(lik, CrossEntropy):
+        p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
+        safe = y.long() if lik.ignore_index is None else y.long().masked_fill(y == lik.ignore_index, 0)
+        terms = -torch.log(p.gather(-1, safe[..., None]))[..., 0]
+    else:
+        p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
+        q = (1 - prediction).clamp_min(torch.finfo(prediction.dtype).tiny)
+        yv = y.to(p.dtype)
+        terms = -(yv * p.log() + (1 - yv) * q.log()).sum(-1)
+    keep = lik.mask(y)
+    if keep is None:
+        return float(terms.mean())
+    count = int(keep.sum())
+    if count == 0:
+        raise ValueError("predictive_nll: every position of y is padding; there is nothing to score")
+    return float(terms[keep].sum() / count)

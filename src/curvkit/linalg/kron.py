@@ -58,6 +58,7 @@ __all__ = [
     "KroneckerOperator",
     "KroneckerSpectralOperator",
     "block_matrix",
+    "block_positions",
     "kron_matvec",
     "psd_eigh",
     "stable_eigh",
@@ -431,6 +432,16 @@ class _BlockIndex:
     def scatter(self, Y: Tensor, out: Tensor) -> None:
         """Write (out, in_aug, k) into the rows of the flat (d, k) ``out``."""
         out.index_copy_(0, self.perm, Y.reshape(self.size, -1))
+
+
+def block_positions(layout: ParamLayout, weight_name: str, bias_name: str | None = None, index: Tensor | None = None,
+                    device: torch.device | str = "cpu") -> Tensor:
+    """(out, in_aug) flat positions in ``layout`` of the entries of a block's matrix ``W_hat`` (its ``index``
+    into ``[weight.flatten(), bias.flatten()]``, or the standard ``[W | b]`` view for None, as
+    :class:`KroneckerBlock`): ``flat[block_positions(...)]`` is ``W_hat``. For consumers that read one block's
+    part of a flat vector (a Laplace posterior's samples and GLM predictive)."""
+    ix = _BlockIndex(layout, weight_name, bias_name, torch.device(device), index)
+    return ix.perm.reshape(ix.out, ix.in_aug)
 
 
 def _sandwich(L: Tensor, X: Tensor, R: Tensor | None) -> Tensor:
