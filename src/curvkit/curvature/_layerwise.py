@@ -110,7 +110,7 @@ def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, o
         a, d = inputs[i], deltas[i]  # d: (R, B, *out_shape)
         mod = spec.module
         if isinstance(mod, nn.Linear):  # sum_r d_rbo^2 first: (B, out), then one (out, B) x (B, in) product
-            q = d.square_().sum(0)
+            q = d.square().sum(0)  # not in place: layers fed by one sum share their output gradient
             out[spec.weight] = q.T @ a**2
             if spec.bias is not None:
                 out[spec.bias] = q.sum(0)
