@@ -9,6 +9,7 @@ user's model unchanged."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from curvkit.curvature import GGNOperator, HessianOperator
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.hf import HuggingFace, is_transformers_model
+from curvkit.laplace import Laplace
 from curvkit.layerkinds import TransposedLinearHandler, handler_for
 from curvkit.likelihoods import CrossEntropy
 from curvkit.linalg.layout import ParamLayout
@@ -522,8 +524,8 @@ def test_gauss_newton_steps_on_the_linear_layers_of_each_model(which):
 @pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
 def test_laplace_fits_on_each_model(which):
     """Full GGN Laplace over EVERY parameter (Conv1D, attention, LayerNorm, embeddings): the precision is the
-    prior plus the dense reference GGN of the summed loss. With one output per sample (BERT, ViT) also the
-    diagonal GGN Laplace (the reference's diagonal), and Kronecker Laplace on the nn.Linear layers
+    prior plus the dense reference GGN of the summed loss. Also the diagonal GGN Laplace (the reference's
+    diagonal; GPT-2's per-token outputs included), and Kronecker Laplace on the nn.Linear layers
     (prior_form='exact': the prior plus the KFLR estimator's operator of the summed loss; finite log marginal
     likelihood). The model is left as it was."""
     from curvkit.laplace import Laplace
@@ -539,8 +541,6 @@ def test_laplace_fits_on_each_model(which):
     full = Laplace(hf, lik, structure="full", curvature="ggn", prior_precision=0.5).fit(data)
     torch.testing.assert_close(full.precision().to_dense(), G + 0.5 * eye, atol=1e-10, rtol=0)
     assert_same_state(model, before)
-    if which == "gpt2":  # per-token outputs: diag and Kronecker Laplace scale the curvature by samples / counted
-        return  # tokens on this branch (1/T of the GGN); fixed on branch issue21-laplace, which tests them
     diag = Laplace(hf, lik, structure="diag", curvature="ggn", prior_precision=0.5).fit(data)
     torch.testing.assert_close(diag.precision().to_dense().diagonal(), G.diagonal() + 0.5, atol=1e-10, rtol=0)
     for n, p in hf.named_parameters():
@@ -693,17 +693,100 @@ def test_gauss_newton_refuses_bad_mapping_batches_by_name():
     torch.testing.assert_close(flat_trainable(hf), theta, atol=0, rtol=0)
 
 
-def test_mapping_batches_are_refused_by_laplace_on_this_branch():
-    """Laplace.fit takes a tensor X only (yet): a mapping batch is refused, the model unchanged."""
-    from curvkit.laplace import Laplace
+def _rows(X, rows):
+    return {k: v[rows] for k, v in X.items()}
 
-    model = gpt2()
-    hf = HuggingFace(model)
+
+def _cover_all_but_one_module(which):
+    build, batch, frozen_name = MAPPING[which]
+    hf = HuggingFace(build())
     for n, p in hf.named_parameters():
-        p.requires_grad_("lm_head" in n)
-    before = state(model)
-    data = lm_batch()
+        p.requires_grad_(frozen_name not in n)
+    return hf, batch()
+
+
+def _dense_glm(post, hf, X):
+    """(f, J Sigma J^T per position): J the dense Jacobian of the model called on the whole dict (attention
+    mask included) in the posterior's parameters, Sigma its dense covariance."""
+    f, theta = flat_model(hf)
+    assert post.names == [n for n, p in hf.named_parameters() if p.requires_grad]  # the same flat order
+    J = torch.func.jacrev(lambda th: f(th, X))(theta)  # (B, *P, C, d)
+    S = post.covariance().to_dense()
+    return f(theta, X), torch.einsum("...ci,ij,...dj->...cd", J, S, J)
+
+
+@pytest.mark.filterwarnings("ignore:Laplace GLM predictive. torch.func.vmap failed:RuntimeWarning")
+@pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
+@pytest.mark.parametrize("structure,curvature,form", [("kron", "kflr", "exact"), ("kron", "kfac", "factored"),
+                                                      ("diag", "ggn", "factored"), ("full", "ggn", "factored")])
+def test_laplace_on_mapping_batches_equals_the_dense_references(which, structure, curvature, form):
+    """Laplace.fit on two mapping batches (input_ids, attention_mask, position ids; GPT-2 right-padded with
+    targets -100; ViT pixel_values, its raw class token and position table included) over every parameter
+    but a frozen module (MAPPING): N counts the samples; the precision
+    is the prior plus the dense GGN of the summed loss (full; its diagonal for diag) or N/n times the
+    Kronecker engine's operator on the same mapping batch (kron, exact form); the GLM predictive's
+    J Sigma J^T per position, its diagonal and the probit predictive equal the dense Jacobian of the model
+    called on the whole dict; the MC predictive at fixed samples is the mean softmax of the model on the
+    dict at those samples. The model is left as it was."""
+    hf, (X, y) = _cover_all_but_one_module(which)
+    before = state(hf.model)
     lik = CrossEntropy(ignore_index=-100)
-    with pytest.raises(TypeError, match=r"X is a mapping of tensors .*pass a tensor X"):
-        Laplace(hf, lik, structure="diag").fit(data)
-    assert_same_state(model, before)
+    lam = 0.5
+    kw = {"norm_structure": "full"} if structure == "kron" else {}
+    post = Laplace(hf, lik, structure, curvature, prior_precision=lam, prior_form=form, **kw)
+    post.fit([(_rows(X, slice(0, 2)), y[:2]), (_rows(X, slice(2, None)), y[2:])])
+    assert post.num_data == post.num_seen == 4
+    assert post.input_spec == {k: (v.dtype, tuple(v.shape[1:])) for k, v in X.items()}
+    eye = torch.eye(post.layout.dim, dtype=D64)
+    if structure != "kron" or form == "exact":
+        summed = CrossEntropy("sum", ignore_index=-100)
+        if structure == "kron":
+            K = KroneckerEstimator(hf, summed, "kflr", norm_structure="full").update((X, y)).operator()
+            ref = K.to_dense() + lam * eye
+        else:
+            ref = dense_ggn_flat(hf, summed, (X, y)) + lam * eye
+        P = post.precision().to_dense()
+        torch.testing.assert_close(P, torch.diag(ref.diagonal()) if structure == "diag" else ref, atol=1e-10, rtol=0)
+    f_ref, V_ref = _dense_glm(post, hf, X)
+    f, V = post.functional_variance(X, batch_size=3)
+    torch.testing.assert_close(f, f_ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(V, V_ref, atol=1e-10, rtol=1e-10)
+    _, Vd = post.functional_variance(X, batch_size=2, diagonal=True)
+    torch.testing.assert_close(Vd, V_ref.diagonal(dim1=-2, dim2=-1), atol=1e-10, rtol=1e-10)
+    probit = (f_ref / torch.sqrt(1 + math.pi / 8 * V_ref.diagonal(dim1=-2, dim2=-1))).softmax(-1)
+    torch.testing.assert_close(post.predict(X, "glm", batch_size=3), probit, atol=1e-12, rtol=0)
+    samples = post.sample(3, generator=torch.Generator().manual_seed(0))
+    fs, _ = flat_model(hf)
+    mc = sum(fs(s, X).softmax(-1) for s in samples) / 3
+    torch.testing.assert_close(post.predict(X, "mc", samples=samples, batch_size=3), mc, atol=1e-12, rtol=0)
+    assert_same_state(hf.model, before)
+
+
+def test_laplace_checks_mapping_inputs_against_the_fit_and_saves_their_spec():
+    """Predictions on a posterior fitted on mapping batches: another set of keys, a tensor, an entry of another
+    dtype kind or number of dimensions are refused naming the entry; a state_dict keeps the per-key spec (a
+    loaded posterior predicts the same); a fit on a mapping whose tensors disagree on the batch size is refused."""
+    hf, (X, y) = _cover_all_but_one_module("bert")
+    lik = CrossEntropy()
+    post = Laplace(hf, lik, "kron", prior_precision=0.5).fit((X, y))
+    ok = post.predict(X)
+    assert ok.shape == (4, 3)
+    torch.testing.assert_close(post.predict({**X, "attention_mask": X["attention_mask"].int()}), ok)
+    ids = X["input_ids"]
+    for bad, match in (
+            ({"input_ids": ids, "attention_mask": X["attention_mask"]}, r"X is \{'input_ids': \(4, 5\), "
+             r"'attention_mask': \(4, 5\)\}, but the posterior was fitted on a mapping \{'input_ids': inputs \(B, 5\) "
+             r"of dtype torch.int64, .*pass the same input keys"),
+            (ids, r"X is \(4, 5\), but the posterior was fitted on a mapping"),
+            ({**X, "attention_mask": X["attention_mask"].double()}, r"X\['attention_mask'\] has dtype torch.float64, "
+             r"but the posterior was fitted on .*convert it with X\['attention_mask'\].to\(torch.int64\)"),
+            ({**X, "input_ids": ids[:, :, None]}, r"X\['input_ids'\] has shape \(4, 5, 1\), but the posterior"),
+            ({**X, "input_ids": ids[:3]}, r"X: the tensors of an input mapping must share one positive leading batch")):
+        with pytest.raises(ValueError, match=match):
+            post.predict(bad)
+    loaded = Laplace(hf, lik, "kron", prior_precision=0.5)
+    loaded.load_state_dict(post.state_dict())
+    assert loaded.input_spec == post.input_spec
+    torch.testing.assert_close(loaded.predict(X), ok, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"batch 0: X: the tensors of an input mapping must share one positive"):
+        Laplace(hf, lik, "diag").fit(({**X, "input_ids": ids[:3]}, y))

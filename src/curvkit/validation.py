@@ -253,7 +253,7 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
                             "pass (X, y) or an iterable of (X, y) pairs (X a tensor or a mapping of tensors)")
         if isinstance(item[0], Mapping) and not mappings:
             raise TypeError(f"batch {i}: X is a mapping of tensors ({describe_inputs(item[0])}), which this reader "
-                            "does not take yet (the exact operators and the Kronecker/diagonal estimators do); "
+                            "does not take yet (the exact operators, the estimators, GaussNewton and Laplace do); "
                             "pass a tensor X")
         X, y = check_inputs(item[0], f"batch {i}: X"), item[1]
         if y.dim() == 0 or num_samples(X) != y.shape[0]:
