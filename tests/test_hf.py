@@ -790,3 +790,8 @@ def test_laplace_checks_mapping_inputs_against_the_fit_and_saves_their_spec():
     torch.testing.assert_close(loaded.predict(X), ok, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"batch 0: X: the tensors of an input mapping must share one positive"):
         Laplace(hf, lik, "diag").fit(({**X, "input_ids": ids[:3]}, y))
+    images, labels = image_batch(B=4)
+    images["pixel_values"][1, 0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"batch 0 of the data: the inputs X\['pixel_values'\] contain NaN or inf "
+                                         r"\(1 of 256 entries\)"):
+        Laplace(HuggingFace(vit()), lik, "diag").fit((images, labels))

@@ -108,6 +108,8 @@ from curvkit.validation import (
     take_samples,
 )
 
+__all__ = ["Laplace", "log_likelihood"]
+
 #: What :meth:`Laplace.fit` saw of the inputs: (dtype, shape without the batch dimension) of a tensor, or of
 #: every tensor of a mapping by key.
 InputSpec = tuple[torch.dtype, tuple[int, ...]] | dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -139,7 +141,6 @@ def _spec_from_state(state: Any) -> InputSpec | None:
         return {str(k): one(v) for k, v in state.items()}
     return one(state)
 
-__all__ = ["Laplace", "log_likelihood"]
 
 StructureName = Literal["kron", "diag", "full"]
 

@@ -13,8 +13,9 @@
   prior precision on validation data, thesis Sec. 5.1.1).
 
 Inputs ``X`` are a tensor or a mapping of tensors (:data:`curvkit.validation.Inputs`, e.g. a Hugging Face
-batch with its attention mask), processed in chunks of ``batch_size`` samples; Monte Carlo predictions draw their posterior samples
-once (from ``generator``, or the given ``samples``) and use the same samples for every chunk.
+batch with its attention mask), processed in chunks of ``batch_size`` samples; Monte Carlo predictions draw
+their posterior samples once (from ``generator``, or the given ``samples``) and use the same samples for
+every chunk.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def _chunks(X: Inputs, batch_size: int) -> list[Inputs]:
     return [take_samples(X, slice(i, i + b)) for i in range(0, num_samples(X), b)]
 
 
-def _fitted_on(dtype: torch.dtype, shape: tuple[int, ...], what: str = "inputs") -> str:
-    return f"{what} (B, {', '.join(map(str, shape))}) of dtype {dtype}" if shape else f"{what} (B,) of dtype {dtype}"
+def _fitted_on(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """'inputs (B, *shape) of dtype ...', for errors."""
+    return f"inputs (B, {', '.join(map(str, shape))}) of dtype {dtype}" if shape else f"inputs (B,) of dtype {dtype}"
 
 
 def _check_inputs(post: Any, X: Any) -> Inputs:
