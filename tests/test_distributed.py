@@ -58,6 +58,17 @@ def _shard(t, rank, world):
     return t[b[rank]:b[rank + 1]]
 
 
+class _MappingNet(torch.nn.Module):
+    """A network called on a mapping batch {"x": (B, 5), "gate": (B,)}: net(x * gate)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch):
+        return self.net(batch["x"] * batch["gate"].unsqueeze(-1))
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def _curvature_checks(rank, world, red):
     from curvkit.curvature import DiagonalEstimator, GGNOperator, HessianOperator, KroneckerEstimator
@@ -268,6 +279,18 @@ def _gauss_newton_checks(rank, world, red):
                    f"GaussNewton ViT {cfg} {placement} objective")
         for p1, p2 in zip(nets[0].parameters(), nets[1].parameters()):
             _close(p2, p1, f"GaussNewton ViT {cfg} {placement} parameters", rtol=1e-7, atol=1e-9)
+    # mapping batches (a model called on {"x": ..., "gate": ...}): each rank steps on its rows of every tensor
+    nets = [_MappingNet(_net()) for _ in range(2)]
+    kw = dict(likelihood=lik, curvature="kflr", tau_every=1, weight_decay=1e-4)
+    ref = GaussNewton(nets[0].parameters(), model=nets[0], **kw)
+    dst = GaussNewton(nets[1].parameters(), model=nets[1], distributed=red, **kw)
+    for t, (X, y) in enumerate(batches[:2]):
+        gate = torch.linspace(0.5, 1.5, 13, dtype=torch.float64) * (1 + t)
+        Xm = {"x": X, "gate": gate}
+        Xr = {k: _shard(v, rank, world) for k, v in Xm.items()}
+        _close(dst.step(batch=(Xr, _shard(y, rank, world))), ref.step(batch=(Xm, y)), "GaussNewton mapping objective")
+    for p1, p2 in zip(nets[0].parameters(), nets[1].parameters()):
+        _close(p2, p1, "GaussNewton mapping parameters", rtol=1e-7, atol=1e-9)
     # closures under DistributedDataParallel with the union-gradient hook (unequal shards, mean loss)
     ref_net, dst_net = _net(), _net()
     r = Reducer(timeout=red.timeout)

@@ -9,6 +9,7 @@ user's model unchanged."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -18,11 +19,12 @@ from torch import Tensor, nn
 from curvkit.curvature import GGNOperator, HessianOperator
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.hf import HuggingFace, is_transformers_model
+from curvkit.laplace import Laplace
 from curvkit.layerkinds import TransposedLinearHandler, handler_for
 from curvkit.likelihoods import CrossEntropy
 from curvkit.linalg.layout import ParamLayout
 from curvkit.structure import UnsupportedModelError
-from reference import dense_ggn_flat, dense_hessian_ror
+from reference import dense_ggn_flat, dense_hessian_ror, flat_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -522,8 +524,8 @@ def test_gauss_newton_steps_on_the_linear_layers_of_each_model(which):
 @pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
 def test_laplace_fits_on_each_model(which):
     """Full GGN Laplace over EVERY parameter (Conv1D, attention, LayerNorm, embeddings): the precision is the
-    prior plus the dense reference GGN of the summed loss. With one output per sample (BERT, ViT) also the
-    diagonal GGN Laplace (the reference's diagonal), and Kronecker Laplace on the nn.Linear layers
+    prior plus the dense reference GGN of the summed loss. Also the diagonal GGN Laplace (the reference's
+    diagonal; GPT-2's per-token outputs included), and Kronecker Laplace on the nn.Linear layers
     (prior_form='exact': the prior plus the KFLR estimator's operator of the summed loss; finite log marginal
     likelihood). The model is left as it was."""
     from curvkit.laplace import Laplace
@@ -550,24 +552,249 @@ def test_laplace_fits_on_each_model(which):
     assert torch.isfinite(kron.log_marginal_likelihood())
 
 
-def test_mapping_batches_are_refused_by_gauss_newton_and_laplace_on_this_branch():
-    """GaussNewton.step and Laplace.fit take a tensor X only (yet): a mapping batch is refused, the model
-    unchanged."""
-    from curvkit.laplace import Laplace
+#: Per model: a mapping batch (text: right-padded input_ids with their attention_mask and batch-shaped position
+#: ids, GPT-2's targets -100 at the padding and the last position; ViT: pixel_values) and the module left frozen
+#: (the token embedding; the ViT's patch projection).
+MAPPING = {
+    "gpt2": (lambda: gpt2(seed=6), lambda: lm_batch(B=4, seed=8), "transformer.wte"),
+    "bert": (lambda: bert(seed=6), lambda: cls_batch(B=4, seed=8), "word_embeddings"),
+    "vit": (lambda: vit(seed=3), lambda: image_batch(B=4, seed=7), "patch_embeddings.projection"),
+}
+
+
+def flat_trainable(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+@pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
+def test_gauss_newton_steps_on_mapping_batches_equal_the_dense_reference_step(which):
+    """GaussNewton.step(batch=(mapping, y)) on EVERY layer but a frozen one (text: the token embedding, with the
+    attention mask in the batch; ViT: the patch projection, its raw class token and position table running as
+    per-sample copies of the mapping's samples): one step (KFLR, exact damped inverse, weight decay, the three zeta candidates, rho)
+    is the dense float64 step: the direction d = (K + (lambda + zeta) I)^{-1} (g + lambda theta) with K the
+    estimator's Kronecker curvature on the mapping batch, alpha* = -d^T g_E / d^T (G + (lambda + tau) I) d
+    with the dense exact GGN G (Eqs. 4.17-4.20), the zeta of the smallest q among the three, the loss before
+    and after the step of the model called on the whole dict. Three steps lower the loss; the frozen
+    parameter, buffers, flags, configuration and hooks are left alone."""
     from curvkit.optim import GaussNewton
 
-    model = gpt2()
+    build, batch, frozen_name = MAPPING[which]
+    model = build()
     hf = HuggingFace(model)
     for n, p in hf.named_parameters():
-        p.requires_grad_("lm_head" in n)
+        p.requires_grad_(frozen_name not in n)
     before = state(model)
-    data = lm_batch()
+    frozen = {n: p.detach().clone() for n, p in hf.named_parameters() if not p.requires_grad}
+    assert len(frozen) in (1, 2)  # (a weight, or a layer's weight and bias)
+    X, y = batch()
+    if which != "vit":  # padded: masked positions (and GPT-2's -100 targets)
+        assert (X["attention_mask"] == 0).any() and ((y == -100).any() or which == "bert")
     lik = CrossEntropy(ignore_index=-100)
-    with pytest.raises(TypeError, match="batch must be a pair"):
-        GaussNewton(hf.parameters(), model=hf, likelihood=lik, curvature="kflr").step(batch=data)
-    with pytest.raises(TypeError, match=r"X is a mapping of tensors .*pass a tensor X"):
-        Laplace(hf, lik, structure="diag").fit(data)
-    assert_same_state(model, before)
+    wd, tau, zeta = 1e-3, 0.5, 2.0
+    # dense references at theta0 (the model called on the whole dict)
+    f, theta0 = flat_model(hf)
+    E = lambda th: lik(f(th, X), y) + 0.5 * wd * th.pow(2).sum()  # noqa: E731
+    gE = torch.func.grad(E)(theta0)
+    G = dense_ggn_flat(hf, lik, (X, y))
+    K = KroneckerEstimator(hf, lik, "kflr").update((X, y)).operator().to_dense()
+    eye = torch.eye(theta0.numel(), dtype=D64)
+    opt = GaussNewton(hf.parameters(), model=hf, likelihood=lik, curvature="kflr", inversion="eigen",
+                      weight_decay=wd, tau=tau, zeta=zeta, tau_every=1, zeta_every=1, omega_zeta=0.5)
+    E0 = float(opt.step(batch=(X, y)))
+    rec = opt.history[-1]
+    theta1 = flat_trainable(hf)
+    # the three candidate directions and their quadratic models, densely
+    q = {}
+    for z in (zeta, 0.5 * zeta, zeta / 0.5):
+        d = torch.linalg.solve(K + (wd + z) * eye, gE)
+        dCd = float(d @ (G + (wd + tau) * eye) @ d)
+        alpha = -float(d @ gE) / dCd
+        q[z] = (alpha, alpha * float(d @ gE) + 0.5 * alpha**2 * dCd, d)
+    best = min(q, key=lambda z: q[z][1])
+    alpha, predicted, d = q[best]
+    assert rec["zeta"] == best and opt.zeta == best
+    assert rec["alpha"] == pytest.approx(alpha, rel=1e-9)
+    assert rec["predicted_change"] == pytest.approx(predicted, rel=1e-9)
+    torch.testing.assert_close(theta1 - theta0, alpha * d, atol=1e-10, rtol=0)
+    assert E0 == pytest.approx(float(E(theta0)), rel=1e-12)
+    assert rec["loss_after"] == pytest.approx(float(E(theta1)), rel=1e-12)
+    for _ in range(2):
+        opt.step(batch=(X, y))
+    assert float(E(flat_trainable(hf))) < E0 - 0.02  # (gpt2 2.401 -> 1.719, bert 1.110 -> 1.059, vit 1.394 -> 1.128)
+    for n, p in hf.named_parameters():
+        if n in frozen:
+            torch.testing.assert_close(p.detach(), frozen[n], atol=0, rtol=0)
+    after = state(model)
+    assert after[1:] == before[1:]
+    for k, v in before[0].items():
+        if not any(k == n.removeprefix("model.") for n, p in hf.named_parameters() if p.requires_grad):
+            torch.testing.assert_close(after[0][k], v, atol=0, rtol=0)
+
+
+def test_gauss_newton_closure_with_a_mapping_batch_equals_the_batch_step():
+    """step(closure) whose closure calls hf(X) on BERT's mapping batch records the mapping (attention mask
+    included) for the curvature and the quadratic model: the same parameters as step(batch=(X, y)). A closure
+    that calls hf(**X) (no positional batch) is refused, and so is a closure with a padded likelihood (only the
+    targets mark the padding, and the closure does not pass them)."""
+    from curvkit.optim import GaussNewton
+
+    build, batch, _ = MAPPING["bert"]
+    X, y = batch()
+    lik = CrossEntropy()
+    models = []
+    for use_closure in (False, True):
+        hf = HuggingFace(build())
+        opt = GaussNewton(hf.parameters(), model=hf, likelihood=lik, curvature="kflr", tau_every=1, zeta_every=2)
+
+        def closure(hf=hf, opt=opt):
+            opt.zero_grad()
+            loss = lik(hf(X), y)
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            opt.step(closure) if use_closure else opt.step(batch=(X, y))
+        models.append(flat_trainable(hf))
+    torch.testing.assert_close(models[1], models[0], atol=1e-12, rtol=0)
+    with pytest.raises(TypeError, match=r"closure must call the model on the batch as its one positional argument"):
+        opt.step(lambda: lik(hf(**X), y).backward())
+    padded = CrossEntropy(ignore_index=-100)
+    opt = GaussNewton(hf.parameters(), model=hf, likelihood=padded, curvature="kflr")
+    with pytest.raises(TypeError, match=r"has padding \(ignore_index=-100\).*use step\(batch=\(X, y\)\)"):
+        opt.step(lambda: padded(hf(X), y).backward())
+    assert opt.num_steps == 0
+
+
+def test_gauss_newton_refuses_bad_mapping_batches_by_name():
+    """Mapping batches with a floating entry of another dtype, NaN in a floating entry, entries of different
+    batch sizes, or targets for another number of samples: errors that name the entry; nothing changes."""
+    from curvkit.optim import GaussNewton
+
+    hf = HuggingFace(vit(seed=3))
+    X, y = image_batch(B=4)
+    opt = GaussNewton(hf.parameters(), model=hf, likelihood=CrossEntropy(), curvature="kflr")
+    theta = flat_trainable(hf)
+    bad_nan = X["pixel_values"].clone()
+    bad_nan[0, 0, 0, 0] = float("nan")
+    for data, error, match in (
+            (({"pixel_values": X["pixel_values"].float()}, y), ValueError,
+             r"GaussNewton.step: batch X\['pixel_values'\] has dtype torch.float32 but the model's parameters are "
+             r"torch.float64"),
+            (({"pixel_values": bad_nan}, y), ValueError,
+             r"batch X\['pixel_values'\] contains NaN or inf \(1 of 256 entries\); nothing was changed"),
+            ((X, y[:3]), ValueError, r"batch y has shape \(3,\) for X of shape \{'pixel_values': \(4, 1, 8, 8\)\}"),
+            (({"pixel_values": X["pixel_values"], "head_mask": torch.ones(2, 2)}, y), ValueError,
+             r"GaussNewton.step: batch X: the tensors of an input mapping must share one positive leading batch size"),
+            ((X, y, y), TypeError, r"batch must be a pair \(X, y\), X a tensor or a mapping of tensors"),
+            (([X["pixel_values"]], y), TypeError, r"got a tuple of list, Tensor")):
+        with pytest.raises(error, match=match):
+            opt.step(batch=data)
+    assert opt.num_steps == 0
+    torch.testing.assert_close(flat_trainable(hf), theta, atol=0, rtol=0)
+
+
+def _rows(X, rows):
+    return {k: v[rows] for k, v in X.items()}
+
+
+def _cover_all_but_one_module(which):
+    build, batch, frozen_name = MAPPING[which]
+    hf = HuggingFace(build())
+    for n, p in hf.named_parameters():
+        p.requires_grad_(frozen_name not in n)
+    return hf, batch()
+
+
+def _dense_glm(post, hf, X):
+    """(f, J Sigma J^T per position): J the dense Jacobian of the model called on the whole dict (attention
+    mask included) in the posterior's parameters, Sigma its dense covariance."""
+    f, theta = flat_model(hf)
+    assert post.names == [n for n, p in hf.named_parameters() if p.requires_grad]  # the same flat order
+    J = torch.func.jacrev(lambda th: f(th, X))(theta)  # (B, *P, C, d)
+    S = post.covariance().to_dense()
+    return f(theta, X), torch.einsum("...ci,ij,...dj->...cd", J, S, J)
+
+
+@pytest.mark.filterwarnings("ignore:Laplace GLM predictive. torch.func.vmap failed:RuntimeWarning")
+@pytest.mark.parametrize("which", ["gpt2", "bert", "vit"])
+@pytest.mark.parametrize("structure,curvature,form", [("kron", "kflr", "exact"), ("kron", "kfac", "factored"),
+                                                      ("diag", "ggn", "factored"), ("full", "ggn", "factored")])
+def test_laplace_on_mapping_batches_equals_the_dense_references(which, structure, curvature, form):
+    """Laplace.fit on two mapping batches (input_ids, attention_mask, position ids; GPT-2 right-padded with
+    targets -100; ViT pixel_values, its raw class token and position table included) over every parameter
+    but a frozen module (MAPPING): N counts the samples; the precision
+    is the prior plus the dense GGN of the summed loss (full; its diagonal for diag) or N/n times the
+    Kronecker engine's operator on the same mapping batch (kron, exact form); the GLM predictive's
+    J Sigma J^T per position, its diagonal and the probit predictive equal the dense Jacobian of the model
+    called on the whole dict; the MC predictive at fixed samples is the mean softmax of the model on the
+    dict at those samples. The model is left as it was."""
+    hf, (X, y) = _cover_all_but_one_module(which)
+    before = state(hf.model)
+    lik = CrossEntropy(ignore_index=-100)
+    lam = 0.5
+    kw = {"norm_structure": "full"} if structure == "kron" else {}
+    post = Laplace(hf, lik, structure, curvature, prior_precision=lam, prior_form=form, **kw)
+    post.fit([(_rows(X, slice(0, 2)), y[:2]), (_rows(X, slice(2, None)), y[2:])])
+    assert post.num_data == post.num_seen == 4
+    assert post.input_spec == {k: (v.dtype, tuple(v.shape[1:])) for k, v in X.items()}
+    eye = torch.eye(post.layout.dim, dtype=D64)
+    if structure != "kron" or form == "exact":
+        summed = CrossEntropy("sum", ignore_index=-100)
+        if structure == "kron":
+            K = KroneckerEstimator(hf, summed, "kflr", norm_structure="full").update((X, y)).operator()
+            ref = K.to_dense() + lam * eye
+        else:
+            ref = dense_ggn_flat(hf, summed, (X, y)) + lam * eye
+        P = post.precision().to_dense()
+        torch.testing.assert_close(P, torch.diag(ref.diagonal()) if structure == "diag" else ref, atol=1e-10, rtol=0)
+    f_ref, V_ref = _dense_glm(post, hf, X)
+    f, V = post.functional_variance(X, batch_size=3)
+    torch.testing.assert_close(f, f_ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(V, V_ref, atol=1e-10, rtol=1e-10)
+    _, Vd = post.functional_variance(X, batch_size=2, diagonal=True)
+    torch.testing.assert_close(Vd, V_ref.diagonal(dim1=-2, dim2=-1), atol=1e-10, rtol=1e-10)
+    probit = (f_ref / torch.sqrt(1 + math.pi / 8 * V_ref.diagonal(dim1=-2, dim2=-1))).softmax(-1)
+    torch.testing.assert_close(post.predict(X, "glm", batch_size=3), probit, atol=1e-12, rtol=0)
+    samples = post.sample(3, generator=torch.Generator().manual_seed(0))
+    fs, _ = flat_model(hf)
+    mc = sum(fs(s, X).softmax(-1) for s in samples) / 3
+    torch.testing.assert_close(post.predict(X, "mc", samples=samples, batch_size=3), mc, atol=1e-12, rtol=0)
+    assert_same_state(hf.model, before)
+
+
+def test_laplace_checks_mapping_inputs_against_the_fit_and_saves_their_spec():
+    """Predictions on a posterior fitted on mapping batches: another set of keys, a tensor, an entry of another
+    dtype kind or number of dimensions are refused naming the entry; a state_dict keeps the per-key spec (a
+    loaded posterior predicts the same); a fit on a mapping whose tensors disagree on the batch size is refused."""
+    hf, (X, y) = _cover_all_but_one_module("bert")
+    lik = CrossEntropy()
+    post = Laplace(hf, lik, "kron", prior_precision=0.5).fit((X, y))
+    ok = post.predict(X)
+    assert ok.shape == (4, 3)
+    torch.testing.assert_close(post.predict({**X, "attention_mask": X["attention_mask"].int()}), ok)
+    ids = X["input_ids"]
+    for bad, match in (
+            ({"input_ids": ids, "attention_mask": X["attention_mask"]}, r"X is \{'input_ids': \(4, 5\), "
+             r"'attention_mask': \(4, 5\)\}, but the posterior was fitted on a mapping \{'input_ids': inputs \(B, 5\) "
+             r"of dtype torch.int64, .*pass the same input keys"),
+            (ids, r"X is \(4, 5\), but the posterior was fitted on a mapping"),
+            ({**X, "attention_mask": X["attention_mask"].double()}, r"X\['attention_mask'\] has dtype torch.float64, "
+             r"but the posterior was fitted on .*convert it with X\['attention_mask'\].to\(torch.int64\)"),
+            ({**X, "input_ids": ids[:, :, None]}, r"X\['input_ids'\] has shape \(4, 5, 1\), but the posterior"),
+            ({**X, "input_ids": ids[:3]}, r"X: the tensors of an input mapping must share one positive leading batch")):
+        with pytest.raises(ValueError, match=match):
+            post.predict(bad)
+    loaded = Laplace(hf, lik, "kron", prior_precision=0.5)
+    loaded.load_state_dict(post.state_dict())
+    assert loaded.input_spec == post.input_spec
+    torch.testing.assert_close(loaded.predict(X), ok, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"batch 0: X: the tensors of an input mapping must share one positive"):
+        Laplace(hf, lik, "diag").fit(({**X, "input_ids": ids[:3]}, y))
+    images, labels = image_batch(B=4)
+    images["pixel_values"][1, 0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"batch 0 of the data: the inputs X\['pixel_values'\] contain NaN or inf "
+                                         r"\(1 of 256 entries\)"):
+        Laplace(HuggingFace(vit()), lik, "diag").fit((images, labels))
 
 
 def test_lora_adapters_on_gpt2_conv1d():

@@ -113,16 +113,15 @@ def test_iter_batches_reads_mappings_into_plain_dicts():
 
 
 def test_readers_of_tensor_batches_refuse_a_mapping_by_name():
-    """Readers that take tensor inputs only (the default of iter_batches: Laplace's fit, the LLC, the block
-    recursions) say so instead of failing inside the model."""
-    from curvkit.laplace import Laplace
+    """Readers that take tensor inputs only (the default of iter_batches: the LLC, the block recursions) say so
+    instead of failing inside the model."""
+    from curvkit.slt import estimate_llc
 
     X, y = tagger_batch(3)
     with pytest.raises(TypeError, match=r"batch 0: X is a mapping of tensors \(\{'ids': \(3, 4\).*does not take yet"):
         list(iter_batches((X, y)))
     with pytest.raises(TypeError, match="X is a mapping of tensors"):
-        Laplace(DictMLP(), CrossEntropy(), structure="diag").fit(({"a": torch.zeros(2, 3), "b": torch.zeros(2, 2)},
-                                                                   torch.zeros(2, dtype=torch.long)))
+        estimate_llc(DictMLP(), ({"a": torch.zeros(2, 3), "b": torch.zeros(2, 2)}, torch.zeros(2, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("data,error,match", [

@@ -13,7 +13,8 @@ leading batch dimension B (``{"input_ids": (B, T), "attention_mask": (B, T)}``, 
 whatever its kind (a module whose forward takes keyword tensors is wrapped, e.g. by
 :class:`curvkit.hf.HuggingFace`, which calls ``model(**X)``). The curvature engine never indexes, sizes or
 moves a batch itself: it goes through the helpers below (:func:`check_inputs`, :func:`num_samples`,
-:func:`take_samples`, :func:`split_samples`, :func:`inputs_to`, :func:`map_inputs`, :func:`describe_inputs`),
+:func:`take_samples`, :func:`split_samples`, :func:`inputs_to`, :func:`map_inputs`, :func:`input_tensors`,
+:func:`describe_inputs`),
 which treat a tensor and every tensor of a mapping alike (a mapping is read into a plain ``dict`` in its
 key order, so ``torch.func.vmap`` and ``functional_call`` see a pytree). :func:`iter_batches` reads mapping
 batches for the readers that take them (``mappings=True``) and refuses them by name elsewhere.
@@ -34,6 +35,7 @@ __all__ = [
     "check_inputs",
     "describe_inputs",
     "finite_tensor",
+    "input_tensors",
     "inputs_to",
     "integer",
     "iter_batches",
@@ -172,6 +174,14 @@ def map_inputs(fn: Callable[[Tensor], Tensor], X: Inputs) -> Inputs:
     return {k: fn(v) for k, v in X.items()}
 
 
+def input_tensors(X: Inputs, name: str = "X") -> list[tuple[str, Tensor]]:
+    """(label, tensor) for each tensor of an input batch, for checks that name what they refuse: ``[(name,
+    X)]`` for a tensor, ``[(f"{name}[{key!r}]", X[key]), ...]`` for a mapping."""
+    if isinstance(X, Tensor):
+        return [(name, X)]
+    return [(f"{name}[{k!r}]", v) for k, v in X.items()]
+
+
 def take_samples(X: Inputs, index: Any) -> Inputs:
     """The samples ``index`` (a slice, an integer tensor or list of rows) of an input batch: ``X[index]``
     for a tensor, the same rows of every tensor of a mapping."""
@@ -243,7 +253,7 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
                             "pass (X, y) or an iterable of (X, y) pairs (X a tensor or a mapping of tensors)")
         if isinstance(item[0], Mapping) and not mappings:
             raise TypeError(f"batch {i}: X is a mapping of tensors ({describe_inputs(item[0])}), which this reader "
-                            "does not take yet (the exact operators and the Kronecker/diagonal estimators do); "
+                            "does not take yet (the exact operators, the estimators, GaussNewton and Laplace do); "
                             "pass a tensor X")
         X, y = check_inputs(item[0], f"batch {i}: X"), item[1]
         if y.dim() == 0 or num_samples(X) != y.shape[0]:

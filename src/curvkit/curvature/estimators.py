@@ -384,8 +384,9 @@ class KroneckerEstimator(CurvatureEstimator):
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
-    def forward(self, capture: BlockCapture, X: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Run the model on ``X`` inside ``capture`` for :meth:`accumulate`, as the estimator's own pass does:
+    def forward(self, capture: BlockCapture, X: Inputs) -> tuple[Tensor, dict[str, Tensor]]:
+        """Run the model on ``X`` (a tensor or a mapping of tensors) inside ``capture`` for :meth:`accumulate`,
+        as the estimator's own pass does:
         ``model(X)``, or with raw parameters (a ViT's class token) a functional call on per-sample copies
         ``P = p.expand(B, ...)`` (checked once to act per sample). Returns (f, {canonical name: P}); the
         gradient of a loss with respect to such a p is that with respect to P summed over its first dimension."""
@@ -393,7 +394,7 @@ class KroneckerEstimator(CurvatureEstimator):
             return self.model(X), {}
         if not self._raw_checked:
             self._check_raw(X)
-        copies = capture.substitute(X.shape[0])
+        copies = capture.substitute(num_samples(X))
         self._fed = capture
         return self.structure.functional_call(copies, (X,)), copies
 

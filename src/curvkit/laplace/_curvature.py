@@ -29,6 +29,7 @@ from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFish
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
+from curvkit.validation import Inputs, num_samples
 
 __all__ = ["DenseSource", "DiagonalSource", "KroneckerSource"]
 
@@ -53,7 +54,7 @@ class KroneckerSource:
             self.estimator.require_dense_output_factors("Laplace(structure='kron')")
         self.own_pass = any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
 
-    def update(self, X: Tensor, y: Tensor) -> Tensor | None:
+    def update(self, X: Inputs, y: Tensor) -> Tensor | None:
         """Add the batch's statistics; returns the model's (detached) output of the forward pass they used
         (None when the estimator ran its own pass: raw parameters need per-sample copies)."""
         est = self.estimator
@@ -85,7 +86,7 @@ class DiagonalSource:
             self.estimator = DiagonalEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
                                                mc_samples=mc_samples, seed=seed)
 
-    def update(self, X: Tensor, y: Tensor) -> None:
+    def update(self, X: Inputs, y: Tensor) -> None:
         with only_trainable(self.model, self.names):
             self.estimator.update((X, y))
 
@@ -110,7 +111,7 @@ class DenseSource:
         self.total: Tensor | None = None
         self.count = 0
 
-    def update(self, X: Tensor, y: Tensor) -> None:
+    def update(self, X: Inputs, y: Tensor) -> None:
         with only_trainable(self.model, self.names):
             op: Any
             if self.method == "ggn":
@@ -124,7 +125,7 @@ class DenseSource:
         if not bool(torch.isfinite(D).all()):
             raise ValueError("the dense curvature of this batch contains NaN or inf; check the inputs and the model")
         self.total = D if self.total is None else self.total + D
-        self.count += int(X.shape[0])
+        self.count += num_samples(X)
 
     def mean(self) -> Tensor:
         if self.total is None:

@@ -15,7 +15,11 @@ Outputs are (B, C) or (B, *P, C) (per-token classification); an output ENTRY is 
   everything a layer kind reads back (a BatchNorm's running statistics) is the posterior's, not the
   module's current state.
 * :func:`generic_variance` - any other parameters: per-sample Jacobian rows (k, B, d) of a chunk of k
-  entries with respect to those parameters (``torch.func.vmap`` of ``jacrev``).
+  entries with respect to those parameters (``torch.func.vmap`` of ``jacrev``; a model that vmap cannot
+  take, e.g. Hugging Face's attention-mask code, is differentiated one sample at a time).
+
+Inputs ``X`` are a tensor or a mapping of tensors (:data:`curvkit.validation.Inputs`); the model is called
+as ``model(X)``.
 
 k is chosen so that one chunk holds about ``BUDGET`` numbers (at least one entry; whole positions when the
 (C, C) covariances are asked for).
@@ -24,6 +28,7 @@ k is chosen so that one chunk holds about ``BUDGET`` numbers (at least one entry
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +39,7 @@ from torch.func import jacrev, vmap
 from curvkit.curvature.capture import BlockCapture
 from curvkit.laplace._glm import GLMTerm
 from curvkit.structure import ModelStructure
+from curvkit.validation import Inputs, map_inputs, num_samples, take_samples
 
 __all__ = ["BUDGET", "engine_variance", "generic_variance", "new_variance"]
 
@@ -115,7 +121,7 @@ def _is_output_layer(spec: Any, site: Any, f: Tensor) -> bool:
 
 
 def engine_variance(structure: ModelStructure, plans: Sequence[Any], terms: Sequence[GLMTerm],
-                    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], X: Tensor, diagonal: bool,
+                    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], X: Inputs, diagonal: bool,
                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(f, variances) at ``params`` for the blocks of ``plans`` (:func:`curvkit.layerkinds.plan`), one term
     per block in plan order: variances (B, P*C) of every entry, or (B, P, C, C) per position."""
@@ -129,7 +135,7 @@ def engine_variance(structure: ModelStructure, plans: Sequence[Any], terms: Sequ
         result["f"] = out.detach()
 
     with cap:
-        raw = cap.substitute(X.shape[0], values=params)
+        raw = cap.substitute(num_samples(X), values=params)
         handle = structure.model.register_forward_hook(at_end)
         try:
             with torch.enable_grad():
@@ -177,29 +183,36 @@ def _from_sites(cap: BlockCapture, f: Tensor, terms: Sequence[GLMTerm], diagonal
 
 
 def generic_rows(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
-                 names: Sequence[str], X: Tensor, e0: int, e1: int) -> Tensor:
+                 names: Sequence[str], X: Inputs, e0: int, e1: int) -> Tensor:
     """Per-sample Jacobian rows (e1 - e0, B, d) of output entries [e0, e1) with respect to the parameters
-    ``names`` (flat, in the given order), by ``vmap(jacrev)`` over the batch."""
+    ``names`` (flat, in the given order), by ``vmap(jacrev)`` over the batch, or one sample at a time where
+    vmap fails (a warning says so)."""
     sub = {n: params[n].detach() for n in names}
     rest = {n: t.detach() for n, t in params.items() if n not in sub}
 
-    def single(p: dict[str, Tensor], x: Tensor) -> Tensor:
-        out = structure.functional_call({**rest, **p}, (x.unsqueeze(0),), buffers)
+    def single(p: dict[str, Tensor], x: Inputs) -> Tensor:
+        out = structure.functional_call({**rest, **p}, (map_inputs(lambda t: t.unsqueeze(0), x),), buffers)
         return out.reshape(-1)[e0:e1]  # type: ignore[no-any-return]
 
-    J = vmap(jacrev(single), in_dims=(None, 0))(sub, X)
-    B = X.shape[0]
+    B = num_samples(X)
+    try:
+        J = vmap(jacrev(single), in_dims=(None, 0))(sub, X)
+    except (RuntimeError, NotImplementedError) as err:
+        warnings.warn(f"Laplace GLM predictive: torch.func.vmap failed ({err}); the Jacobian rows are computed "
+                      "one sample at a time", RuntimeWarning, stacklevel=2)
+        rows = [jacrev(single)(sub, take_samples(X, i)) for i in range(B)]
+        J = {n: torch.stack([r[n] for r in rows]) for n in names}
     return torch.cat([J[n].reshape(B, e1 - e0, -1) for n in names], dim=-1).transpose(0, 1)
 
 
 def generic_variance(structure: ModelStructure, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
-                     blocks: Sequence[tuple[Sequence[str], GLMTerm]], X: Tensor, var: Tensor, C: int,
+                     blocks: Sequence[tuple[Sequence[str], GLMTerm]], X: Inputs, var: Tensor, C: int,
                      diagonal: bool) -> None:
     """Add the variances of the ``blocks`` (their parameter names and a gradient-rows term each) into ``var``
     (:func:`new_variance`'s form), from per-sample Jacobian rows in chunks of entries."""
     names = [n for ns, _ in blocks for n in ns]
     dims = [sum(int(params[n].numel()) for n in ns) for ns, _ in blocks]
-    B = X.shape[0]
+    B = num_samples(X)
     K = var.shape[1] if diagonal else var.shape[1] * C
     k = _chunk_size(2 * B * sum(dims), K, C, diagonal)
     for e0 in range(0, K, k):

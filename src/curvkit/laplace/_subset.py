@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from curvkit.curvature._graph import graph_leaves
 from curvkit.structure import LayerInfo, curvature_kernels, read_model
+from curvkit.validation import Inputs
 
 __all__ = ["ModuleCall", "last_layer_names", "only_trainable", "resolve_subset", "subset_layers", "traced_forward"]
 
@@ -98,7 +99,7 @@ def subset_layers(model: nn.Module, names: Sequence[str]) -> list[LayerInfo]:
     return out
 
 
-def traced_forward(model: nn.Module, X: Tensor, record: bool = True) -> tuple[Tensor, list[ModuleCall]]:
+def traced_forward(model: nn.Module, X: Inputs, record: bool = True) -> tuple[Tensor, list[ModuleCall]]:
     """``model(X)`` with its autograd graph, and (``record``) every module call in completion order with
     the ``grad_fn`` nodes of its outputs. The hooks are removed afterwards; nothing else changes (the
     callers refuse modules that write state in the forward pass, such as BatchNorm in training mode)."""

@@ -53,10 +53,17 @@ Eq. 5.14, the ICLR paper's tau); ``N`` defaults to the number of data seen by :m
 
 BatchNorm must be in eval mode (running statistics; thesis Sec. 5.2.4), Dropout too (``model.eval()``).
 
+Inputs: ``X`` is a tensor (B, ...) or a mapping of tensors sharing the batch dimension
+(:data:`curvkit.validation.Inputs`: a Hugging Face batch ``{"input_ids": ..., "attention_mask": ...}``
+through :class:`curvkit.hf.HuggingFace`), in :meth:`Laplace.fit`'s data and in the predictions alike; the
+model is called as ``model(X)`` for the curvature, the Jacobians of the GLM predictive and the samples of
+the MC predictive, so every entry (the attention mask) takes part in all of them. ``N`` counts samples.
+
 Input checks: a covered parameter the output does not depend on is named in an
 :class:`~curvkit.curvature._graph.UnusedParameterWarning` at :meth:`Laplace.fit`; ``num_data`` and prior
 precisions are checked wherever they are passed (tensors that require grad included, their graph kept);
-predictions check the inputs against the dtype and shape of those :meth:`Laplace.fit` saw.
+predictions check the inputs against the dtype and shape of those :meth:`Laplace.fit` saw (for a mapping:
+the same keys, and per key the dtype and shape).
 """
 
 from __future__ import annotations
@@ -91,9 +98,49 @@ from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
 from curvkit.structure import LayerInfo, curvature_kernels, read_model
-from curvkit.validation import integer, iter_batches, positive
+from curvkit.validation import (
+    Inputs,
+    input_tensors,
+    integer,
+    iter_batches,
+    num_samples,
+    positive,
+    take_samples,
+)
 
 __all__ = ["Laplace", "log_likelihood"]
+
+#: What :meth:`Laplace.fit` saw of the inputs: (dtype, shape without the batch dimension) of a tensor, or of
+#: every tensor of a mapping by key.
+InputSpec = tuple[torch.dtype, tuple[int, ...]] | dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def input_spec(X: Inputs) -> InputSpec:
+    """The :data:`InputSpec` of a batch of inputs."""
+    if isinstance(X, Tensor):
+        return X.dtype, tuple(X.shape[1:])
+    return {k: (v.dtype, tuple(v.shape[1:])) for k, v in X.items()}
+
+
+def _spec_state(spec: InputSpec | None) -> Any:
+    """The spec for a state_dict (dtypes as strings): [dtype, shape], or {key: [dtype, shape]}."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {k: [str(d), list(s)] for k, (d, s) in spec.items()}
+    return [str(spec[0]), list(spec[1])]
+
+
+def _spec_from_state(state: Any) -> InputSpec | None:
+    def one(entry: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        return getattr(torch, str(entry[0]).removeprefix("torch.")), tuple(int(n) for n in entry[1])
+
+    if state is None:
+        return None
+    if isinstance(state, Mapping):
+        return {str(k): one(v) for k, v in state.items()}
+    return one(state)
+
 
 StructureName = Literal["kron", "diag", "full"]
 
@@ -131,9 +178,10 @@ def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
     return ll
 
 
-def _check_finite_batch(i: int, X: Tensor, y: Tensor) -> None:
-    """Name a batch whose inputs or targets hold NaN or inf, before anything is computed from it."""
-    for what, t in (("inputs X", X), ("targets y", y)):
+def _check_finite_batch(i: int, X: Inputs, y: Tensor) -> None:
+    """Name a batch whose inputs (any tensor of a mapping) or targets hold NaN or inf, before anything is
+    computed from it."""
+    for what, t in [*input_tensors(X, "inputs X"), ("targets y", y)]:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"batch {i} of the data: the {what} contain NaN or inf ({int((~torch.isfinite(t)).sum())} "
                              f"of {t.numel()} entries); clean or drop them before fitting")
@@ -252,9 +300,9 @@ class Laplace:
                 positive("prior_precision", prior_precision)
         else:
             self._select(resolve_subset(model, subset))
-        #: (dtype, shape without the batch dimension) of the inputs fit saw first; predictions are checked
-        #: against it
-        self.input_spec: tuple[torch.dtype, tuple[int, ...]] | None = None
+        #: (dtype, shape without the batch dimension) of the inputs fit saw first (per key for a mapping:
+        #: :data:`InputSpec`); predictions are checked against it
+        self.input_spec: InputSpec | None = None
         self._num_data: float | None = None
         self.num_seen = 0
         self.loglik = 0.0
@@ -363,10 +411,11 @@ class Laplace:
 
     # ------------------------------------------------------------------ fitting
     def fit(self, data: Any, num_data: float | None = None) -> Self:
-        """Sum the curvature over ``data`` (an ``(X, y)`` pair or an iterable of pairs, read once) at the
-        model's current parameters, which become the posterior mean. ``num_data`` sets N (default: the
-        number of data seen). Replaces any earlier fit; on an error (NaN in a batch, targets that do not fit
-        the outputs, a model the structure cannot take) the posterior keeps its earlier fit, if any."""
+        """Sum the curvature over ``data`` (an ``(X, y)`` pair or an iterable of pairs, read once; X a tensor
+        or a mapping of tensors) at the model's current parameters, which become the posterior mean.
+        ``num_data`` sets N (default: the number of data seen). Replaces any earlier fit; on an error (NaN in
+        a batch, targets that do not fit the outputs, a model the structure cannot take) the posterior keeps
+        its earlier fit, if any."""
         model, lik = self.model, self.likelihood
         N = None if num_data is None else positive("num_data", num_data)
         structure = read_model(model)
@@ -377,7 +426,7 @@ class Laplace:
         try:
             sources: dict[str, Any] | None = None
             count, ll = 0, 0.0
-            for i, (X, y) in enumerate(iter_batches(data, self.device)):
+            for i, (X, y) in enumerate(iter_batches(data, self.device, mappings=True)):
                 _check_finite_batch(i, X, y)
                 if sources is None:
                     self._inspect(X, y)
@@ -389,7 +438,7 @@ class Laplace:
                         f = model(X)
                     lik.check(f, y)
                     ll += float(log_likelihood(lik, f, y).sum())
-                count += int(X.shape[0])
+                count += num_samples(X)
             assert sources is not None  # iter_batches refuses data without a batch
             stats = self._statistics(sources)
             blocks = self._build(stats)
@@ -418,14 +467,14 @@ class Laplace:
                 raise ValueError(f"parameter {n!r} of the model contains NaN or inf; a Laplace posterior is centred "
                                  "on trained, finite parameters")
 
-    def _inspect(self, X: Tensor, y: Tensor) -> None:
+    def _inspect(self, X: Inputs, y: Tensor) -> None:
         """One forward pass of the first batch with its graph: checks that the output is what the likelihood
         takes (logits, not probabilities), resolves ``subset='last_layer'`` from it and warns (once) about
         covered parameters the output does not depend on. The graph's structure is what is read, so two rows
         suffice (every batch's outputs and targets are checked again in :meth:`fit`); with the covered
         parameters known, the graph spans only them."""
-        n = X.shape[0]
-        X = X[:2]
+        n = num_samples(X)
+        X = take_samples(X, slice(0, 2))
         if self._selection is None:
             f, calls = traced_forward(self.model, X, record=True)
         else:
@@ -442,7 +491,7 @@ class Laplace:
             self._select(last_layer_names(self.model, f, calls))
         named = dict(self.model.named_parameters())
         warn_unused("Laplace.fit", self.model, self.names, [named[n] for n in self.names], f)
-        self._first_input = (X.dtype, tuple(X.shape[1:]))
+        self._first_input = input_spec(X)
 
     def _kron_source(self, names: Sequence[str]) -> KroneckerSource:
         """The Kronecker statistics of ``names`` (the estimator refuses a layer the engine cannot take, naming it)."""
@@ -615,7 +664,7 @@ class Laplace:
         return self._as_prior(value)
 
     # ------------------------------------------------------------------ predictions
-    def predict(self, X: Tensor, method: Literal["glm", "mc"] = "glm", **kwargs: Any) -> Any:
+    def predict(self, X: Inputs, method: Literal["glm", "mc"] = "glm", **kwargs: Any) -> Any:
         """The predictive distribution at inputs ``X`` (:mod:`curvkit.laplace.predictive`): ``'mc'`` the Monte
         Carlo average of thesis Eq. 5.9, ``'glm'`` the linearised predictive. Classification returns
         probabilities (B, C); regression ``(mean, variance)`` (B, C) each; outputs with positions give
@@ -628,7 +677,7 @@ class Laplace:
             return predictive.glm_predictive(self, X, **kwargs)
         raise ValueError(f"method must be 'glm' or 'mc', got {method!r}")
 
-    def functional_variance(self, X: Tensor, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
+    def functional_variance(self, X: Inputs, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
         """``(f(X; theta*), J Sigma J^T)``: outputs (B, C) and their linearised covariance (B, C, C); with
         positions (B, *P, C) and per-position covariances (B, *P, C, C); ``diagonal=True``: the variances
         only, shaped like the outputs (:func:`curvkit.laplace.predictive.functional_variance`)."""
@@ -647,7 +696,7 @@ class Laplace:
                 "num_data": self.num_data, "num_seen": self.num_seen, "loglik": self.loglik,
                 "prior_precision": self._prior.clone(), "params": dict(self.params), "buffers": dict(self.buffers),
                 "stats": self._stats,
-                "input": None if self.input_spec is None else [str(self.input_spec[0]), list(self.input_spec[1])]}
+                "input": _spec_state(self.input_spec)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (built with the same model and settings;
@@ -673,9 +722,7 @@ class Laplace:
         self._prior = state["prior_precision"].to(device=self.device, dtype=self.dtype)
         self._install(self._build(state["stats"]), list(state["stats"]))
         self._num_data = float(state["num_data"])
-        spec = state.get("input")
-        self.input_spec = None if spec is None else (getattr(torch, str(spec[0]).removeprefix("torch.")),
-                                                     tuple(int(n) for n in spec[1]))
+        self.input_spec = _spec_from_state(state.get("input"))
 
     def __repr__(self) -> str:
         fitted = f"N={self._num_data:g}" if self._num_data is not None else "not fitted"

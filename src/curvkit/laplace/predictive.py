@@ -17,14 +17,16 @@
 * :func:`predictive_nll` - the mean negative log predictive density of targets (used to select N and the
   prior precision on validation data, thesis Sec. 5.1.1).
 
-Inputs are processed in chunks of ``batch_size``; Monte Carlo predictions draw their posterior samples
-once (from ``generator``, or the given ``samples``) and use the same samples for every chunk.
+Inputs ``X`` are a tensor or a mapping of tensors (:data:`curvkit.validation.Inputs`, e.g. a Hugging Face
+batch with its attention mask), processed in chunks of ``batch_size`` samples; Monte Carlo predictions draw
+their posterior samples once (from ``generator``, or the given ``samples``) and use the same samples for
+every chunk.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -37,47 +39,77 @@ from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.linalg.kron import block_positions
 from curvkit.structure import UnsupportedModelError, read_model
-from curvkit.validation import finite_tensor, integer
+from curvkit.validation import (
+    Inputs,
+    check_inputs,
+    describe_inputs,
+    finite_tensor,
+    input_tensors,
+    inputs_to,
+    integer,
+    num_samples,
+    take_samples,
+)
 
 __all__ = ["JVP_CLASSES", "functional_variance", "glm_predictive", "linearised_samples", "mc_predictive",
            "predictive_function", "predictive_nll"]
 
 
-def _chunks(X: Tensor, batch_size: int) -> list[Tensor]:
+def _chunks(X: Inputs, batch_size: int) -> list[Inputs]:
     b = integer("batch_size", batch_size)
-    return [X[i:i + b] for i in range(0, X.shape[0], b)]
+    return [take_samples(X, slice(i, i + b)) for i in range(0, num_samples(X), b)]
 
 
-def _check_inputs(post: Any, X: Tensor) -> Tensor:
+def _fitted_on(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """'inputs (B, *shape) of dtype ...', for errors."""
+    return f"inputs (B, {', '.join(map(str, shape))}) of dtype {dtype}" if shape else f"inputs (B,) of dtype {dtype}"
+
+
+def _check_inputs(post: Any, X: Any) -> Inputs:
     """``X`` on the posterior's device, after checking it against the inputs :meth:`Laplace.fit` saw
     (``post.input_spec``): the same dtype (any integer dtype for integer inputs such as token ids), the same
     number of dimensions, and a one-row forward pass of the model that must succeed (so a wrong feature
-    count is named here, with what was expected, not deep inside a matrix product)."""
-    if not isinstance(X, Tensor):
-        raise TypeError(f"X must be a torch.Tensor of inputs (B, ...), got {type(X).__name__}")
-    if X.dim() < 1 or X.shape[0] == 0:
+    count is named here, with what was expected, not deep inside a matrix product). ``X`` may be a mapping
+    of tensors (:data:`curvkit.validation.Inputs`): then the same keys as at the fit, each checked so."""
+    if isinstance(X, Tensor) and (X.dim() < 1 or X.shape[0] == 0):
         raise ValueError(f"X must be a non-empty tensor of inputs (B, ...), got shape {tuple(X.shape)}")
-    if X.is_floating_point() and not bool(torch.isfinite(X).all()):
-        raise ValueError(f"X contains NaN or inf ({int((~torch.isfinite(X)).sum())} entries)")
+    if not isinstance(X, (Tensor, Mapping)):
+        raise TypeError(f"X must be a torch.Tensor of inputs (B, ...) or a mapping of such tensors (e.g. "
+                        f"{{'input_ids': ..., 'attention_mask': ...}}), got {type(X).__name__}")
+    X = check_inputs(X, "X")
+    for label, t in input_tensors(X, "X"):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{label} contains NaN or inf ({int((~torch.isfinite(t)).sum())} entries)")
     post._require_fit()
-    X = X.to(post.device)
+    X = inputs_to(X, post.device)
     spec = post.input_spec
     if spec is None:
         return X
-    dtype, shape = spec
-    fitted = f"inputs (B, {', '.join(map(str, shape))}) of dtype {dtype}" if shape else f"inputs (B,) of dtype {dtype}"
-    same_kind = X.dtype == dtype or not (X.is_floating_point() or X.is_complex() or dtype.is_floating_point)
-    if not same_kind:
-        raise ValueError(f"X has dtype {X.dtype}, but the posterior was fitted on {fitted}; convert it with "
-                         f"X.to({dtype})")
-    if X.dim() != len(shape) + 1:
-        raise ValueError(f"X has shape {tuple(X.shape)}, but the posterior was fitted on {fitted}")
+    if isinstance(spec, dict):
+        fitted = "a mapping {" + ", ".join(f"{k!r}: {_fitted_on(v[0], v[1])}" for k, v in spec.items()) + "}"
+        if not isinstance(X, dict) or set(X) != set(spec):
+            raise ValueError(f"X is {describe_inputs(X)}, but the posterior was fitted on {fitted}; pass the same "
+                             "input keys")
+        entries = [(f"X[{k!r}]", X[k], spec[k]) for k in X]
+    else:
+        fitted = _fitted_on(*spec)
+        if not isinstance(X, Tensor):
+            raise ValueError(f"X is a mapping {describe_inputs(X)}, but the posterior was fitted on {fitted}")
+        entries = [("X", X, spec)]
+    for label, t, (dtype, shape) in entries:
+        where = _fitted_on(dtype, shape) if label == "X" else fitted
+        same_kind = t.dtype == dtype or not (t.is_floating_point() or t.is_complex() or dtype.is_floating_point)
+        if not same_kind:
+            raise ValueError(f"{label} has dtype {t.dtype}, but the posterior was fitted on {where}; convert it with "
+                             f"{label}.to({dtype})")
+        if t.dim() != len(shape) + 1:
+            raise ValueError(f"{label} has shape {tuple(t.shape)}, but the posterior was fitted on {where}")
     buffers = {n: b.clone() for n, b in post.buffers.items()}  # a probe never writes the fitted state
     try:
         with torch.no_grad():
-            read_model(post.model).functional_call(post.params, (X[:1],), buffers)
+            read_model(post.model).functional_call(post.params, (take_samples(X, slice(0, 1)),), buffers)
     except (RuntimeError, ValueError, IndexError) as err:
-        raise ValueError(f"X of shape {tuple(X.shape)} does not fit the model: the posterior was fitted on "
+        raise ValueError(f"X of shape {describe_inputs(X)} does not fit the model: the posterior was fitted on "
                          f"{fitted} ({type(err).__name__}: {err})") from err
     return X
 
@@ -91,13 +123,13 @@ def _link(post: Any, f: Tensor) -> Tensor:
     return f
 
 
-def predictive_function(post: Any, samples: Tensor, batch_size: int | None = None) -> Callable[[Tensor], Tensor]:
+def predictive_function(post: Any, samples: Tensor, batch_size: int | None = None) -> Callable[[Inputs], Tensor]:
     """``x -> (1/K) sum_k p(. | x, theta_k)`` for FIXED flat samples (K, d), differentiable in x (adversarial
     attacks through the MC predictive; thesis Sec. 5.2.3). Regression: the mean of the sampled outputs."""
     structure = read_model(post.model)
     params = [post.sample_params(s) for s in samples]
 
-    def fn(x: Tensor) -> Tensor:
+    def fn(x: Inputs) -> Tensor:
         out = None
         for p in params:
             y = _link(post, structure.functional_call(p, (x,), post.buffers))
@@ -108,7 +140,7 @@ def predictive_function(post: Any, samples: Tensor, batch_size: int | None = Non
     return fn
 
 
-def mc_predictive(post: Any, X: Tensor, num_samples: int = 100, generator: torch.Generator | None = None,
+def mc_predictive(post: Any, X: Inputs, num_samples: int = 100, generator: torch.Generator | None = None,
                   samples: Tensor | None = None, batch_size: int = 1024, sample_batch: int = 10) -> Any:
     """Thesis Eq. 5.9 (module docstring). ``samples`` (K, d) overrides ``num_samples``/``generator``.
     Returns probabilities (B, C) for classification, ``(mean, variance)`` for regression.
@@ -200,7 +232,7 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     return setup
 
 
-def _variance_batch(post: Any, setup: dict[str, Any], xb: Tensor, diagonal: bool) -> tuple[Tensor, Tensor]:
+def _variance_batch(post: Any, setup: dict[str, Any], xb: Inputs, diagonal: bool) -> tuple[Tensor, Tensor]:
     """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C)."""
     structure = setup["structure"]
     if setup["plans"]:
@@ -221,7 +253,7 @@ def _variance_batch(post: Any, setup: dict[str, Any], xb: Tensor, diagonal: bool
     return f.detach(), var.reshape(shape)
 
 
-def functional_variance(post: Any, X: Tensor, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
+def functional_variance(post: Any, X: Inputs, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
     """``(f*, J Sigma J^T)`` at the posterior mean, batch by batch: outputs (B, C) and their covariances
     (B, C, C), or with positions (B, *P, C) and per-position covariances (B, *P, C, C) (the positions'
     joint covariance is not formed); ``diagonal=True`` gives only the variances (B, *P, C), never forming
@@ -236,15 +268,15 @@ def functional_variance(post: Any, X: Tensor, batch_size: int = 256, diagonal: b
 JVP_CLASSES = 512  # sampler='auto': above this many classes link='mc' samples through JVPs
 
 
-def _num_classes(post: Any, X: Tensor) -> int:
+def _num_classes(post: Any, X: Inputs) -> int:
     """The model's number of outputs per position (its last output dimension), from a one-row pass."""
     with torch.no_grad():
-        out = read_model(post.model).functional_call(post.params, (X[:1],),
+        out = read_model(post.model).functional_call(post.params, (take_samples(X, slice(0, 1)),),
                                                      {n: b.clone() for n, b in post.buffers.items()})
     return int(out.shape[-1])
 
 
-def linearised_samples(post: Any, X: Tensor, deltas: Tensor) -> tuple[Tensor, Tensor]:
+def linearised_samples(post: Any, X: Inputs, deltas: Tensor) -> tuple[Tensor, Tensor]:
     """``(f*, f* + J delta_k)``: the outputs at the posterior mean (B, *P, C) and the linearised model's
     outputs for each flat parameter offset ``delta_k`` (rows of ``deltas`` (K, d), :attr:`layout` order),
     (K, B, *P, C): one ``torch.func.jvp`` per offset through the model (math attention kernels), no
@@ -271,7 +303,7 @@ def linearised_samples(post: Any, X: Tensor, deltas: Tensor) -> tuple[Tensor, Te
     return f0.detach(), torch.stack(outs).detach()
 
 
-def glm_predictive(post: Any, X: Tensor, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
+def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
                    num_samples: int = 100, generator: torch.Generator | None = None,
                    sampler: Literal["auto", "covariance", "jvp"] = "auto") -> Any:
     """The linearised predictive (module docstring); ``link`` for classification only. Outputs with

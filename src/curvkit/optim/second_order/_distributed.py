@@ -31,6 +31,7 @@ from torch import Tensor
 
 from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
 from curvkit.distributed.reducer import Reducer
+from curvkit.validation import Inputs, num_samples
 
 __all__ = ["DistributedKroneckerInverse", "reduce_like_loss", "reduce_loss_and_grads"]
 
@@ -209,7 +210,7 @@ class DistributedKroneckerInverse:
         return out
 
 
-def reduce_step_inputs(opt: Any, X: Tensor, data_loss: Tensor, grads: list[Tensor], evaluate: Any,
+def reduce_step_inputs(opt: Any, X: Inputs, data_loss: Tensor, grads: list[Tensor], evaluate: Any,
                        from_closure: bool) -> tuple[Tensor, list[Tensor], Any]:
     """GaussNewton's hook: the union's data loss and gradient, and an ``evaluate()`` of the union's
     objective (the weight-decay term is identical on every rank and is added once)."""
@@ -217,7 +218,7 @@ def reduce_step_inputs(opt: Any, X: Tensor, data_loss: Tensor, grads: list[Tenso
 
     red: Reducer = opt.distributed
     reduction = opt.likelihood.reduction
-    B = int(X.shape[0])
+    B = num_samples(X)
     synced = from_closure and red.grads == "synced"
     loss, grads = reduce_loss_and_grads(red, data_loss, grads, B, reduction, synced)
     params = opt.ordered_params()

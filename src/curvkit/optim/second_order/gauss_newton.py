@@ -67,8 +67,15 @@ itself (no ``backward()`` needed; ``p.grad`` is neither read nor written) and re
 step. ``step(closure)`` instead takes the loss and ``p.grad`` from ``closure()`` (which must evaluate
 ``likelihood(model(X), y)`` on one minibatch and call ``backward()``), records the model's input, and runs
 one more forward pass for the curvature; heads whose output Hessian needs the labels (the Bernoulli
-mixture) need ``batch``. Passing both is refused (which one defines the minibatch would be a guess). The
-minibatch must be non-empty, with a floating-point X (and a floating-point y, if any) of the model's dtype. A step checks every value before writing and raises ``FloatingPointError``
+mixture) and likelihoods with padding (``ignore_index`` / ``ignore_value``: only the targets mark the
+padded positions the curvature must leave out) need ``batch``. Passing both is refused (which one defines
+the minibatch would be a guess). ``X`` is a tensor or a mapping of tensors sharing the batch dimension
+(:data:`curvkit.validation.Inputs`: a Hugging Face batch ``{"input_ids": ..., "attention_mask": ...}``
+through :class:`curvkit.hf.HuggingFace`); the model is called as ``model(X)`` for the loss, the curvature,
+the exact quadratic model and rho alike, so every entry of the mapping (the attention mask) takes part in
+all of them (a closure must call ``model(X)`` with the batch as its one positional argument). The
+minibatch must be non-empty, every floating-point tensor of X (and a floating-point y, if any) of the
+model's dtype (integer token ids and masks are taken as they are). A step checks every value before writing and raises ``FloatingPointError``
 naming the quantity and the step without changing the parameters or the optimiser's state.
 :meth:`state_dict` carries tau, zeta, the counters, the factor statistics and the random generator, so a
 stopped and resumed run equals an uninterrupted one. Every step appends a record to :attr:`history`
@@ -102,7 +109,20 @@ from curvkit.optim.second_order.quadratic import (
     two_direction_minimum,
 )
 from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, require_fixed_mode
-from curvkit.validation import integer, looks_like_probabilities, nonnegative, unit_interval
+from curvkit.validation import (
+    Inputs,
+    check_inputs,
+    describe_inputs,
+    input_tensors,
+    inputs_to,
+    integer,
+    looks_like_probabilities,
+    map_inputs,
+    nonnegative,
+    num_samples,
+    take_samples,
+    unit_interval,
+)
 
 __all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
 
@@ -346,7 +366,7 @@ class GaussNewton(CurvatureOptimizer):
         self.estimator.require_dense_output_factors("GaussNewton")
         self.source, self.source_reason = source, reason
 
-    def _first_pass(self, X: Tensor) -> None:
+    def _first_pass(self, X: Inputs) -> None:
         """Before the first step: one forward pass without autograd that checks the model returns one tensor
         of logits and, for ``curvature='auto'``, picks the source by :func:`default_curvature` from its
         outputs (logged at INFO level and kept in :meth:`state_dict`)."""
@@ -427,9 +447,9 @@ class GaussNewton(CurvatureOptimizer):
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
-             batch: tuple[Tensor, Tensor] | None = None, **extras: Any) -> Tensor:
-        """One damped Gauss-Newton step on the minibatch ``batch=(X, y)`` (or from ``closure``; module
-        docstring). Returns the objective E (loss plus weight decay) before the step."""
+             batch: tuple[Inputs, Tensor] | None = None, **extras: Any) -> Tensor:
+        """One damped Gauss-Newton step on the minibatch ``batch=(X, y)`` (X a tensor or a mapping of tensors)
+        or from ``closure`` (module docstring). Returns the objective E (loss plus weight decay) before the step."""
         check_step_extras(type(self).__name__, extras, ())
         if closure is not None and batch is not None:
             raise TypeError(f"{type(self).__name__}.step got both a closure and batch=; pass one of them: "
@@ -452,8 +472,8 @@ class GaussNewton(CurvatureOptimizer):
         saved_source = (self.estimator, self.source, self.source_reason)
         try:
             if self.distributed is not None and self.distributed.shard_batches and batch is not None:
-                rows = self.distributed.shard(int(batch[0].shape[0]))
-                batch = (batch[0][rows], batch[1][rows])
+                rows = self.distributed.shard(num_samples(batch[0]))
+                batch = (take_samples(batch[0], rows), batch[1][rows])
             X, y, f, data_loss, grads, evaluate = self._forward(k, params, closure, batch, refresh)
             if self.distributed is not None:  # the union's loss, gradient and objective after the step
                 from curvkit.optim.second_order._distributed import reduce_step_inputs
@@ -494,7 +514,7 @@ class GaussNewton(CurvatureOptimizer):
         return float(data_loss) + reg
 
     def _forward(self, k: int, params: list[Tensor], closure: Callable[[], Any] | None,
-                 batch: tuple[Tensor, Tensor] | None, refresh: bool) -> tuple[Any, ...]:
+                 batch: tuple[Inputs, Tensor] | None, refresh: bool) -> tuple[Any, ...]:
         """Forward pass (captured for the curvature and the linearisation), loss and gradient.
 
         Returns (X, y, f, data loss, gradient of the data loss, evaluate) with ``evaluate()`` the objective
@@ -531,13 +551,20 @@ class GaussNewton(CurvatureOptimizer):
         # closure: loss and p.grad from the closure, the input from a hook, one more forward pass
         if getattr(lik, "hessian_needs_target", False):
             raise TypeError(f"{name}: the output Hessian of {lik.name} depends on the labels; step(batch=(X, y))")
-        seen: list[Tensor] = []
+        padding = {k: getattr(lik, k) for k in ("ignore_index", "ignore_value") if getattr(lik, k, None) is not None}
+        if padding:  # the curvature would count the padded positions (the closure's targets are not seen)
+            setting = ", ".join(f"{k}={v!r}" for k, v in padding.items())
+            raise TypeError(f"{name}: {lik.name} has padding ({setting}), which only the targets mark, and a "
+                            "closure does not pass them: the curvature would count the padded positions; use "
+                            "step(batch=(X, y))")
+        seen: list[Inputs] = []
 
         def record_input(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            if not (args and isinstance(args[0], Tensor)):
-                raise TypeError(f"{name}: the closure must call the model on one input tensor")
-            self._check_input(args[0], "the closure's model input")  # before the model runs on it
-            seen.append(args[0].detach())
+            if len(args) != 1 or not isinstance(args[0], (Tensor, Mapping)):
+                raise TypeError(f"{name}: the closure must call the model on the batch as its one positional "
+                                "argument, model(X), with X a tensor or a mapping of tensors")
+            X = self._check_input(args[0], "the closure's model input")  # before the model runs on it
+            seen.append(map_inputs(Tensor.detach, X))
 
         handle = model.register_forward_pre_hook(record_input)
         try:
@@ -576,7 +603,7 @@ class GaussNewton(CurvatureOptimizer):
 
         return X, None, f.detach(), loss.detach(), grads, evaluate_closure
 
-    def _record(self, X: Tensor, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
+    def _record(self, X: Inputs, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
         """The forward pass on X, recorded for the linearisation and, on a refresh, captured for the curvature
         (raw parameters as per-sample copies, :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
         lin, est = self._linearisation, self.estimator
@@ -600,38 +627,51 @@ class GaussNewton(CurvatureOptimizer):
             self.estimator.reset()
         self.estimator.accumulate(cap, f, y)  # type: ignore[arg-type]
 
-    def _check_input(self, X: Tensor, what: str) -> None:
+    def _check_input(self, X: Any, what: str) -> Inputs:
+        """X as a checked batch of model inputs (:func:`curvkit.validation.check_inputs`: a tensor, or a mapping
+        of tensors read into a dict, with one positive batch size); every floating tensor must have the model's
+        dtype (integer inputs, token ids and attention masks, are not converted)."""
         name = type(self).__name__
-        if X.dim() == 0 or X.shape[0] == 0:
+        if isinstance(X, Tensor) and (X.dim() == 0 or X.shape[0] == 0):
             raise ValueError(f"{name}.step: {what} is empty (shape {tuple(X.shape)}); a step needs at least one "
                              "example")
-        if X.is_floating_point() and X.dtype != self._dtype:  # integer inputs (token ids) are not converted
-            raise ValueError(f"{name}.step: {what} has dtype {X.dtype} but the model's parameters are "
-                             f"{self._dtype}; convert the data (X.to({self._dtype})) or the model")
+        try:
+            X = check_inputs(X, what)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{name}.step: {err}") from None
+        for label, t in input_tensors(X, what):
+            if t.is_floating_point() and t.dtype != self._dtype:
+                raise ValueError(f"{name}.step: {label} has dtype {t.dtype} but the model's parameters are "
+                                 f"{self._dtype}; convert the data (X.to({self._dtype})) or the model")
+        return X
 
-    def _checked_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
-        """``batch`` as (X, y) on the model's device, refused with a clear error when it is not a non-empty
-        pair of tensors with as many targets as inputs, X of the model's dtype if it is floating (integer
-        token ids are taken as they are), a floating y of the same dtype, or NaN/inf in X or a floating y."""
+    def _checked_batch(self, batch: Any) -> tuple[Inputs, Tensor]:
+        """``batch`` as (X, y) on the model's device, refused with a clear error when it is not a pair (X, y)
+        of a non-empty batch of inputs (a tensor or a mapping of tensors, :meth:`_check_input`) and a tensor
+        with as many targets as samples, a floating y of the model's dtype, or NaN/inf in a floating tensor
+        of X or y."""
         name = type(self).__name__
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
-            raise TypeError(f"{name}.step: batch must be a pair (X, y) of tensors, got {type(batch).__name__}")
-        X, y = batch
-        self._check_input(X, "batch X")
-        if y.dim() == 0 or y.shape[0] != X.shape[0]:
-            raise ValueError(f"{name}.step: batch y has shape {tuple(y.shape)} for X of shape {tuple(X.shape)}; "
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], (Tensor, Mapping))
+                and isinstance(batch[1], Tensor)):
+            got = (f"a {type(batch).__name__} of {', '.join(type(t).__name__ for t in batch)}"
+                   if isinstance(batch, (tuple, list)) else type(batch).__name__)
+            raise TypeError(f"{name}.step: batch must be a pair (X, y), X a tensor or a mapping of tensors (e.g. "
+                            f"{{'input_ids': ..., 'attention_mask': ...}}) and y a tensor, got {got}")
+        X, y = self._check_input(batch[0], "batch X"), batch[1]
+        if y.dim() == 0 or y.shape[0] != num_samples(X):
+            raise ValueError(f"{name}.step: batch y has shape {tuple(y.shape)} for X of shape {describe_inputs(X)}; "
                              "give one target per example (same first dimension)")
         if y.is_floating_point() and y.dtype != self._dtype:
             raise ValueError(f"{name}.step: batch y has dtype {y.dtype} but the model's parameters are "
                              f"{self._dtype}; convert the targets (y.to({self._dtype}))")
-        for what, t in (("X", X), ("y", y)):
+        for what, t in [*input_tensors(X, "batch X"), ("batch y", y)]:
             if t.is_floating_point():
                 bad = int((~torch.isfinite(t)).sum())
                 if bad:
-                    raise ValueError(f"{name}.step: batch {what} contains NaN or inf ({bad} of {t.numel()} entries); "
+                    raise ValueError(f"{name}.step: {what} contains NaN or inf ({bad} of {t.numel()} entries); "
                                      "nothing was changed: clean the data (or mark padded targets with the "
                                      "likelihood's ignore_index / ignore_value)")
-        return X.to(self._device), y.to(self._device)
+        return inputs_to(X, self._device), y.to(self._device)
 
     def _checked(self, k: int, what: str, fn: Callable[[], Any]) -> Any:
         try:

@@ -14,7 +14,9 @@ positions, (B, *P, C): n then runs over samples and positions, padded positions 
   Linear/Conv layers and parameter-free modules (:class:`curvkit.curvature._tangent.SequentialTangent`,
   about two forward passes' matrix products for k = 1), otherwise with ``torch.func.jvp`` through
   :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed). Its
-  default forward pass runs inside :func:`curvkit.structure.curvature_kernels`.
+  default forward pass runs inside :func:`curvkit.structure.curvature_kernels`. The recorded input ``X`` is
+  a tensor or a mapping of tensors (:data:`curvkit.validation.Inputs`, e.g. a Hugging Face batch with its
+  attention mask); the model is called as ``model(X)`` either way.
 * :func:`output_gram` contracts J V with H_L in output space through ``likelihood.output_hessian_matvec``
   (softmax cross-entropy v^T (diag p - p p^T) u = sum p v u - (p.v)(p.u) in O(C); sigmoid BCE
   sum s(1-s) v u; Gaussian sum v u / sigma^2; a head whose H_L depends on the label at y).
@@ -31,6 +33,7 @@ from torch.func import jvp
 from curvkit.curvature._tangent import SequentialTangent
 from curvkit.likelihoods import Likelihood
 from curvkit.structure import ModelStructure, curvature_kernels
+from curvkit.validation import Inputs
 
 __all__ = ["Linearisation", "apply_output_hessian", "output_gram"]
 
@@ -48,14 +51,14 @@ class Linearisation:
         self.structure = structure
         self.names = list(names)
         self.tangent = SequentialTangent.for_model(model, self.names)
-        self._X: Tensor | None = None
+        self._X: Inputs | None = None
 
     @property
     def route(self) -> str:
         """``'tangent'`` (recorded activations) or ``'torch.func'``."""
         return "tangent" if self.tangent is not None else "torch.func"
 
-    def record(self, X: Tensor, forward: Callable[[], Tensor] | None = None) -> Tensor:
+    def record(self, X: Inputs, forward: Callable[[], Tensor] | None = None) -> Tensor:
         """Run the forward pass ``forward()`` (default ``model(X)``) and keep what J V needs; returns f."""
         fwd = forward if forward is not None else (lambda: self._forward(X))
         self._X = X
@@ -63,7 +66,7 @@ class Linearisation:
             return self.tangent.record(fwd)
         return fwd()
 
-    def _forward(self, X: Tensor) -> Tensor:
+    def _forward(self, X: Inputs) -> Tensor:
         with curvature_kernels():
             return self.model(X)  # type: ignore[no-any-return]
 
