@@ -17,7 +17,8 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
 * ``curvkit GGN``: ``GGNOperator`` (forward-mode tangents), construction + first product, then steady
   products with fixed random vectors; ``curvkit GGN uncached``: ``cache_linearisation=False`` (no forward
   graph held between products: each product repeats the forward pass); ``curvkit GGN reverse``:
-  ``reverse_tangents=True``;
+  ``reverse_tangents=True``; ``curvkit GGN live`` (and ``live uncached``): ``snapshot=False``, the operator
+  holds the model's own parameters instead of a copy (as curvlinops' operators do);
 * ``curvlinops GGN`` / ``curvlinops Hessian``: ``GGNLinearOperator`` / ``HessianLinearOperator`` on the
   same model with the logits flattened to (tokens, vocabulary) and the targets to (tokens,);
 * ``curvkit KFAC expand`` / ``curvkit KFAC reduce``: ``KroneckerEstimator(method="kfac")`` (one Monte
@@ -68,7 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 
-ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvlinops GGN", "curvlinops Hessian",
+ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvkit GGN live",
+        "curvkit GGN live uncached", "curvlinops GGN", "curvlinops Hessian",
         "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient", "LoRA Kronecker Laplace", "LoRA GLM predictive",
         "LoRA GaussNewton")
 GLM_SAMPLES = 10
@@ -151,8 +153,10 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
         from curvkit.curvature import GGNOperator
         from curvkit.likelihoods import CrossEntropy
 
-        kw: dict[str, Any] = ({"reverse_tangents": True} if arm.endswith("reverse") else
-                              {"cache_linearisation": False} if arm.endswith("uncached") else {})
+        words = arm.split()[2:]
+        kw: dict[str, Any] = {"reverse_tangents": "reverse" in words, "snapshot": "live" not in words}
+        if "uncached" in words:
+            kw["cache_linearisation"] = False
         return (lambda: GGNOperator(hf, CrossEntropy("mean"), (batch, y), **kw)), (lambda op: op @ v_flat)
     if arm.startswith("curvlinops"):
         import curvlinops as cl

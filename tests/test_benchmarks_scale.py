@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     import gpt2_scale
 
-    arms = ["gradient", "curvkit GGN", "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient",
+    arms = ["gradient", "curvkit GGN", "curvkit GGN live", "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient",
             "LoRA Kronecker Laplace", "LoRA GLM predictive", "LoRA GaussNewton"]
     if importlib.util.find_spec("curvlinops") is not None:
         arms.append("curvlinops GGN")
@@ -36,6 +36,7 @@ def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     assert "tiny GPT-2" in text and "failed" not in text and "load average" in text
     for arm in [a for a in arms if "gradient" not in a]:
         assert results[arm]["steady_s"] > 0 and results[arm]["first"]["peak_delta_mib"] is not None
+    assert results["curvkit GGN live"]["value"] == pytest.approx(results["curvkit GGN"]["value"], rel=1e-6)
     if "curvlinops GGN" in results:  # the same matrix: the same product norm
         assert results["curvlinops GGN"]["value"] == pytest.approx(results["curvkit GGN"]["value"], rel=1e-4)
     assert results["curvkit KFAC expand"]["inverse_s"] > 0

@@ -962,12 +962,12 @@ class DiagonalEstimator(CurvatureEstimator):
         lik = self.likelihood.with_reduction("sum")
         op: CurvatureOperator
         if self.method == "ggn":
-            op = GGNOperator(self.model, lik, (X, y))
+            op = GGNOperator(self.model, lik, (X, y), snapshot=False)
         elif self.method == "empirical":
-            op = EmpiricalFisherOperator(self.model, lik, (X, y))
+            op = EmpiricalFisherOperator(self.model, lik, (X, y), snapshot=False)
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed)
+            op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed, snapshot=False)
         with torch.no_grad(), curvature_kernels():  # the loss terms of the batch (counted positions)
             terms = self.likelihood.num_terms(self.model(X), y)
         return [op.diagonal().flat], num_samples(X), terms

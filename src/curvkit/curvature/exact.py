@@ -25,7 +25,11 @@ user's settings restored afterwards.
 
 Evaluation point. The operators are evaluated at the model's parameters AT CONSTRUCTION: they are
 snapshotted with ``.detach().clone()`` (buffers and frozen parameters too), so later training does not
-change an existing operator; build a new one to follow the model. See
+change an existing operator; build a new one to follow the model. ``snapshot=False`` holds the model's own
+tensors instead of copies (one copy of the model less: the products of a large model at the memory of
+curvlinops' operators, which read the live parameters) and makes every later evaluation raise a
+``RuntimeError`` once one of them has been changed in place (PyTorch's version counters; changes through
+``.data`` are not seen), so an operator is still never silently evaluated elsewhere than where it was built. See
 :class:`curvkit.curvature._functional.FunctionalModel` for the train/eval-mode caveat.
 
 The operators (thesis chapter 3; f_np = model output at sample n and position p (C,), J_np = df_np/dtheta
@@ -142,6 +146,9 @@ class ExactCurvatureOperator(CurvatureOperator):
         data: an ``(X, y)`` pair or an iterable of pairs (materialised to a list, re-read per product).
         chunk_size: at most this many columns are pushed through ``vmap`` at once in a matrix product
             (bounds memory to about ``chunk_size`` copies of the activations).
+        snapshot: True (default) evaluates at copies of the parameters, frozen parameters and buffers taken
+            at construction; False holds the model's own tensors (no copy) and refuses every evaluation
+            after one of them was changed in place (module doc, "Evaluation point").
 
     Raises at construction: TypeError for a non-module / non-likelihood / malformed data; ValueError if
     the model output is not (B, C) / (B, *P, C) or contains NaN/inf, the targets do not fit the likelihood
@@ -151,12 +158,13 @@ class ExactCurvatureOperator(CurvatureOperator):
     = N for (B, C) outputs) and ``weight`` w = ``likelihood.scale(num_terms)``.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64):
+    def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
+                 snapshot: bool = True):
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a curvkit.likelihoods.Likelihood, got {type(likelihood).__name__}")
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-        self.fmodel = FunctionalModel(model)
+        self.fmodel = FunctionalModel(model, type(self).__name__, snapshot=snapshot)
         super().__init__(self.fmodel.layout, self.fmodel.dtype, self.fmodel.device)
         self.likelihood = likelihood
         self.batches = as_batches(data, self.device)
@@ -194,6 +202,7 @@ class ExactCurvatureOperator(CurvatureOperator):
         return self.fmodel.params
 
     def _matmat(self, M: Tensor) -> Tensor:
+        self.fmodel.check_unchanged()
         M = M.to(device=self.device, dtype=self.dtype)
         if M.shape[1] <= self.chunk_size:
             return self._matmat_chunk(M)
@@ -249,13 +258,13 @@ class HessianOperator(ExactCurvatureOperator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_graph: bool | None = None):
+                 cache_graph: bool | None = None, snapshot: bool = True):
         if cache_graph not in (None, True, False):
             raise ValueError(f"cache_graph must be None (auto), True or False, got {cache_graph!r}")
         self.cache_graph = cache_graph
         self._graphs: dict[int, tuple[Params, Any]] = {}  # batch -> (leaves, output f or gradient tuple)
         self._use_double_backward = True
-        super().__init__(model, likelihood, data, chunk_size=chunk_size)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot)
 
     @property
     def caches_graph(self) -> bool:
@@ -354,6 +363,7 @@ class HessianOperator(ExactCurvatureOperator):
         Hessian-vector products otherwise; ``False`` always uses Hessian-vector products (z^T H z per probe,
         e.g. to reproduce another library's per-probe values).
         """
+        self.fmodel.check_unchanged()
         if piecewise_linear not in (True, False, "auto"):
             raise ValueError(f"piecewise_linear must be True, False or 'auto', got {piecewise_linear!r}")
         if piecewise_linear:
@@ -379,6 +389,7 @@ class HessianOperator(ExactCurvatureOperator):
         R batched backward passes per batch (and equals the Hessian's diagonal for piecewise-linear
         networks, whose diagonal blocks coincide with the GGN's, thesis Lemma 3.23).
         """
+        self.fmodel.check_unchanged()
         if method != "exact":
             return super().diagonal(method, num_probes, generator)
         d = self.layout.dim
@@ -441,14 +452,14 @@ class OutputFactorOperator(ExactCurvatureOperator):
     reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_linearisation: bool | None = None, reverse_tangents: bool = False):
+                 cache_linearisation: bool | None = None, reverse_tangents: bool = False, snapshot: bool = True):
         if cache_linearisation not in (None, True, False):
             raise ValueError(f"cache_linearisation must be None (auto), True or False, got {cache_linearisation!r}")
         if reverse_tangents not in (True, False):
             raise ValueError(f"reverse_tangents must be True or False, got {reverse_tangents!r}")
         self.cache_linearisation = cache_linearisation
         self.reverse_tangents = bool(reverse_tangents)
-        super().__init__(model, likelihood, data, chunk_size=chunk_size)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot)
 
     # ------------------------------------------------------------------ output space (subclasses)
     def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
@@ -640,6 +651,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         v^T C v = w sum_np (J_np v)^T M_np (J_np v) needs only the Jacobian-vector products (a tangent
         pass; no backward pass), about half the cost of a product. Used by ``trace(method='hutchinson')``.
         """
+        self.fmodel.check_unchanged()
         if M.dim() == 1:
             return self.quadratic_form(M[:, None])[0]
         M = M.to(device=self.device, dtype=self.dtype)
@@ -713,6 +725,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         vmapped vjps (chunks of ~2^24 scalars). A model that couples samples (BatchNorm in training mode) has
         no per-sample rows: d unit-vector products.
         """
+        self.fmodel.check_unchanged()
         if self.fmodel.batch_coupled:
             return super()._exact_diagonal()
         if self._layer_specs is None:
@@ -770,6 +783,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def to_dense(self) -> Tensor:
         """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory; one backward pass per
         sample, position and column of S); d products for a model that couples samples."""
+        self.fmodel.check_unchanged()
         if self.fmodel.batch_coupled:
             return super().to_dense()
         d = self.layout.dim
@@ -871,14 +885,14 @@ class MCFisherOperator(_SmallFactorOperator):
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, mc_samples: int = 1,
                  seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None,
-                 reverse_tangents: bool = False):
+                 reverse_tangents: bool = False, snapshot: bool = True):
         if int(mc_samples) < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples}")
         self.mc_samples = int(mc_samples)
         self.seed = int(seed)
         self.labels: list[list[Tensor]] = []
         super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation,
-                         reverse_tangents=reverse_tangents)
+                         reverse_tangents=reverse_tangents, snapshot=snapshot)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.seed)

@@ -115,12 +115,13 @@ class DenseSource:
         with only_trainable(self.model, self.names):
             op: Any
             if self.method == "ggn":
-                op = GGNOperator(self.model, self.likelihood, (X, y))
+                op = GGNOperator(self.model, self.likelihood, (X, y), snapshot=False)
             elif self.method == "empirical":
-                op = EmpiricalFisherOperator(self.model, self.likelihood, (X, y))
+                op = EmpiricalFisherOperator(self.model, self.likelihood, (X, y), snapshot=False)
             else:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-                op = MCFisherOperator(self.model, self.likelihood, (X, y), mc_samples=self.mc_samples, seed=seed)
+                op = MCFisherOperator(self.model, self.likelihood, (X, y), mc_samples=self.mc_samples, seed=seed,
+                                    snapshot=False)
             D = op.to_dense()
         if not bool(torch.isfinite(D).all()):
             raise ValueError("the dense curvature of this batch contains NaN or inf; check the inputs and the model")

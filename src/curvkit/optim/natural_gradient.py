@@ -153,7 +153,8 @@ class NaturalGradient(CurvatureOptimizer):
         if self.fisher_kind == "exact":
             from curvkit.curvature import FisherOperator
 
-            return DenseOperator(self.layout_, FisherOperator(self.model, self.likelihood, batch).to_dense())
+            F = FisherOperator(self.model, self.likelihood, batch, snapshot=False)
+            return DenseOperator(self.layout_, F.to_dense())
         if self._estimator.ema is None:
             self._estimator.reset()
         return self._estimator.update(batch).operator()  # type: ignore[no-any-return]

@@ -57,7 +57,7 @@ def expected_ggn_diagonal(model: nn.Module, likelihood: Likelihood, data: Any, s
         with torch.no_grad():
             for n in mu:
                 params[n].copy_(mu[n] + sigma[n].to(dtype).abs() * eps[n])
-        d = GGNOperator(base, likelihood, data).diagonal().flat
+        d = GGNOperator(base, likelihood, data, snapshot=False).diagonal().flat
         e2 = torch.cat([eps[n].reshape(-1) for n in mu]) ** 2
         h_mu = d if h_mu is None else h_mu + d
         h_sig = d * e2 if h_sig is None else h_sig + d * e2
