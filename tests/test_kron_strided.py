@@ -29,6 +29,7 @@ from curvkit.linalg.kron import (
     write_block_matrix,
 )
 from curvkit.linalg.layout import ParamLayout
+from reference import int_tensors
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -74,7 +75,10 @@ def _case(bias: bool) -> tuple[ParamLayout, list[tuple[str, str | None, StridedI
     if bias:
         shapes.update({"lin.b": (3,), "t.b": (3,), "qkv.b": (6,), "conv.b": (6,)})
     layout = ParamLayout(list(shapes), [torch.Size(s) for s in shapes.values()])
-    b = (lambda n: n if bias else None)
+
+    def b(name: str) -> str | None:
+        return name if bias else None
+
     specs: list[tuple[str, str | None, StridedIndex | None, str]] = [
         ("lin.w", b("lin.b"), None, "lin"), ("t.w", b("t.b"), transposed_index(4, 3, bias), "t")]
     qkv = standard_index((6, 2), bias)
@@ -165,25 +169,6 @@ def test_laplace_block_with_structured_indices_equals_the_explicit_one(form):
 
 
 # ---------------------------------------------------------------------------------------------- no map of the block's size
-def _int_tensors(obj: object, seen: set[int] | None = None) -> list[Tensor]:
-    """Every integer tensor reachable from ``obj`` through attributes, containers and dataclass fields."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, Tensor):
-        return [obj] if not obj.dtype.is_floating_point else []
-    if isinstance(obj, dict):
-        items: list[object] = list(obj.values())
-    elif isinstance(obj, (list, tuple, set)):
-        items = list(obj)
-    elif hasattr(obj, "__dict__"):
-        items = list(vars(obj).values())
-    else:
-        return []
-    return [t for it in items for t in _int_tensors(it, seen)]
-
-
 def test_structured_blocks_hold_no_integer_map_of_their_size():
     """After products, a diagonal, inverse products and sampling, no integer tensor with as many entries as
     the smallest structured block is referenced by the operator or its inverses (an explicit-index operator
@@ -194,7 +179,7 @@ def test_structured_blocks_hold_no_integer_map_of_their_size():
     for op in (S, E):
         inv = op.inverse(0.1)
         _ = (op @ V, op.diagonal(), inv @ V, op.inverse(0.1, method="factored") @ V, op.add_identity(0.1).sample(V[:, 0]))
-        big = [t for t in _int_tensors([op, inv]) if t.numel() >= smallest]
+        big = [t for t in int_tensors([op, inv]) if t.numel() >= smallest]
         assert (big == []) == (op is S), [tuple(t.shape) for t in big]
 
 
