@@ -257,3 +257,22 @@ def dense_ef_flat(model: nn.Module, lik: Likelihood, data, labels=None) -> Tenso
             R = jacrev(lambda th, t=t, X=X: flat_terms(lik, f(th, X), t)[0])(theta)  # (B * prod(P), d)
             out += R.T @ R / len(targets)
     return out * w
+
+
+def int_tensors(obj: object, seen: set[int] | None = None) -> list[Tensor]:
+    """Every integer tensor reachable from ``obj`` through attributes, containers and dataclass fields."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        return [obj] if not obj.dtype.is_floating_point else []
+    if isinstance(obj, dict):
+        items: list[object] = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for it in items for t in int_tensors(it, seen)]

@@ -25,6 +25,7 @@ from torch import nn
 from curvkit.architectures import causal_lm
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.likelihoods import CrossEntropy
+from curvkit.linalg.kron import StridedIndex
 from curvkit.linalg.layout import ParamLayout
 from curvkit.models import mlp
 from curvkit.optim import GaussNewton
@@ -49,7 +50,7 @@ def _positions(layout: ParamLayout, b) -> torch.Tensor:
         rows = [[w0 + r * n + c for c in range(n)] + ([sl[b.bias_name].start + r] if b.bias_name else [])
                 for r in range(out)]
         return torch.tensor(rows).reshape(-1)
-    local = b.index.reshape(-1)
+    local = (b.index.materialize() if isinstance(b.index, StridedIndex) else b.index).reshape(-1)
     if b.bias_name is None:
         return w0 + local
     return torch.where(local < wn, w0 + local, sl[b.bias_name].start + local - wn)

@@ -286,6 +286,59 @@ def test_conv1d_kflr_on_one_token_is_the_exact_ggn_block():
         torch.testing.assert_close(K[idx[:, None], idx[None, :]], block, atol=1e-12, rtol=0)
 
 
+def _explicit(op):
+    """The operator with every structured block index replaced by its int64 positions (the map before
+    StridedIndex)."""
+    from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, StridedIndex
+
+    return KroneckerOperator(op.layout, [KroneckerBlock(
+        b.G, b.A, b.weight_name, b.bias_name, b.index.materialize() if isinstance(b.index, StridedIndex) else b.index,
+        b.label, b.factored) for b in op.blocks], op.damping)
+
+
+def test_conv1d_and_embedding_blocks_are_strided_views_equal_to_the_explicit_maps(tmp_path):
+    """GPT-2's Conv1D and embedding blocks hold a StridedIndex (the transposed view), no integer tensor of a
+    block's size is referenced by the operator after products, and the KFAC operator (products, diagonal,
+    inverse products) and the Kronecker Laplace posterior (precision, samples) equal those of the explicit
+    int64 maps; the posterior's state_dict round-trips through a weights_only=True checkpoint."""
+    from curvkit.checkpoint import load, save
+    from curvkit.linalg.kron import StridedIndex
+    from reference import int_tensors
+
+    hf = HuggingFace(gpt2(seed=4, layers=2))
+    data = lm_batch(seed=6)
+    est = KroneckerEstimator(hf, CrossEntropy("mean", ignore_index=-100), "kfac", seed=2).update(data)
+    K = est.operator()
+    kinds = {lp.label: lp.handler.kind for lp in est.plans}
+    strided = [b for b in K.blocks if isinstance(b.index, StridedIndex)]
+    assert {b.weight_name.rpartition(".")[0] for b in strided} == {
+        n for n, k in kinds.items() if k in ("transposed_linear", "embedding")}
+    assert len(strided) == 2 * 4 + 2  # 4 Conv1D per layer; wte, wpe
+    E = _explicit(K)
+    v = probe(K.layout.dim, 3, seed=1)
+    torch.testing.assert_close(K @ v, E @ v, atol=0, rtol=0)
+    torch.testing.assert_close(K.diagonal().to_dense(), E.diagonal().to_dense(), atol=0, rtol=0)
+    torch.testing.assert_close(K.inverse(1e-2) @ v, E.inverse(1e-2) @ v, atol=1e-10, rtol=0)
+    torch.testing.assert_close(K.inverse(1e-2, method="factored") @ v, E.inverse(1e-2, method="factored") @ v,
+                               atol=1e-10, rtol=0)
+    smallest = min(b.out_dim * b.in_dim for b in strided)
+    assert not [t.shape for t in int_tensors(K) if t.numel() >= smallest]
+    assert [t.shape for t in int_tensors(E) if t.numel() >= smallest]  # (the check sees explicit maps)
+
+    lik = CrossEntropy(ignore_index=-100)
+    post = Laplace(hf, lik, "kron", curvature="kflr", prior_form="exact", prior_precision=0.5).fit(data)
+    ref = KroneckerEstimator(hf, CrossEntropy("sum", ignore_index=-100), "kflr", norm_structure="diag").update(
+        data).operator()
+    eye = torch.eye(ref.layout.dim, dtype=D64)
+    torch.testing.assert_close(post.precision().to_dense(), _explicit(ref).to_dense() + 0.5 * eye, atol=1e-10, rtol=0)
+    save(post.state_dict(), tmp_path / "post.pt")
+    loaded = Laplace(hf, lik, "kron", curvature="kflr", prior_form="exact", prior_precision=0.5)
+    loaded.load_state_dict(load(tmp_path / "post.pt"))
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    torch.testing.assert_close(loaded.sample(3, generator=g1), post.sample(3, generator=g2), atol=0, rtol=0)
+    torch.testing.assert_close(loaded.precision().to_dense(), post.precision().to_dense(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("which,layers", [("bert", ("model.bert.pooler.dense", "model.classifier")),
                                           ("vit", ("model.classifier",))])
 def test_kflr_blocks_of_the_heads_are_the_exact_ggn_blocks_for_one_sample(which, layers):

@@ -66,7 +66,7 @@ from curvkit.continual.penalties import Penalty
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
-from curvkit.linalg.kron import block_matrix, write_block_matrix
+from curvkit.linalg.kron import Index, block_matrix, write_block_matrix
 from curvkit.structure import LayerInfo, curvature_kernels, read_model
 from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
 
@@ -148,7 +148,7 @@ class PenaltyBlock:
     label: str
     weight_name: str
     bias_name: str | None
-    index: Tensor | None
+    index: Index | None
 
 
 def _batches(data: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from curvkit.laplace._glm import FactoredTerm, GLMTerm, GradTerm, SpectralTerm
+from curvkit.linalg.kron import BlockIndex, KroneckerOperator, index_state, psd_eigh
 from curvkit.linalg.kron import KroneckerBlock as KFactors
-from curvkit.linalg.kron import KroneckerOperator, block_positions, psd_eigh
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DenseOperator, DiagonalOperator
@@ -118,7 +118,7 @@ class KroneckerBlock(PosteriorBlock):
         KroneckerOperator(layout, factors)  # checks the blocks against the layout: shapes, every entry once
         self.balance = bool(balance)
         self.pis = [self._pi(b) for b in factors]
-        self.positions = [block_positions(layout, b.weight_name, b.bias_name, b.index, self.device) for b in factors]
+        self.views = [BlockIndex(layout, b.weight_name, b.bias_name, self.device, b.index) for b in factors]
 
     def _pi(self, b: KFactors) -> float:
         """The trace-norm split of Eq. 4.27 (``balance``), 1 otherwise (omega = 1 of Eq. 5.14)."""
@@ -219,7 +219,7 @@ class KroneckerBlock(PosteriorBlock):
         exact = self.form == "exact"
         chol = None if exact else self._cholesky(N, lam)
         spectra = self._spectra(N, lam) if exact else None
-        for j, (b, pos) in enumerate(zip(self.factors, self.positions)):
+        for j, (b, view) in enumerate(zip(self.factors, self.views)):
             Z = torch.randn(num_samples, b.out_dim, b.in_dim, dtype=self.dtype, device=self.device,
                             generator=generator)
             if chol is not None:
@@ -231,7 +231,7 @@ class KroneckerBlock(PosteriorBlock):
                 _, QG, _, QA = self._eigen[j]
                 X = QG @ (Z / spectra[j].sqrt())
                 X = X if QA is None else X @ QA.T
-            out[:, pos.reshape(-1)] = X.reshape(num_samples, -1)
+            view.scatter(X.permute(1, 2, 0), out.T)
         return out
 
     def glm_terms(self, N: float, lam: Tensor) -> list[GLMTerm]:
@@ -257,7 +257,7 @@ class KroneckerBlock(PosteriorBlock):
         return GradTerm(dense=self.covariance(N, lam).to_dense())
 
     def state(self) -> dict[str, Any]:
-        return {"blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": b.index,
+        return {"blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": index_state(b.index),
                             "label": b.label, "factored": b.factored} for b in self.factors]}
 
 

@@ -95,6 +95,7 @@ from curvkit.laplace._subset import (
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
+from curvkit.linalg.kron import index_from_state, index_state
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
 from curvkit.structure import LayerInfo, curvature_kernels, read_model
@@ -522,7 +523,8 @@ class Laplace:
             layer = self._layer_of[group[0].weight_name]
             stats.append({"type": "kron", "layer": self.layer_names[layer],
                           "blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
-                                      "index": b.index, "label": b.label, "factored": b.factored} for b in group]})
+                                      "index": index_state(b.index), "label": b.label, "factored": b.factored}
+                                     for b in group]})
         return stats
 
     def _ordered(self, names: Iterable[str]) -> list[str]:
@@ -557,7 +559,7 @@ class Laplace:
         else:
             specs = list(s["blocks"])
         factors = [KFactors(b["G"].to(self.device), b["A"].to(self.device), b["weight"], b.get("bias"),
-                            None if b.get("index") is None else b["index"].to(self.device), b.get("label"),
+                            index_from_state(b.get("index"), self.device), b.get("label"),
                             bool(b.get("factored", True))) for b in specs]
         names = self._ordered({n for b in factors for n in b.names})
         layers = {self._layer_of[n] for n in names}

@@ -37,7 +37,7 @@ from curvkit.laplace._glm import GLMTerm, GradTerm, SpectralTerm
 from curvkit.laplace._jacobians import engine_variance, generic_variance, new_variance
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
-from curvkit.linalg.kron import block_positions
+from curvkit.linalg.kron import BlockIndex
 from curvkit.structure import UnsupportedModelError, read_model
 from curvkit.validation import (
     Inputs,
@@ -222,7 +222,7 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     terms: list[GLMTerm] = []
     for lp in plans:
         for spec in lp.blocks:
-            s = variances[block_positions(post.layout, spec.weight, spec.bias, spec.index, post.device)]
+            s = BlockIndex(post.layout, spec.weight, spec.bias, post.device, spec.index).gather(variances[:, None])[..., 0]
             terms.append(GradTerm(inverse=s.reshape(-1)) if spec.form == "grad" else SpectralTerm(None, None, s))
     setup["plans"], setup["terms"] = plans, terms
     rest = [n for n in post.names if n not in covered]

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from curvkit.linalg.kron import Index
 from curvkit.structure import UnsupportedModelError, refuse
 
 __all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "recording"]
@@ -50,8 +51,10 @@ class BlockSpec:
         form: ``'kron'`` (G from output rows, A from input rows) or ``'grad'`` (a block from per-sample
             gradients; G is the (1, 1) unit).
         ids: the input rows are token ids (a one-hot input): the input factor is diagonal (token counts).
-        index: positions (out, in_aug) of ``W_hat``'s entries in ``[weight.flatten(), bias.flatten()]``;
-            None for the standard ``[W.reshape(out, -1) | b]`` (bias column appended by the estimator).
+        index: positions (out, in_aug) of ``W_hat``'s entries in ``[weight.flatten(), bias.flatten()]``
+            (:class:`curvkit.linalg.kron.KroneckerBlock`): None for the standard ``[W.reshape(out, -1) | b]``
+            (bias column appended by the estimator), a :class:`~curvkit.linalg.kron.StridedIndex` for a
+            transposed view or a row slice (no integer map of the weight's size), or an integer tensor.
         sharing: how the estimator may treat positions: ``'any'`` (expand or reduce, the estimator's
             keyword) or ``'expand'`` (always expand; an embedding's reduce input factor would be a dense
             V x V matrix of count products).
@@ -66,7 +69,7 @@ class BlockSpec:
     in_features: int
     form: Form = "kron"
     ids: bool = False
-    index: Tensor | None = None
+    index: Index | None = None
     sharing: Literal["any", "expand"] = "any"
     roles: tuple[str, ...] = ()
 

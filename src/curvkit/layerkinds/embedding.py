@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batched_input, recording
+from curvkit.linalg.kron import transposed_index
 from curvkit.structure import refuse
 
 __all__ = ["EmbeddingHandler"]
@@ -46,7 +46,7 @@ class EmbeddingHandler(LayerHandler):
         assert w is not None
         mod: Any = module
         V, D = int(mod.num_embeddings), int(mod.embedding_dim)
-        index = torch.arange(V * D).reshape(V, D).T  # W_hat[d, v] = W[v, d]
+        index = transposed_index(V, D, False)  # W_hat[d, v] = W[v, d]
         return [BlockSpec(label, w, None, D, V, ids=True, index=index, sharing="expand")]
 
     def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:

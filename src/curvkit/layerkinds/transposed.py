@@ -5,7 +5,8 @@ inputs (B, *S, in): an ``nn.Linear`` whose weight is ``W^T``. Its block is the L
 ``W_hat = [W^T | b]`` (out, in + 1): ``G (x) A`` with G (out, out) and A (in + 1, in + 1), the same factors
 as the layer written with ``nn.Linear(in, out)`` and weight ``W^T``; only the ``index`` differs, which
 places ``W_hat[o, i] = W[i, o]`` at position ``i * out + o`` of ``W.flatten()`` and the bias column after
-it (:class:`curvkit.linalg.kron.KroneckerBlock`). Positions share the weight as for ``nn.Linear``
+it: a :class:`curvkit.linalg.kron.StridedIndex` (:func:`~curvkit.linalg.kron.transposed_index`), read and
+written through a transposed view, never an integer map of the weight's size. Positions share the weight as for ``nn.Linear``
 (expand or reduce).
 
 GPT-2's fused query/key/value projection ``c_attn`` (one ``Conv1D(3E, E)``) gets ONE block: the layer as
@@ -24,21 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from curvkit.layerkinds._base import BlockSpec, LayerHandler, weight_and_bias
 from curvkit.layerkinds.linear import LinearHandler
+from curvkit.linalg.kron import transposed_index
 
 __all__ = ["LAZY", "TransposedLinearHandler", "transposed_index"]
-
-
-def transposed_index(n_in: int, n_out: int, bias: bool) -> Tensor:
-    """(out, in_aug) positions of ``W_hat = [W^T | b]`` in ``[W.flatten(), b]`` for ``W`` of shape (in, out)."""
-    idx = torch.arange(n_in * n_out).reshape(n_in, n_out).T
-    if bias:
-        idx = torch.cat([idx, (n_in * n_out + torch.arange(n_out))[:, None]], dim=1)
-    return idx
 
 
 class TransposedLinearHandler(LinearHandler):
