@@ -68,7 +68,13 @@ from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
-from curvkit.structure import UnsupportedModelError, curvature_kernels, kept_running_statistics, read_model, refuse
+from curvkit.structure import (
+    UnsupportedModelError,
+    curvature_kernels,
+    kept_running_statistics,
+    read_model,
+    refuse,
+)
 from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "PerSample"]

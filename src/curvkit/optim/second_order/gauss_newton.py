@@ -96,6 +96,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds
 from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
@@ -108,7 +109,6 @@ from curvkit.optim.second_order.quadratic import (
     reduction_ratio,
     two_direction_minimum,
 )
-from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.structure import (
     UnsupportedModelError,
     curvature_kernels,
