@@ -1,8 +1,9 @@
 """The ``modern`` experiment (issue 22, section 2) and what it added to the shared run machinery
 (:func:`curvkit.experiments._second_order.train_run`: AdamW, GaussNewton options, test-set metrics in eval
-mode, kept weights): the helpers read the curves and the scores correctly, GaussNewton's refusal of a
-ResNet with BatchNorm in training mode is recorded (not hidden as a divergence), and, in the slow set, the
-smoke scale runs end to end through the CLI and an interrupted run resumes to the uninterrupted result."""
+mode, kept weights): the helpers read the curves and the scores correctly, GaussNewton's default refusal of a
+ResNet with BatchNorm in training mode is recorded (not hidden as a divergence) and the ResNet's GaussNewton runs
+take the explicit ``batch_statistics='couple'``, and, in the slow set, the smoke scale runs end to end through
+the CLI and an interrupted run resumes to the uninterrupted result."""
 
 from __future__ import annotations
 
@@ -111,18 +112,21 @@ def test_a_model_gauss_newton_refuses_is_an_error_not_a_divergence(tmp_path, mon
 
 
 # ---------------------------------------------------------------------------------------------- experiment helpers
-def test_gauss_newton_refuses_batchnorm_in_training_mode_and_the_model_is_unchanged():
+def test_gauss_newton_refuses_batchnorm_in_training_mode_by_default_and_takes_it_with_the_option():
     X, y = _images(8)
     model = _tiny_resnet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     msg = modern.gauss_newton_refusal(model, X, y)
-    assert msg is not None and "BatchNorm" in msg and "model.eval()" in msg
+    assert msg is not None and "BatchNorm" in msg and "model.eval()" in msg and "batch_statistics='couple'" in msg
+    assert modern.gauss_newton_refusal(model, X, y, **dict(modern.RESNET_GN_OPTIONS)) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and model.training
     assert modern.gauss_newton_refusal(_tiny_vit(), X, y) is None
     sc = modern.SCALES["smoke"]
     assert [s.kind for s in modern.run_specs(sc, "resnet", False)] == ["adamw"] * len(sc.adamw_lrs)
-    gn = [s for s in modern.run_specs(sc, "vit", True) if s.kind == "gauss_newton"]
-    assert [(s.curvature, dict(s.options)["weight_sharing"]) for s in gn] == list(sc.gn)
+    for arch in ("vit", "resnet"):
+        gn = [s for s in modern.run_specs(sc, arch, True) if s.kind == "gauss_newton"]
+        assert [(s.curvature, dict(s.options)["weight_sharing"]) for s in gn] == list(sc.gn)
+        assert all(dict(s.options).get("batch_statistics") == ("couple" if arch == "resnet" else None) for s in gn)
 
 
 def test_reach_and_final_objective_read_the_smoothed_curve():
@@ -200,10 +204,12 @@ def test_smoke_runs_through_the_cli_and_an_interrupted_run_resumes_to_the_same_r
 
     full = json.loads((tmp_path / "full" / "results.json").read_text())
     assert (tmp_path / "full" / "optimisation_vit.png").exists() and (tmp_path / "full" / "continual_vit.png").exists()
-    # the ResNet-BN: GaussNewton's refusal recorded, AdamW runs only
-    assert "BatchNorm" in full["optimisation"]["resnet"]["gauss_newton_refusal"]
-    assert all(k.startswith("adamw") for k in full["optimisation"]["resnet"]["summary"])
-    sc = modern.SCALES["smoke"]
+    # the ResNet-BN: GaussNewton's default refusal recorded, its runs with batch_statistics='couple'
+    res, sc = full["optimisation"]["resnet"], modern.SCALES["smoke"]
+    assert "BatchNorm" in res["default_refusal"] and res["gauss_newton_refusal"] is None
+    assert res["gauss_newton_options"] == {"batch_statistics": "couple"}
+    gn = {k: v for k, v in res["summary"].items() if k.startswith("gn")}
+    assert len(gn) == len(sc.gn) and all(v["updates"] == sc.resnet_steps and not v["diverged"] for v in gn.values())
     for arch, width in (("vit", sc.vit["dim"]), ("resnet", sc.resnet_widths[-1])):
         u = full["uncertainty"][arch]
         assert u["KF Laplace (last layer)"]["parameters"] == width * 10 + 10  # the head, found from the graph
@@ -211,6 +217,7 @@ def test_smoke_runs_through_the_cli_and_an_interrupted_run_resumes_to_the_same_r
             if "not_run" not in r:
                 assert 0 <= r["ece"] <= 1 and 0 <= r["auroc_kmnist"] <= 1 and r["nll"] > 0, name
     assert len(full["continual"]["none"]["mean_seen"]) == 3
+    assert "batch_statistics='couple'" in (tmp_path / "full" / "report.md").read_text()
     with torch_threads(1):
         assert modern.reproduce("smoke", tmp_path / "cut", stop_after=2) is None
         assert modern.reproduce("smoke", tmp_path / "cut", stop_after=3) is None  # interrupted twice

@@ -213,7 +213,8 @@ class ResNet(nn.Module):
 def resnet(channels: int = 1, widths: Iterable[int] = (8, 16), blocks_per_stage: int = 1, num_classes: int = 10,
            seed: int = 0, dtype: torch.dtype | None = None) -> ResNet:
     """A small ResNet with BatchNorm (module docstring); BatchNorm in training mode couples the samples of a
-    batch, so structured per-sample curvature needs ``model.eval()``."""
+    batch, so structured per-sample curvature needs ``model.eval()`` (or the Kronecker estimators' and
+    GaussNewton's explicit ``batch_statistics="couple"``)."""
     widths = tuple(_positive("widths entry", int(w)) for w in widths)
     if not widths:
         raise ValueError("widths must name at least one stage width")

@@ -69,7 +69,9 @@ __all__ = [
     "UnsupportedModelError",
     "conv_forward",
     "conv_patches",
+    "couples_samples",
     "curvature_kernels",
+    "kept_running_statistics",
     "read_model",
 ]
 
@@ -303,13 +305,14 @@ class ModelStructure:
             raise refuse(what, self.random[0], mod, "is random in training mode (its output is not a fixed "
                          "function of the parameters)", "call model.eval() (or set its p to 0)")
 
-    def require_independent_samples(self, what: str) -> None:
-        """Raise if a module couples the samples of a batch (BatchNorm using batch statistics)."""
+    def require_independent_samples(self, what: str, hint: str = "") -> None:
+        """Raise if a module couples the samples of a batch (BatchNorm using batch statistics); ``hint`` is a
+        further fix the caller offers (the Kronecker estimators' ``batch_statistics='couple'``)."""
         if self.mixing:
             mod = dict(self.modules)[self.mixing[0] if self.mixing[0] != "<root>" else ""]
             raise refuse(what, self.mixing[0], mod, "normalises with batch statistics, so the per-sample "
                          "curvature this route factorises does not exist",
-                         "call model.eval() to use its running statistics, or use an exact operator")
+                         "call model.eval() to use its running statistics, or use an exact operator" + hint)
 
     # ------------------------------------------------------------------ routes
     def tangent_chain(self) -> tuple[list[nn.Module] | None, str | None]:
@@ -526,19 +529,44 @@ class _CallCounter:
         self._handles.clear()
 
 
-def require_fixed_mode(model: nn.Module, what: str) -> None:
+def require_fixed_mode(model: nn.Module, what: str, batch_statistics: bool = False, hint: str = "") -> None:
     """Raise if ``model`` NOW has a module that is random (Dropout with p > 0, RReLU in training mode) or
-    couples the samples (BatchNorm with batch statistics): for users that read the model once and run it
-    many times (an optimiser), since ``model.train()`` after construction changes what the forward pass is.
-    One pass over the modules, no forward pass."""
+    couples the samples (BatchNorm with batch statistics; accepted with ``batch_statistics=True``, for users
+    built with the explicit opt-in to the coupled Kronecker factors): for users that read the model once and
+    run it many times (an optimiser), since ``model.train()`` after construction changes what the forward pass
+    is. ``hint`` is a further fix for the coupling refusal. One pass over the modules, no forward pass."""
     for name, mod in model.named_modules():
         if _is_random(mod):
             raise refuse(what, _label(name), mod, "is random in training mode (model.train() was called after "
                          f"{what} was created)", "call model.eval() (or set its p to 0) before the step")
-        if _mixes_samples(mod):
+        if _mixes_samples(mod) and not batch_statistics:
             raise refuse(what, _label(name), mod, "normalises with batch statistics (model.train() was called "
                          f"after {what} was created), so the per-sample curvature does not exist",
-                         "call model.eval() before the step, to use its running statistics")
+                         "call model.eval() before the step, to use its running statistics" + hint)
+
+
+def couples_samples(model: nn.Module) -> bool:
+    """Whether ``model`` NOW has a module that normalises with batch statistics (BatchNorm in training mode,
+    or without running statistics)."""
+    return any(_mixes_samples(m) for m in model.modules())
+
+
+@contextmanager
+def kept_running_statistics(model: nn.Module) -> Iterator[None]:
+    """Run forward passes that must not change the model's BatchNorm running statistics (curvature passes,
+    re-evaluations): every buffer of a module that normalises with batch statistics (``running_mean``,
+    ``running_var``, ``num_batches_tracked``) is replaced by a copy for the duration, and the module's own
+    tensor is put back on exit (also on error), never written to. A backward pass through a graph built
+    inside may run after the exit (the copies stay alive in it). A no-op without such modules."""
+    saved = [(m, attr, b) for _, m in model.named_modules() if _mixes_samples(m)
+             for attr, b in m._buffers.items() if b is not None]
+    for m, attr, b in saved:
+        m._buffers[attr] = b.detach().clone()
+    try:
+        yield
+    finally:
+        for m, attr, b in saved:
+            m._buffers[attr] = b
 
 
 def read_model(model: nn.Module) -> ModelStructure:

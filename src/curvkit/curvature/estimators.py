@@ -68,7 +68,13 @@ from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
-from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, refuse
+from curvkit.structure import (
+    UnsupportedModelError,
+    curvature_kernels,
+    kept_running_statistics,
+    read_model,
+    refuse,
+)
 from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "PerSample"]
@@ -79,6 +85,7 @@ DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
 WeightSharing = Literal["expand", "reduce"]
 NormStructure = Literal["full", "diag"]
 OutputFactor = Literal["auto", "dense", "low_rank"]
+BatchStatistics = Literal["refuse", "couple"]
 
 LOW_RANK_OUTPUTS = 8192
 """``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
@@ -267,6 +274,29 @@ class KroneckerEstimator(CurvatureEstimator):
             rank and costs one backward pass per output), as do ``keep_per_sample`` and ``distributed``.
         keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (block label ->
             :class:`PerSample`) for estimators built on top (e.g. eigenbasis corrections).
+        batch_statistics: ``refuse`` (default) | ``couple``: a model with a module that normalises with the
+            statistics of the batch (BatchNorm in training mode, or without running statistics) has no
+            per-sample curvature to factorise, and is refused by default. ``couple`` is the explicit opt-in to
+            the factors researchers train ResNets with (Osawa et al. 2019; kfac-pytorch, ASDL), an
+            approximation beyond the per-sample case. For one batch of B samples with the network f(theta)
+            evaluated on the WHOLE batch (the batch statistics are functions of every sample's layer outputs):
+
+            - ``A = sum_n sum_r a_hat a_hat^T`` (expand) or ``sum_n a_bar a_bar^T`` (reduce) from the captured
+              layer inputs, as always;
+            - ``G`` from ``g_n = d(sum_m v_m^T f_m) / d h_n``, the gradient of the coupled batch loss with respect
+              to sample n's layer output h_n (the terms through the batch means and variances of every
+              normalisation layer above h_n included), for each back-propagated vector set v: sampled-label
+              gradients (``kfac``), the columns of the output Hessians' square roots (``kflr``: column c of
+              every sample's square root in one backward pass, so G has the cross-sample terms
+              ``J_mn^T s_mc s_m'c^T J_m'n``, m != m', that a per-sample factor does not have), projections;
+              ``G = sum_n (1/R) sum_r g g^T`` (expand) or ``sum_n g_hat g_hat^T`` (reduce) as always;
+            - a BatchNorm layer's (weight, bias) block from the per-sample gradients
+              ``u_n = [sum_positions g_n * x_hat_n, sum_positions g_n]`` with ``x_hat`` normalised by the batch
+              mean and the BIASED batch variance of each channel (as BatchNorm in training mode), g_n as above.
+
+            The forward passes the estimator runs itself (:meth:`update`) leave the model's running statistics
+            unchanged. Not with ``distributed`` (each rank's BatchNorm would normalise with its own shard's
+            statistics: the factors would not be those of one coupled batch).
 
     Attributes:
         plans: the model's layers (:class:`curvkit.layerkinds.LayerPlan`), each with its blocks.
@@ -278,7 +308,8 @@ class KroneckerEstimator(CurvatureEstimator):
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
                  parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
-                 keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto"):
+                 keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto",
+                 batch_statistics: BatchStatistics = "refuse"):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -292,6 +323,13 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
         if output_factor not in ("auto", "dense", "low_rank"):
             raise ValueError(f"output_factor must be 'auto', 'dense' or 'low_rank', got {output_factor!r}")
+        if batch_statistics not in ("refuse", "couple"):
+            raise ValueError(f"batch_statistics must be 'refuse' or 'couple', got {batch_statistics!r}")
+        if batch_statistics == "couple" and distributed is not None:
+            raise ValueError("KroneckerEstimator: batch_statistics='couple' cannot be used with distributed=: each "
+                             "rank's BatchNorm normalises with its own shard's statistics, so the ranks' factors are "
+                             "not those of one coupled batch; use one process, or model.eval() (running statistics)")
+        self.batch_statistics: BatchStatistics = batch_statistics
         self.output_factor: OutputFactor = output_factor
         require_wrapped(model, "KroneckerEstimator")
         self.method = method
@@ -307,7 +345,7 @@ class KroneckerEstimator(CurvatureEstimator):
         structure = read_model(model)
         self.structure = structure
         self.chain = _kfra_chain(structure) if method == "kfra" else None
-        self.plans = layerkinds.plan(structure, method)
+        self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
         self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
         self._raw_checked = False
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
@@ -379,7 +417,7 @@ class KroneckerEstimator(CurvatureEstimator):
     def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         if self._raw and not self._raw_checked:
             self._check_raw(X)
-        with self.capture() as cap, torch.enable_grad():
+        with self.capture() as cap, torch.enable_grad(), kept_running_statistics(self.model):
             f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,)) if self._raw else self.model(X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)

@@ -12,8 +12,9 @@ Built in (module -> handler: blocks):
 * ``nn.Linear`` on (B, in) or (B, *S, in) -> :class:`LinearHandler`: ``G (x) A`` of ``[W | b]``;
 * ``nn.Conv1d``, ``nn.Conv2d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
 * ``nn.Embedding`` -> :class:`EmbeddingHandler`: ``G (x) diag(token counts)`` of ``W^T``;
-* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval) -> :class:`NormHandler`: the exact
-  (or diagonal) block of (weight, bias) from per-sample gradients;
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval; training mode with
+  ``batch_statistics='couple'``) -> :class:`NormHandler`: the exact (or diagonal) block of (weight, bias) from
+  per-sample gradients;
 * ``nn.MultiheadAttention`` -> :class:`AttentionHandler`: query, key, value and output projections;
 * GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight stored (in, out)) ->
   :class:`TransposedLinearHandler`: ``G (x) A`` of ``[W^T | b]``, registered when first met (recognised by
@@ -131,14 +132,22 @@ def _get(module: nn.Module, path: str) -> Any:
     return obj
 
 
-def plan(structure: ModelStructure, what: str, raw: bool = True) -> list[LayerPlan]:
+BATCH_STATISTICS_HINT = (", or pass batch_statistics='couple' (KroneckerEstimator, GaussNewton) for Kronecker "
+                         "factors from the coupled backward pass of the batch (an approximation beyond per-sample "
+                         "curvature, docs/architecture.md)")
+
+
+def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistics: str = "refuse") -> list[LayerPlan]:
     """The blocks of every module that owns trainable parameters (module docstring), or an error naming
     the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
     module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
-    block (one :class:`LayerPlan` per parameter, labelled by its name)."""
+    block (one :class:`LayerPlan` per parameter, labelled by its name). A module that couples the samples
+    (BatchNorm with batch statistics) is refused unless ``batch_statistics='couple'`` (the Kronecker
+    estimators' explicit opt-in, :class:`curvkit.curvature.estimators.KroneckerEstimator`)."""
     _refuse_sharing(structure, what)
     structure.require_deterministic(what)
-    structure.require_independent_samples(what)
+    if batch_statistics != "couple":
+        structure.require_independent_samples(what, BATCH_STATISTICS_HINT)
     trainable = set(structure.trainable)
     owned: dict[str, str] = {}  # canonical parameter name -> the layer that owns it
     infos = {lay.label: lay for lay in structure.layers}

@@ -13,7 +13,11 @@ estimator back-propagates (dense, P = 2 D entries: they are small) or its diagon
 ``norm_structure`` asks. ``x_hat`` is recomputed from the layer INPUT with the layer's own eps and
 statistics (never from the output as ``(y - b) / w``, which fails for w = 0 or without a bias), when the
 gradient arrives (no copy of it is kept). BatchNorm
-in training mode (batch statistics couple the samples) is refused by the model reader before this runs.
+in training mode (batch statistics couple the samples) is refused by the model reader before this runs,
+unless the estimator was built with ``batch_statistics='couple'``: then ``x_hat`` is normalised with the
+statistics of the batch the layer ran on, ``(x - mean) / sqrt(var + eps)`` with the mean and the BIASED
+variance over the samples and positions of each channel (as BatchNorm normalises in training mode), and
+``dy`` is the gradient of the coupled backward pass (it includes the terms through the batch statistics).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def _normalised(mod: nn.Module, x: Tensor) -> Tensor:
     if isinstance(mod, nn.GroupNorm):
         return F.group_norm(x, mod.num_groups, None, None, mod.eps)
     assert isinstance(mod, nn.modules.batchnorm._BatchNorm)
+    if mod.training or mod.running_mean is None:  # batch statistics (biased variance), nothing updated
+        return F.batch_norm(x, None, None, None, None, True, 0.0, mod.eps)
     return F.batch_norm(x, mod.running_mean, mod.running_var, None, None, False, 0.0, mod.eps)
 
 

@@ -96,6 +96,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds
 from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
@@ -108,7 +109,13 @@ from curvkit.optim.second_order.quadratic import (
     reduction_ratio,
     two_direction_minimum,
 )
-from curvkit.structure import UnsupportedModelError, curvature_kernels, read_model, require_fixed_mode
+from curvkit.structure import (
+    UnsupportedModelError,
+    curvature_kernels,
+    kept_running_statistics,
+    read_model,
+    require_fixed_mode,
+)
 from curvkit.validation import (
     Inputs,
     check_inputs,
@@ -137,10 +144,11 @@ Curvature = Literal["auto", "kfra", "kflr", "kfac", "projection"]
 _CURVATURES = ("kfra", "kflr", "kfac", "projection")
 _GLOBAL = ("curvature", "inversion", "omega_norm", "weight_decay", "tau", "zeta", "tau_every", "zeta_every",
            "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "momentum", "mc_samples",
-           "distribution", "seed", "weight_sharing", "norm_structure", "parameter_structure")
+           "distribution", "seed", "weight_sharing", "norm_structure", "parameter_structure", "batch_statistics")
 _CONFIG = ("curvature", "ema", "mc_samples", "distribution", "weight_sharing", "norm_structure",
-           "parameter_structure")
-_CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "parameter_structure": "diag"}  # format 2
+           "parameter_structure", "batch_statistics")
+_CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "parameter_structure": "diag",  # format 2
+                  "batch_statistics": "refuse"}
 
 #: The most output-space columns KFLR may back-propagate per refresh for the automatic choice
 #: (:func:`default_curvature`): KFLR costs one backward pass per column of the output Hessian's square root
@@ -190,6 +198,14 @@ def _check_ema(ema: Any) -> float | str | None:
     return unit_interval("ema", ema, closed_left=True)
 
 
+def _running_statistics(model: nn.Module | None) -> list[tuple[Tensor, Tensor]]:
+    """(buffer, a copy of its value) for every BatchNorm buffer of ``model`` (to undo a refused step)."""
+    if model is None:
+        return []
+    return [(b, b.detach().clone()) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for b in m.buffers(recurse=False)]
+
+
 def _dot(a: list[Tensor], b: list[Tensor]) -> float:
     return float(sum((x * y).sum() for x, y in zip(a, b)))
 
@@ -224,6 +240,18 @@ class GaussNewton(CurvatureOptimizer):
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
         seed: seeds the optimiser's own generator (sampled labels, projections).
+        batch_statistics: ``'refuse'`` (default) | ``'couple'``: a model with BatchNorm in training mode (batch
+            statistics couple the samples) is refused by default; ``'couple'`` is the explicit opt-in to Kronecker
+            factors from the coupled backward pass of the minibatch
+            (:class:`~curvkit.curvature.estimators.KroneckerEstimator`'s ``batch_statistics``, which defines
+            them), an approximation beyond per-sample curvature. Then the step's own forward pass (the one that
+            gives the loss and the gradient) is the ordinary training pass and updates the running statistics
+            exactly once per step; every other pass (the first step's output check, the exact GGN products of
+            alpha* and the damping, rho's re-evaluation, the curvature pass after a closure) runs on copies of
+            the buffers (:func:`curvkit.structure.kept_running_statistics`); a refused step puts the running
+            statistics back too. alpha*, rho and the quadratic model use the exact GGN of the coupled minibatch
+            loss (the network evaluated on the whole minibatch with its batch statistics). The per-step mode
+            check accepts BatchNorm in either mode. Not data-parallel (``distributed``): refused.
         distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (default: the one set by
             ``curvkit.distributed.set_current``): each rank steps on its shard and every rank takes the step
             of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
@@ -237,12 +265,14 @@ class GaussNewton(CurvatureOptimizer):
                  ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1, momentum: bool = False, mc_samples: int = 1,
                  distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
-                 parameter_structure: Literal["full", "diag"] = "diag", distributed: Any = None):
+                 parameter_structure: Literal["full", "diag"] = "diag",
+                 batch_statistics: Literal["refuse", "couple"] = "refuse", distributed: Any = None):
         if curvature != "auto" and curvature not in _CURVATURES:
             raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
         for key, value, allowed in (("weight_sharing", weight_sharing, ("expand", "reduce")),
                                     ("norm_structure", norm_structure, ("full", "diag")),
-                                    ("parameter_structure", parameter_structure, ("full", "diag"))):
+                                    ("parameter_structure", parameter_structure, ("full", "diag")),
+                                    ("batch_statistics", batch_statistics, ("refuse", "couple"))):
             if value not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
         if inversion not in ("factored", "eigen"):
@@ -265,7 +295,7 @@ class GaussNewton(CurvatureOptimizer):
             curvature_every=integer("curvature_every", curvature_every),
             momentum=momentum, mc_samples=integer("mc_samples", mc_samples), distribution=distribution,
             seed=integer("seed", seed, minimum=0), weight_sharing=weight_sharing, norm_structure=norm_structure,
-            parameter_structure=parameter_structure,
+            parameter_structure=parameter_structure, batch_statistics=batch_statistics,
         )
         if defaults["weight_decay"] + defaults["zeta"] <= 0:
             raise ValueError("weight_decay + zeta must be > 0: the Kronecker factors of a network are singular "
@@ -302,6 +332,11 @@ class GaussNewton(CurvatureOptimizer):
 
             distributed = current()
         self.distributed = distributed
+        if distributed is not None and batch_statistics == "couple":
+            raise ValueError("GaussNewton: batch_statistics='couple' cannot be used data-parallel (distributed=, or "
+                             "a reducer set by curvkit.distributed.set_current): each rank's BatchNorm would normalise "
+                             "with its own shard's statistics, so neither the factors nor the exact GGN would be "
+                             "those of the coupled minibatch; use one process, or model.eval() (running statistics)")
         seed_r = int(defaults["seed"]) if distributed is None else distributed.seed(int(defaults["seed"]))
         self._generator = torch.Generator(device=self._device).manual_seed(seed_r)
         self._structure = read_model(model)
@@ -312,7 +347,7 @@ class GaussNewton(CurvatureOptimizer):
         self.estimator: KroneckerEstimator = None  # type: ignore[assignment]  # built by _use_source
         self._output_checked = False  # by the first step's _first_pass
         if curvature == "auto":  # every layer must have a Kronecker block: refuse what no source takes, now
-            layerkinds.plan(self._structure, type(self).__name__)
+            layerkinds.plan(self._structure, type(self).__name__, batch_statistics=batch_statistics)
         else:
             self._use_source(curvature, "given")
         if distributed is not None:
@@ -362,7 +397,7 @@ class GaussNewton(CurvatureOptimizer):
             self.model, self.likelihood, method=source, mc_samples=hp["mc_samples"],  # type: ignore[arg-type]
             distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
             weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
-            parameter_structure=hp["parameter_structure"])
+            parameter_structure=hp["parameter_structure"], batch_statistics=hp["batch_statistics"])
         self.estimator.require_dense_output_factors("GaussNewton")
         self.source, self.source_reason = source, reason
 
@@ -371,7 +406,7 @@ class GaussNewton(CurvatureOptimizer):
         of logits and, for ``curvature='auto'``, picks the source by :func:`default_curvature` from its
         outputs (logged at INFO level and kept in :meth:`state_dict`)."""
         assert self.model is not None
-        with torch.no_grad(), curvature_kernels():
+        with torch.no_grad(), curvature_kernels(), kept_running_statistics(self.model):
             f = self._logits(self.model(X))
         if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
             raise ValueError(f"{type(self).__name__}: the model's outputs of shape {tuple(f.shape)} look like "
@@ -456,8 +491,9 @@ class GaussNewton(CurvatureOptimizer):
                             "step(batch=(X, y)) runs the forward pass itself, step(closure) takes the loss and the "
                             "gradient from the closure")
         self._check_trainable()
+        couple = self.hp["batch_statistics"] == "couple"
         if self.model is not None:
-            require_fixed_mode(self.model, type(self).__name__)
+            require_fixed_mode(self.model, type(self).__name__, batch_statistics=couple, hint=BATCH_STATISTICS_HINT)
         if batch is not None:
             batch = self._checked_batch(batch)
         t0 = time.perf_counter()
@@ -470,6 +506,7 @@ class GaussNewton(CurvatureOptimizer):
         saved_gen = self._generator.get_state() if refresh else None
         saved_cache = (self._op, self._inverses, self._omega)
         saved_source = (self.estimator, self.source, self.source_reason)
+        saved_running = _running_statistics(self.model) if couple else []
         try:
             if self.distributed is not None and self.distributed.shard_batches and batch is not None:
                 rows = self.distributed.shard(num_samples(batch[0]))
@@ -487,6 +524,8 @@ class GaussNewton(CurvatureOptimizer):
                 self._generator.set_state(saved_gen)
             self._op, self._inverses, self._omega = saved_cache
             self.estimator, self.source, self.source_reason = saved_source
+            for b, v in saved_running:  # the step's training pass is undone with the rest
+                b.copy_(v)
             raise
         E0, update, record = out
         # ---- write (everything was checked by _compute)
@@ -541,8 +580,8 @@ class GaussNewton(CurvatureOptimizer):
                          for n, g in zip(self._names, torch.autograd.grad(data_loss, wrt))]
 
             def evaluate() -> float:
-                try:
-                    with curvature_kernels():  # the kernels of E(theta) before the step (same rounding)
+                try:  # the kernels of E(theta) before the step (same rounding); running statistics kept
+                    with curvature_kernels(), kept_running_statistics(model):
                         return self._objective(lik(self._logits(model(X)), y), params)
                 except ValueError:  # NaN/inf outputs after the step: rho = -inf below
                     return math.inf
@@ -585,14 +624,14 @@ class GaussNewton(CurvatureOptimizer):
         X = seen[0]
         if not self._output_checked or self.estimator is None:
             self._first_pass(X)
-        with torch.enable_grad():
+        with torch.enable_grad(), kept_running_statistics(model):  # the closure ran the training pass
             f, _, cap = self._record(X, refresh)
             if refresh:
                 self._checked(k, "the curvature", lambda: self._accumulate(cap, f, None))  # type: ignore[arg-type]
 
         def evaluate_closure() -> float:
             saved = [None if p.grad is None else p.grad.clone() for p in params]
-            with torch.enable_grad():
+            with torch.enable_grad(), kept_running_statistics(model):
                 try:
                     value = closure()  # type: ignore[misc]
                 except ValueError:

@@ -13,7 +13,9 @@ positions, (B, *P, C): n then runs over samples and positions, padded positions 
   recorded activations by tangent propagation when the model is a plain ``nn.Sequential`` of
   Linear/Conv layers and parameter-free modules (:class:`curvkit.curvature._tangent.SequentialTangent`,
   about two forward passes' matrix products for k = 1), otherwise with ``torch.func.jvp`` through
-  :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed). Its
+  :meth:`curvkit.structure.ModelStructure.functional_call` (the user's module is never changed; a BatchNorm in
+  training mode normalises with the batch's statistics, so J is that of the coupled batch, and runs on copies
+  of its running statistics). Its
   default forward pass runs inside :func:`curvkit.structure.curvature_kernels`. The recorded input ``X`` is
   a tensor or a mapping of tensors (:data:`curvkit.validation.Inputs`, e.g. a Hugging Face batch with its
   attention mask); the model is called as ``model(X)`` either way.
@@ -32,7 +34,7 @@ from torch.func import jvp
 
 from curvkit.curvature._tangent import SequentialTangent
 from curvkit.likelihoods import Likelihood
-from curvkit.structure import ModelStructure, curvature_kernels
+from curvkit.structure import ModelStructure, couples_samples, curvature_kernels
 from curvkit.validation import Inputs
 
 __all__ = ["Linearisation", "apply_output_hessian", "output_gram"]
@@ -85,8 +87,12 @@ class Linearisation:
         primals = tuple(params[n].detach() for n in self.names)
         X = self._X
 
+        coupled = couples_samples(self.model)  # BatchNorm in training mode: batch statistics, buffers copied
+        buffers = dict(self.model.named_buffers()) if coupled else {}
+
         def fn(*p: Tensor) -> Tensor:
-            return self.structure.functional_call(dict(zip(self.names, p)), (X,))
+            copies = {n: b.clone() for n, b in buffers.items()} if coupled else None
+            return self.structure.functional_call(dict(zip(self.names, p)), (X,), copies)
 
         out = []
         for d in directions:
