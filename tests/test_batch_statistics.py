@@ -26,7 +26,7 @@ from curvkit.likelihoods import CrossEntropy
 from curvkit.optim import GaussNewton
 from curvkit.structure import UnsupportedModelError
 from reference import dense_ggn_flat
-from test_gauss_newton_models import _dense_direction, _flat, _objective
+from test_gauss_newton_models import _flat, _objective, _reference_zeta_step
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -212,13 +212,7 @@ def test_gauss_newton_step_in_training_mode_equals_the_dense_reference(curvature
         for name, (Gr, Ar) in kron.items():
             b = next(b for b in op.blocks if b.name == f"{name}.weight")
             assert torch.allclose(b.G * X.shape[0], Gr, atol=1e-12, rtol=1e-10) and torch.allclose(b.A, Ar)
-    qs = {}
-    for z in (zeta, w * zeta, zeta / w):
-        d = _dense_direction(op, g, wd + z, exact=inversion == "eigen")
-        qs[z] = (d, -0.5 * float(d @ g) ** 2 / float(d @ C @ d))
-    best = min(qs, key=lambda z: qs[z][1])
-    d, q = qs[best]
-    alpha = -float(d @ g) / float(d @ C @ d)
+    best, d, q, alpha = _reference_zeta_step(op, g, C, wd, zeta, w, exact=inversion == "eigen")
     assert rec["zeta"] == pytest.approx(best)
     assert rec["alpha"] == pytest.approx(alpha, rel=1e-8) and alpha < 0
     assert rec["predicted_change"] == pytest.approx(q, rel=1e-8)

@@ -56,6 +56,20 @@ def _positions(layout: ParamLayout, b) -> torch.Tensor:
     return torch.where(local < wn, w0 + local, sl[b.bias_name].start + local - wn)
 
 
+def _reference_zeta_step(op, g: torch.Tensor, C: torch.Tensor, wd: float, zeta: float, w: float,
+                         exact: bool) -> tuple[float, torch.Tensor, float, float]:
+    """The thesis's zeta search (Eq. 4.22): the damped direction d for zeta, w zeta and zeta / w, each with its
+    alpha* = -d^T g / d^T C d and predicted change q = -(d^T g)^2 / (2 d^T C d) under the exact damped GGN C;
+    returns (best zeta, its d, q, alpha*)."""
+    qs = {}
+    for z in (zeta, w * zeta, zeta / w):
+        d = _dense_direction(op, g, wd + z, exact=exact)
+        qs[z] = (d, -0.5 * float(d @ g) ** 2 / float(d @ C @ d))
+    best = min(qs, key=lambda z: qs[z][1])
+    d, q = qs[best]
+    return best, d, q, -float(d @ g) / float(d @ C @ d)
+
+
 def _dense_direction(op, g: torch.Tensor, delta: float, exact: bool) -> torch.Tensor:
     """(G~ + delta I)^{-1} g, block by block from dense blocks: Eq. 4.25 with the trace-norm omega of Eq. 4.27
     (delta I for a zero block) on true Kronecker blocks, exact damping on plain-matrix blocks (factored=False)
@@ -134,13 +148,7 @@ def test_one_step_equals_the_dense_reference(name, curvature, inversion, options
     assert float(loss) == pytest.approx(float(E0), rel=1e-12)
     rec = opt.history[-1]
     op = opt.estimator.operator()  # the curvature of this minibatch at theta_0 (ema=None)
-    qs = {}
-    for z in (zeta, w * zeta, zeta / w):
-        d = _dense_direction(op, g, wd + z, exact=inversion == "eigen")
-        qs[z] = (d, -0.5 * float(d @ g) ** 2 / float(d @ C @ d))
-    best = min(qs, key=lambda z: qs[z][1])
-    d, q = qs[best]
-    alpha = -float(d @ g) / float(d @ C @ d)
+    best, d, q, alpha = _reference_zeta_step(op, g, C, wd, zeta, w, exact=inversion == "eigen")
     assert rec["zeta"] == pytest.approx(best) and opt.zeta == pytest.approx(best)
     assert rec["alpha"] == pytest.approx(alpha, rel=1e-8) and alpha < 0
     assert rec["predicted_change"] == pytest.approx(q, rel=1e-8)
