@@ -307,6 +307,21 @@ def test_default_refuses_with_the_hint_and_changes_nothing():
     assert _same_state(before, _state(model))
 
 
+def test_users_without_the_option_refuse_without_naming_it():
+    """The Kronecker filters and the continual penalty do not take batch_statistics: their refusal names the
+    fix they offer (eval mode), not an option of other classes."""
+    from curvkit.continual.laplace import LaplacePenalty
+    from curvkit.optim.filters import KFNatGrad
+
+    model = _net()
+    X, y = _data()
+    for refused in (lambda: KFNatGrad(model.parameters(), model=model),
+                    lambda: LaplacePenalty(curvature="kron", task_size=5).consolidate(model, [(X, y)])):
+        with pytest.raises(UnsupportedModelError, match="batch statistics") as err:
+            refused()
+        assert "batch_statistics" not in str(err.value) and "model.eval()" in str(err.value)
+
+
 def test_data_parallel_is_refused_with_the_option():
     """Each rank's BatchNorm would normalise with its own shard's statistics: refused, with the reason."""
     from curvkit.distributed import Reducer

@@ -358,6 +358,7 @@ class LaplacePenalty(Penalty):
             with only_trainable(model, names):
                 est: Any
                 if self.curvature == "kron":
+                    self.layers(model)  # refuses what the penalty cannot take, in its own words
                     est = KroneckerEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
                                              seed=self.seed + 7919 * task)
                     est.require_dense_output_factors("LaplacePenalty(curvature='kron')")

@@ -137,17 +137,18 @@ BATCH_STATISTICS_HINT = (", or pass batch_statistics='couple' (KroneckerEstimato
                          "curvature, docs/architecture.md)")
 
 
-def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistics: str = "refuse") -> list[LayerPlan]:
+def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistics: str | None = None) -> list[LayerPlan]:
     """The blocks of every module that owns trainable parameters (module docstring), or an error naming
     the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
     module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
     block (one :class:`LayerPlan` per parameter, labelled by its name). A module that couples the samples
     (BatchNorm with batch statistics) is refused unless ``batch_statistics='couple'`` (the Kronecker
-    estimators' explicit opt-in, :class:`curvkit.curvature.estimators.KroneckerEstimator`)."""
+    estimators' explicit opt-in, :class:`curvkit.curvature.estimators.KroneckerEstimator`); the refusal names
+    that option only for callers that take it (``batch_statistics='refuse'``), not for None."""
     _refuse_sharing(structure, what)
     structure.require_deterministic(what)
     if batch_statistics != "couple":
-        structure.require_independent_samples(what, BATCH_STATISTICS_HINT)
+        structure.require_independent_samples(what, BATCH_STATISTICS_HINT if batch_statistics == "refuse" else "")
     trainable = set(structure.trainable)
     owned: dict[str, str] = {}  # canonical parameter name -> the layer that owns it
     infos = {lay.label: lay for lay in structure.layers}
