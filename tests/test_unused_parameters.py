@@ -77,12 +77,14 @@ OPERATORS = {
 
 
 @pytest.mark.parametrize("kind", list(OPERATORS))
-def test_every_exact_operator_warns_once_naming_the_unused_parameters(kind):
+@pytest.mark.parametrize("batches", [1, 2])  # 1: read off the kept construction graph; 2: a fresh forward pass
+def test_every_exact_operator_warns_once_naming_the_unused_parameters(kind, batches):
     model, data = _model(), _data()
+    first, second = (data, [data, data]) if batches == 1 else ([data, data], data)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        op = OPERATORS[kind](model, data)
-        OPERATORS[kind](model, [data, data])                  # a second operator on the same model: no repeat
+        op = OPERATORS[kind](model, first)
+        OPERATORS[kind](model, second)                        # a second operator on the same model: no repeat
     _one_warning(record, rf"{type(op).__name__}: trainable parameter\(s\) {UNUSED}")
     d = op.diagonal().tensors
     names = list(op.layout.names)

@@ -108,7 +108,7 @@ from curvkit.curvature._functional import (
     params_to_cols,
     params_to_rows,
 )
-from curvkit.curvature._graph import warn_unused_functional
+from curvkit.curvature._graph import warn_unused, warn_unused_functional
 from curvkit.curvature._layerwise import (
     LayerSpec,
     Unsupported,
@@ -175,7 +175,11 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.num_terms = sum(likelihood.num_terms(f, y) for f, (_, y) in zip(outputs, self.batches))
         self.weight = likelihood.scale(self.num_terms)
         self._setup(outputs)
-        warn_unused_functional(type(self).__name__, self.fmodel, self.batches[0][0])
+        graph = self._construction_graph()
+        if graph is None:  # one more forward pass, with fresh leaves, to read the graph
+            warn_unused_functional(type(self).__name__, self.fmodel, self.batches[0][0])
+        else:
+            warn_unused(type(self).__name__, self.fmodel.module, self.fmodel.names, *graph)
 
     def _construction_output(self, batch_index: int, X: Inputs, y: Tensor) -> Tensor:
         """The validated output (B, [*P,] C) of one batch at construction (subclasses may keep its graph)."""
@@ -183,6 +187,11 @@ class ExactCurvatureOperator(CurvatureOperator):
 
     def _setup(self, outputs: list[Tensor]) -> None:
         """Hook for subclasses that need the outputs at the snapshot (e.g. to sample labels)."""
+
+    def _construction_graph(self) -> tuple[Params, Tensor] | None:
+        """(leaves, output with its graph) of the first batch's construction pass, where it was kept (the
+        unused-parameter check reads it instead of running another forward pass), else None."""
+        return None
 
     def _leaves(self) -> Params:
         """Fresh autograd leaves sharing the snapshot's storage (the snapshot itself never requires grad)."""
@@ -279,6 +288,10 @@ class HessianOperator(ExactCurvatureOperator):
             f = check_output(self.fmodel(leaves, X), self.likelihood, X, y, batch_index)
         self._graphs[batch_index] = (leaves, f)  # the gradient is formed lazily on the first product
         return f.detach()
+
+    def _construction_graph(self) -> tuple[Params, Tensor] | None:
+        cached = self._graphs.get(0)
+        return cached if cached is not None and isinstance(cached[1], Tensor) else None
 
     def _batch_loss(self, params: Params, X: Inputs, y: Tensor) -> Tensor:
         f = self.fmodel(params, X)
@@ -501,6 +514,10 @@ class OutputFactorOperator(ExactCurvatureOperator):
         check_output(entry["f"], self.likelihood, X, y, batch_index)
         self._lin_cache()[batch_index] = entry
         return entry["f"].detach()  # type: ignore[no-any-return]
+
+    def _construction_graph(self) -> tuple[Params, Tensor] | None:
+        entry = self.__dict__.get("_lin", {}).get(0)
+        return None if entry is None else (entry["leaves"], entry["f"])
 
     def _forward(self, X: Inputs, graph: bool) -> dict[str, Any]:
         """One forward pass at the snapshot: {"leaves", "f", "tangent"}.
