@@ -73,6 +73,7 @@ __all__ = [
     "curvature_kernels",
     "kept_running_statistics",
     "read_model",
+    "running_statistics",
 ]
 
 LayerKind = Literal["linear", "conv1d", "conv2d", "embedding", "norm", "attention", "other"]
@@ -551,6 +552,14 @@ def couples_samples(model: nn.Module) -> bool:
     return any(_mixes_samples(m) for m in model.modules())
 
 
+def running_statistics(model: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    """(module, buffer name, buffer) for every buffer of a module that NOW normalises with batch statistics
+    (BatchNorm in training mode: ``running_mean``, ``running_var``, ``num_batches_tracked``), which a forward
+    pass updates."""
+    return [(m, attr, b) for m in model.modules() if _mixes_samples(m) for attr, b in m._buffers.items()
+            if b is not None]
+
+
 @contextmanager
 def kept_running_statistics(model: nn.Module) -> Iterator[None]:
     """Run forward passes that must not change the model's BatchNorm running statistics (curvature passes,
@@ -558,8 +567,7 @@ def kept_running_statistics(model: nn.Module) -> Iterator[None]:
     ``running_var``, ``num_batches_tracked``) is replaced by a copy for the duration, and the module's own
     tensor is put back on exit (also on error), never written to. A backward pass through a graph built
     inside may run after the exit (the copies stay alive in it). A no-op without such modules."""
-    saved = [(m, attr, b) for _, m in model.named_modules() if _mixes_samples(m)
-             for attr, b in m._buffers.items() if b is not None]
+    saved = running_statistics(model)
     for m, attr, b in saved:
         m._buffers[attr] = b.detach().clone()
     try:

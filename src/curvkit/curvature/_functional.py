@@ -89,7 +89,7 @@ class FunctionalModel:
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"all trainable parameters must share one dtype and device, got dtypes {dtypes} "
                              f"and devices {devices}")
-        self.what, self.snapshot = what, bool(snapshot)
+        self.what = what
         trainable: list[Tensor] = [named[n] for n in self.names]
         self.params: Params = (_flat_snapshot(trainable, self.layout) if snapshot
                                else tuple(p.detach() for p in trainable))
@@ -98,8 +98,9 @@ class FunctionalModel:
             raise ValueError(f"parameters must be floating point, got {self.dtype}")
         self.device: torch.device = self.params[0].device
         keep = (lambda t: t.detach().clone()) if snapshot else (lambda t: t.detach())
+        trainable_names = set(self.names)
         self.frozen: dict[str, Tensor] = {n: keep(p) for n, p in module.named_parameters()
-                                          if n not in set(self.names)}
+                                          if n not in trainable_names}
         self.buffers: dict[str, Tensor] = {n: keep(b) for n, b in module.named_buffers()}
         held = [*zip(self.names, self.params), *self.frozen.items(), *self.buffers.items()]
         self._versions = [] if snapshot else [(n, t, t._version) for n, t in held]

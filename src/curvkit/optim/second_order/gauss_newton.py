@@ -115,6 +115,7 @@ from curvkit.structure import (
     kept_running_statistics,
     read_model,
     require_fixed_mode,
+    running_statistics,
 )
 from curvkit.validation import (
     Inputs,
@@ -196,14 +197,6 @@ def _check_ema(ema: Any) -> float | str | None:
             return ema
         raise ValueError(f"ema must be None (the current minibatch), a number in [0, 1) or 'running_mean', got {ema!r}")
     return unit_interval("ema", ema, closed_left=True)
-
-
-def _running_statistics(model: nn.Module | None) -> list[tuple[Tensor, Tensor]]:
-    """(buffer, a copy of its value) for every BatchNorm buffer of ``model`` (to undo a refused step)."""
-    if model is None:
-        return []
-    return [(b, b.detach().clone()) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            for b in m.buffers(recurse=False)]
 
 
 def _dot(a: list[Tensor], b: list[Tensor]) -> float:
@@ -506,7 +499,8 @@ class GaussNewton(CurvatureOptimizer):
         saved_gen = self._generator.get_state() if refresh else None
         saved_cache = (self._op, self._inverses, self._omega)
         saved_source = (self.estimator, self.source, self.source_reason)
-        saved_running = _running_statistics(self.model) if couple else []
+        saved_running = ([(b, b.detach().clone()) for _, _, b in running_statistics(self.model)]
+                         if couple and self.model is not None else [])  # to undo a refused step
         try:
             if self.distributed is not None and self.distributed.shard_batches and batch is not None:
                 rows = self.distributed.shard(num_samples(batch[0]))
