@@ -268,6 +268,7 @@ def _meta_device_checks(seen: list[torch.device]) -> None:
         "sync_generator": lambda: red.sync_generator(torch.Generator()),
         "check_identical": lambda: red.check_identical([torch.ones(2)]),
         "all_gather_rows": lambda: red.all_gather_rows(meta), "weighted_mean": lambda: red.weighted_mean([meta], 3),
+        "mean_of_sums": lambda: red.mean_of_sums([meta], 3),
         "all_reduce_": lambda: red.all_reduce_([meta]), "sum": lambda: red.sum([meta, meta[0]]),
         "sum_symmetric": lambda: red.sum_symmetric([meta, meta[0]], [True, False]),
         "broadcast_": lambda: red.broadcast_([meta], 0), "share": lambda: red.share([meta, meta[0]], 0),
@@ -283,6 +284,7 @@ def _meta_device_checks(seen: list[torch.device]) -> None:
     for call in {"all_reduce_": lambda: red.all_reduce_([cpu]), "broadcast_": lambda: red.broadcast_([cpu], 0),
                  "share": lambda: red.share([cpu], 0), "all_gather_rows": lambda: red.all_gather_rows(cpu),
                  "weighted_mean": lambda: red.weighted_mean([cpu], 2),
+                 "mean_of_sums": lambda: red.mean_of_sums([cpu], 2),
                  "sum_symmetric": lambda: red.sum_symmetric([cpu[:1].reshape(1, 1)], [True])}.values():
         with pytest.raises(CommunicationDeviceError, match=r"on cpu.*communicates meta tensors"):
             call()

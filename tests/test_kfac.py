@@ -126,6 +126,22 @@ def test_kfra_with_bias_free_layers_and_flatten():
     assert torch.allclose(a.to_dense(), b.to_dense())
 
 
+@pytest.mark.parametrize("lik", [CrossEntropy("mean", ignore_index=-100), Gaussian("sum", ignore_value=0.0)])
+def test_kfra_padded_samples_have_no_output_curvature(lik):
+    """Padding removes a sample from every curvature: KFRA's G_L (the mean output Hessian, Eq. 4.7) is zero
+    at padded samples, so its output-layer block is KFLR's (the two coincide at the output layer) and the
+    padded samples change G only through the count of the mean (scale N / M)."""
+    model = mlp([4, 5, 3], "tanh", seed=4, dtype=torch.float64)
+    X, y = data_for(lik, 7)
+    if isinstance(lik, CrossEntropy):
+        y[[1, 4]] = -100
+    else:
+        y[[1, 4]] = 0.0
+    a, b = kfra(model, lik, (X, y)), kflr(model, lik, (X, y))
+    torch.testing.assert_close(a.blocks[-1].G, b.blocks[-1].G, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(a.blocks[-1].A, b.blocks[-1].A, rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------------------------------------- Conv2d
 def tiny_cnn(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)

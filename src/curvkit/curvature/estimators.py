@@ -97,14 +97,17 @@ _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square
 
 def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
     """(C, C) batch mean of H_L (KFRA's G_L, Eq. 4.7) without a (B, C, C) tensor for the diagonal heads
-    (BCE and Gaussian: an autoencoder's C = 784 would need B * 784^2 entries) and in chunks otherwise."""
+    (BCE and Gaussian: an autoencoder's C = 784 would need B * 784^2 entries) and in chunks otherwise;
+    padded samples of y (the likelihood's ``ignore_index``/``ignore_value``) contribute zero, as in every
+    curvature, and still count in the mean over the B samples (the estimator's scale divides by the
+    counted terms)."""
     if getattr(lik, "hessian_needs_target", False):
         return lik.output_hessian(f, y).mean(0)  # type: ignore[call-arg]
     if isinstance(lik, (BernoulliBCE, Gaussian)):
-        return torch.diag(lik.output_hessian_diagonal(f).mean(0))
+        return torch.diag(lik.output_hessian_diagonal(f, y).mean(0))
     B, C = f.shape
     n = max(1, 2**22 // (C * C))
-    total = sum(lik.output_hessian(f[i:i + n]).sum(0) for i in range(0, B, n))
+    total = sum(lik.output_hessian(f[i:i + n], None if y is None else y[i:i + n]).sum(0) for i in range(0, B, n))
     return total / B  # type: ignore[return-value]
 
 
@@ -124,10 +127,11 @@ class CurvatureEstimator:
     data, while the sample stays the unit of ``num_data``, of the means and of batching.
 
     Data-parallel (``distributed=`` a :class:`curvkit.distributed.Reducer`): every update's statistics
-    (sums over the rank's batch) and its batch size are all-reduced in one message before they are
-    combined (:meth:`_reduce`), so the estimator holds the statistics of the union of the ranks' batches:
-    sums of sums, and with ``ema`` the batch mean sum_r S_r / sum_r B_r, which weights unequal shards by
-    their size. The finiteness check runs on the reduced statistics, so a NaN on one rank makes every
+    (sums over the rank's batch), its batch size and its counted loss terms are all-reduced in one message
+    before they are combined (:meth:`_reduce`), so the estimator holds the statistics of the union of the
+    ranks' batches: sums of sums, and with ``ema`` the batch mean sum_r S_r / sum_r B_r, which weights
+    unequal shards by their size; the ``'mean'`` scale divides by the union's counted terms, so padded
+    shards with unequal counts are the union's (:mod:`curvkit.distributed.reducer`). The finiteness check runs on the reduced statistics, so a NaN on one rank makes every
     rank raise the same error. Every rank must call ``update``/``accumulate`` equally often.
     """
 

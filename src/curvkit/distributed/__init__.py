@@ -18,7 +18,7 @@ every rank (the weights for unequal shards are in :mod:`curvkit.distributed.redu
 * checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`;
 * launching: ``torchrun --nproc_per_node=N`` + :func:`init`, and :func:`finish` to end every process
   cleanly (exit code 0 after correct work, 1 after an error); :func:`spawn` for tests; :func:`ddp` for
-  DistributedDataParallel with the union gradient on unequal shards.
+  DistributedDataParallel with the union gradient on unequal shards (:func:`set_loss_terms` for a padded mean).
 
 Every collective goes through one entry point (``Reducer._collective``) that refuses a tensor off the
 backend's communication device (CPU for gloo, the current CUDA device for NCCL) and waits with the
@@ -26,7 +26,7 @@ reducer's timeout on every backend; replicas stay bitwise identical (``Reducer.c
 """
 
 from curvkit.distributed.checkpoint import DistributedCheckpointError, load_checkpoint, save_checkpoint
-from curvkit.distributed.ddp import ddp
+from curvkit.distributed.ddp import ddp, set_loss_terms
 from curvkit.distributed.launch import destroy, env_world_size, finish, init, spawn
 from curvkit.distributed.operator import DistributedOperator
 from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
@@ -68,6 +68,7 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "set_current",
+    "set_loss_terms",
     "shard_range",
     "spawn",
     "wait_for",

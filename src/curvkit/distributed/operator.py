@@ -10,6 +10,9 @@ is C_r = w_r sum_{n in r} C_n with w_r = 1 ('sum') or 1/N_r ('mean'), so
     C = sum_r c_r C_r,   c_r = 1 ('sum'),   c_r = N_r / N ('mean', N = sum_r N_r, all-reduced once),
 
 with N_r the rank's loss terms (``num_terms``: counted positions for outputs with positions and padding).
+A rank whose every target is padding has no mean of its own (its ``'mean'`` operator is refused): build
+every rank's operator with ``reduction='sum'`` and pass ``weight=1 / N`` (N = ``distributed.sum_int`` of
+the ranks' ``num_terms``).
 
 Everything LINEAR in C is computed locally on the shard, scaled by c_r and all-reduced (one message):
 products ``C @ M``, quadratic forms, the exact diagonal, ``to_dense``, the exact trace, and Hutchinson's
@@ -40,7 +43,8 @@ class DistributedOperator(CurvatureOperator):
         local: this rank's operator, built on its shard (the same model and parameters on every rank).
         distributed: the :class:`Reducer`.
         weight: c_r explicitly; by default N_r/N for an exact operator of a ``'mean'`` loss (its
-            ``num_data`` and ``likelihood.reduction``) and 1 otherwise (the operators are summed).
+            ``num_terms``, the counted loss terms, and ``likelihood.reduction``) and 1 otherwise (the
+            operators are summed).
     """
 
     def __init__(self, local: CurvatureOperator, distributed: Reducer, weight: float | None = None):

@@ -32,14 +32,29 @@ computes are handed out with :meth:`Reducer.share` (fresh contiguous tensors on 
 included: a BLAS product can round differently for a transposed layout), so replicas stay bitwise
 identical step after step (:meth:`Reducer.check_identical` verifies it).
 
-Weights for unequal shards (the rule every hook follows). Rank r holds B_r of the B = sum_r B_r examples.
+Weights for unequal shards (the rule every data-parallel reduction follows). Rank r holds B_r of the
+B = sum_r B_r samples, and M_r of the M = sum_r M_r COUNTED TERMS of the loss: a likelihood's
+``num_terms`` (the positions that are not padding; = B_r for (B, C) outputs without padding). A
+``reduction='mean'`` loss is the mean over the counted terms, so with padding or sequences of unequal
+length M_r is not proportional to B_r, and a reduction weighted by samples is silently not the union's.
 
-* Quantities that are SUMS over examples (Kronecker factor sums ``sum_n a_n a_n^T``, the gradient of a
+* Quantities that are SUMS over the terms (Kronecker factor sums ``sum_n a_n a_n^T``, the gradient of a
   ``reduction='sum'`` loss, a GGN product of a summed loss) are all-reduced with weight 1.
-* Quantities that are MEANS over the rank's examples (the gradient or the loss of a ``reduction='mean'``
-  loss on the shard, a batch-mean statistic) are all-reduced as ``sum_r B_r x_r`` together with ``B_r``
-  in the same message, then divided by B: exactly the mean over the union of the shards
-  (:meth:`Reducer.weighted_mean`), never the mean of the per-rank means.
+* Quantities that are MEANS over the rank's terms (the loss, its gradient and its GGN quadratic forms
+  of a ``reduction='mean'`` loss on the shard) travel as the rank's SUM S_r over its terms together with
+  its count M_r in the same message, and the union's mean is sum_r S_r / sum_r M_r
+  (:meth:`Reducer.mean_of_sums`; :meth:`Reducer.weighted_mean` takes the rank's mean x_r and sends
+  S_r = M_r x_r): exactly the mean over the union of the shards, never the mean of the per-rank means.
+  Computing the sum directly (the rank's loss with ``reduction='sum'``) also takes a rank whose every
+  term is padding (M_r = 0, where the rank's own mean is undefined); only M = 0 is refused, as one
+  process refuses the mean over no term.
+* The count is what the mean divides by: the counted terms for a curvkit likelihood (GaussNewton,
+  MESU/BGD/BBB, ``DistributedOperator``, ``ddp``, the estimators' ``num_terms``); the samples where the
+  quantity is a per-sample mean by definition (the LLC's per-sample loss, KFRA's batch means, BatchNorm's
+  running statistics, the Kronecker filters' ``reduction='mean'``, which is the mean over examples); the
+  rows for a covariance of rows (KFWhiten's C_x). A component that cannot read the count of a mean (a
+  loss callable whose denominator curvkit does not know) refuses the mean data-parallel and says how to
+  pass it (a curvkit likelihood, or the summed loss).
 """
 
 from __future__ import annotations
@@ -397,20 +412,29 @@ class Reducer:
         self.all_reduce_([t], "all_reduce of a count")
         return int(t[0])
 
-    def weighted_mean(self, tensors: Sequence[Tensor], count: int | float) -> tuple[list[Tensor], float]:
-        """(sum_r count_r x_r / sum_r count_r for every x, sum_r count_r): per-rank means over
-        ``count`` examples turned into the mean over the union (module docstring), in one message per
-        dtype (the count travels with the first tensor's dtype)."""
-        if self.world_size == 1:
-            return [t.detach().clone() for t in tensors], float(count)
-        first = tensors[0]
-        parts = [t.detach() * count for t in tensors] + [torch.tensor([float(count)], dtype=first.dtype,
-                                                                      device=first.device)]
-        self.all_reduce_(parts, "all_reduce of weighted means")
+    def mean_of_sums(self, sums: Sequence[Tensor], count: int | float) -> tuple[list[Tensor], float]:
+        """(sum_r S_r / sum_r count_r for every S, sum_r count_r): the union's mean from each rank's SUMS S_r
+        over its ``count`` terms (module docstring; a rank may hold no term, count 0), in one message per
+        dtype. The count travels in float64 (exact up to 2^53) with the float64 tensors, or as its own
+        float64 part. Raises ValueError on every rank when the counts sum to 0."""
+        sums = list(sums)
+        if not sums:
+            raise ValueError("mean_of_sums: no tensor to reduce")
+        first = sums[0]
+        n = first.new_tensor([float(count)], dtype=torch.float64)
+        parts = self.all_reduce_([t.detach().clone() for t in sums] + [n], "all_reduce of sums and counts")
         total = float(parts[-1][0])
         if not total > 0:
-            raise ValueError("weighted_mean: no rank holds any example (the counts sum to 0)")
+            raise ValueError("the mean over the union of the ranks' shards is undefined: every rank's count of "
+                             "terms is 0 (every target is padding, or every shard is empty)")
         return [p / total for p in parts[:-1]], total
+
+    def weighted_mean(self, tensors: Sequence[Tensor], count: int | float) -> tuple[list[Tensor], float]:
+        """(sum_r count_r x_r / sum_r count_r for every x, sum_r count_r): per-rank means over ``count``
+        terms turned into the mean over the union (module docstring; :meth:`mean_of_sums` of count_r x_r).
+        A rank with count 0 contributes nothing (its x_r is not read)."""
+        c = float(count)
+        return self.mean_of_sums([t.detach() * c if c else torch.zeros_like(t) for t in tensors], count)
 
     # ------------------------------------------------------------------ broadcast / gather
     def _broadcast_flat(self, flat: Tensor, src: int, what: str, group: Any) -> None:

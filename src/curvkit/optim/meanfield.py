@@ -136,10 +136,13 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             ``curvkit.distributed.set_current``, else none). At construction rank 0's parameters (mu) and
             noise-generator state are broadcast, so every rank draws the SAME eps_k; each step's g_mu,
             g_sigma and per-sample losses, computed on the rank's shard, are then all-reduced: summed for
-            a summed loss (the default; a closure's loss is taken as summed over its shard), and as
-            sum_r B_r x_r / sum_r B_r for a ``loss_fn`` with ``reduction='mean'`` (the mean over the union
-            of unequal shards). The step is then the single-process step on the union of the shards, on
-            every rank. With ``distributed.grads='synced'`` (a DDP model) a closure's gradients are taken
+            a summed loss (the default; a closure's loss is taken as summed over its shard), and for a
+            curvkit likelihood with ``reduction='mean'`` computed on the shard as sums over its counted loss
+            terms M_r (``num_terms``: positions that are not padding) and divided by sum_r M_r (the mean over
+            the union of unequal, padded shards; :mod:`curvkit.distributed.reducer`). The step is then the
+            single-process step on the union of the shards, on every rank. Another ``loss_fn`` with
+            ``reduction='mean'`` (a torch loss) is refused data-parallel: curvkit cannot read how many terms
+            its mean divides by (ignored targets, positions). With ``distributed.grads='synced'`` (a DDP model) a closure's gradients are taken
             as already reduced. ``distributed.shard_batches``: ``batch=`` is cut to the rank's rows.
     """
 
@@ -189,6 +192,17 @@ class MeanFieldOptimizer(CurvatureOptimizer):
 
             distributed = current()
         self.distributed = distributed
+        if distributed is not None and not isinstance(loss_fn, Likelihood) and getattr(loss_fn, "reduction", None) == "mean":
+            raise ValueError(f"{type(self).__name__}(distributed=...): loss_fn {type(loss_fn).__name__} has "
+                             "reduction='mean', a mean whose number of terms (ignored targets, positions) curvkit "
+                             "cannot read, so the ranks could not be weighted by it; pass a curvkit likelihood "
+                             "(e.g. curvkit.likelihoods.CrossEntropy('mean', ignore_index=-100), which counts its "
+                             "terms) or the summed loss (reduction='sum', which these rules assume)")
+        #: the loss of a data-parallel step on this rank's shard: a mean likelihood's SUM over the shard's
+        #: counted terms (the ranks' sums travel with their counts, _reduce_grads)
+        self._shard_loss = self._loss
+        if distributed is not None and isinstance(loss_fn, Likelihood) and loss_fn.reduction == "mean":
+            self._shard_loss = likelihood_loss(loss_fn.with_reduction("sum"))
         if distributed is not None:  # the same mu and the same noise on every rank
             distributed.sync_tensors_([p for g in self.param_groups for p in g["params"]])
             distributed.sync_generator(self.generator)
@@ -303,24 +317,29 @@ class MeanFieldOptimizer(CurvatureOptimizer):
     def mc_gradients(self, inputs: Tensor, targets: Tensor) -> MCGradients:
         """Vectorised MC estimates (Eq. 1) at the current (mu, sigma) with the optimiser's noise generator
         (advances it). ``inputs``: (B, ...) minibatch; ``targets``: what ``loss_fn`` expects."""
-        self._check_batch(inputs, targets)
-        mu, sigma = self.mu_dict(), self.sigma_dict()
-        return mc_gradients(self.model, self._loss, inputs, targets, mu, sigma, self.mc_samples,
-                            eps=self._draw_eps(mu), chunk_size=self.chunk_size)
+        return self._gradients(inputs, targets, self._loss)[0]
 
-    def _check_batch(self, inputs: Tensor, targets: Tensor) -> None:
+    def _gradients(self, inputs: Tensor, targets: Tensor, loss: LossFn) -> tuple[MCGradients, int | None]:
+        """:meth:`mc_gradients` with ``loss``, and the batch's counted loss terms (:meth:`_check_batch`)."""
+        terms = self._check_batch(inputs, targets)
+        mu, sigma = self.mu_dict(), self.sigma_dict()
+        return mc_gradients(self.model, loss, inputs, targets, mu, sigma, self.mc_samples,
+                            eps=self._draw_eps(mu), chunk_size=self.chunk_size), terms
+
+    def _check_batch(self, inputs: Tensor, targets: Tensor) -> int | None:
         """Validate a minibatch outside ``vmap``: inputs of any dtype (integer token ids included) with a
         batch dimension and, if floating point, finite; for a curvkit likelihood, targets that fit the
         model's output. The output is evaluated at mu on the first two rows (one output row per input row:
         the batch's output shape follows), else on the whole batch (e.g. tokens flattened to (B*T, C)),
-        functionally and with private copies of any running statistics, so the module is not changed."""
+        functionally and with private copies of any running statistics, so the module is not changed.
+        Returns the batch's counted loss terms for a curvkit likelihood (``num_terms``), else None."""
         if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] == 0:
             shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
             raise ValueError(f"inputs must be a tensor with a non-empty batch dimension (B, ...), got {shape}")
         if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
             raise ValueError(f"inputs must be finite; they contain NaN or inf ({int((~torch.isfinite(inputs)).sum())} entries)")
         if not isinstance(self.loss_fn, Likelihood):
-            return
+            return None
         structure = read_model(self.model)
         B, n = int(inputs.shape[0]), min(2, int(inputs.shape[0]))
 
@@ -332,6 +351,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             f = output(inputs[:n])
             f = f[:1].expand(B, *f.shape[1:]) if f.shape[0] == n else output(inputs)
         self.loss_fn.check(f, targets)
+        return self.loss_fn.num_terms(f, targets)
 
     # -- the step -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -366,7 +386,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             if closure is not None:
                 grads = self._closure_gradients(closure, mu, sigma)
                 if self.distributed is not None:
-                    grads = self._reduce_grads(grads, None, self.distributed.grads == "synced")
+                    grads = self._reduce_grads(grads, None, None, self.distributed.grads == "synced")
             else:
                 assert batch is not None
                 if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -375,9 +395,10 @@ class MeanFieldOptimizer(CurvatureOptimizer):
                     rows = self.distributed.shard(int(batch[0].shape[0]))
                     batch = (batch[0][rows], batch[1][rows])
                 with torch.enable_grad():
-                    grads = self.mc_gradients(batch[0], batch[1])
+                    grads, terms = self._gradients(batch[0], batch[1], self._shard_loss)
                 if self.distributed is not None:
-                    grads = self._reduce_grads(grads, int(batch[0].shape[0]), False)
+                    mean = self._shard_loss is not self._loss  # the shard's sums of a mean likelihood
+                    grads = self._reduce_grads(grads, terms if mean else None, int(batch[0].shape[0]), False)
         self._check_grads(grads, mu)
         loss = grads.loss if grads.losses.numel() else torch.tensor(float("nan"))
         if not bool(torch.isfinite(loss)):
@@ -439,21 +460,24 @@ class MeanFieldOptimizer(CurvatureOptimizer):
                              "the optimiser was built, and a frozen parameter is never changed; build a new "
                              "optimiser over the trainable parameters (frozen ones are left out automatically)")
 
-    def _reduce_grads(self, grads: MCGradients, batch_size: int | None, synced: bool) -> MCGradients:
-        """All-reduce one step's MC estimates over the ranks (``distributed`` in the class docstring)."""
+    def _reduce_grads(self, grads: MCGradients, terms: int | None, samples: int | None, synced: bool) -> MCGradients:
+        """All-reduce one step's MC estimates over the ranks (``distributed`` in the class docstring): sums
+        over the ranks, divided by the union's counted loss terms where ``terms`` (this shard's) is given
+        (a mean likelihood evaluated as the shard's sums). ``samples``: the shard's samples, the weights of
+        the running statistics (per-sample batch means)."""
         red = self.distributed
         names = list(grads.g_mu)
         parts = [grads.losses]
         if not synced:
             parts = [grads.g_mu[n] for n in names] + [grads.g_sigma[n] for n in names] + parts
-        if batch_size is not None and getattr(self.loss_fn, "reduction", "sum") == "mean":
-            parts, _ = red.weighted_mean(parts, batch_size)
+        if terms is not None:
+            parts, _ = red.mean_of_sums(parts, terms)
         else:
             parts = red.sum(parts, "all_reduce of Monte Carlo gradients")
         buffers = grads.buffers
-        if buffers and batch_size is not None:  # running statistics: the mean over the ranks, weighted by shard
+        if buffers and samples is not None:  # running statistics: the mean over the ranks, weighted by shard
             floats = [n for n, b in buffers.items() if b.is_floating_point()]
-            means, _ = red.weighted_mean([buffers[n] for n in floats], batch_size)
+            means, _ = red.weighted_mean([buffers[n] for n in floats], samples)
             buffers = {**buffers, **dict(zip(floats, means))}
         if synced:
             return MCGradients(grads.g_mu, grads.g_sigma, parts[0], grads.eps, buffers)

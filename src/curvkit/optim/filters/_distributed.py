@@ -18,7 +18,9 @@ What travels, per step (P ranks, rank r holding B_r examples; B = sum_r B_r):
 
 The result is the single-process step on the union minibatch (shards in rank order), to rounding.
 Gradients: ``distributed.grads='local'`` all-reduces sum_r (-s_r p.grad_r) with s_r the rank's loss
-scale (B_r for a mean loss); ``'synced'`` (DDP) takes p.grad as the union's gradient, scaled by B.
+scale (B_r for a mean loss: the filters' ``'mean'`` is over examples); ``'synced'`` (DDP) takes p.grad as the
+union's gradient, scaled by B (:func:`curvkit.distributed.ddp` weighs a mean by the output's positions, the
+examples of (B, C) outputs; with positions or padding both use the summed loss, ``reduction='sum'``).
 """
 
 from __future__ import annotations

@@ -65,8 +65,11 @@ captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W
 KFWhiten v = EMA_beta(g^2), W <- W + eta g / sqrt(v_hat + damping mean(v_hat)) (with its momentum and decay).
 ``diagonal`` lists those parameters; ``curvature()`` gives them exact diagonal blocks ``[[1]] (x) diag(1/s)``,
 and ``effective_lr()``/``diagnostics()`` report them by parameter name. Data-parallel steps take only Kronecker
-layers. ``reduction='mean'`` is the mean over examples: for a loss averaged over positions (tokens), back-propagate
-the summed loss with ``reduction='sum'``. The filters read the user's own loss and backward pass: the model's
+layers. ``reduction='mean'`` is the loss divided by the number of examples B (the filters turn ``p.grad`` into the
+summed gradient by multiplying with B, and data-parallel steps weight the ranks by their examples): a loss averaged
+over positions (tokens) or over counted targets (padding, ``ignore_index``) is not that mean, and the filters, which
+never see the targets, cannot tell; back-propagate the summed loss with ``reduction='sum'`` (data-parallel: the
+ranks' sums are summed, the union's summed gradient whatever the padding; tests/test_distributed_padding.py). The filters read the user's own loss and backward pass: the model's
 outputs, padding (``CrossEntropy(ignore_index=...)``, which refuses out-of-range targets without it) and the data
 are checked by that loss; a step checks every gradient for NaN/inf before it writes anything.
 """

@@ -2,9 +2,13 @@
 
 Per step on P ranks (rank r holds B_r of the minibatch's B examples):
 
-* loss and gradient: each rank differentiates its shard's loss; the gradient and the loss are
-  all-reduced in one message, summed for ``reduction='sum'`` and as sum_r B_r x_r / B for ``'mean'``
-  (:func:`reduce_loss_and_grads`): the minibatch loss and gradient of the union;
+* loss and gradient: each rank differentiates its shard's SUMMED loss (the likelihood with
+  ``reduction='sum'``, :attr:`GaussNewton._shard_likelihood`; a closure's mean loss and gradient are
+  multiplied by the shard's counted terms M_r), and the sums travel with M_r in one message: summed for
+  ``reduction='sum'``, divided by M = sum_r M_r for ``'mean'`` (:func:`reduce_sums`), the minibatch
+  loss and gradient of the union. M_r is ``likelihood.num_terms``, the positions that are not padding,
+  never the number of sequences (:mod:`curvkit.distributed.reducer`, "Weights for unequal shards"); a
+  rank whose every target is padding contributes nothing;
 * Kronecker factors (on refresh steps only): the estimator's ``_combine`` all-reduces the factor sums and
   the count (upper triangles), KFRA's batch means first (:class:`curvkit.curvature.KroneckerEstimator`);
 * inverses (:class:`DistributedKroneckerInverse`): the inverses of each parameter UNIT (the blocks that
@@ -16,8 +20,8 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
   ``comm-opt`` sends them to every rank, ``mem-opt`` keeps them on the owner and broadcasts the unit's
   direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups;
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
-  is a sum over examples, all-reduced like the loss (:func:`reduce_like_loss`), and the objective after
-  the step (rho, Eq. 4.21) likewise. alpha*, rho, tau and zeta are then computed from identical numbers on
+  is a sum over the counted terms, evaluated on the shard with the summed loss and reduced like the loss
+  (:func:`reduce_sums`), and the objective after the step (rho, Eq. 4.21) likewise. alpha*, rho, tau and zeta are then computed from identical numbers on
   every rank, and the owners' results reach every rank (the owner included) as identically laid-out
   tensors (:meth:`~curvkit.distributed.Reducer.share`), so every rank takes the bitwise identical step.
 """
@@ -31,25 +35,16 @@ from torch import Tensor
 
 from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
 from curvkit.distributed.reducer import Reducer
-from curvkit.validation import Inputs, num_samples
 
-__all__ = ["DistributedKroneckerInverse", "reduce_like_loss", "reduce_loss_and_grads"]
+__all__ = ["DistributedKroneckerInverse", "reduce_step_inputs", "reduce_sums"]
 
 
-def reduce_like_loss(distributed: Reducer, tensors: list[Tensor], batch_size: int, reduction: str) -> list[Tensor]:
-    """Sums over the ranks (``'sum'``) or the union mean sum_r B_r x_r / sum_r B_r (``'mean'``)."""
+def reduce_sums(distributed: Reducer, sums: list[Tensor], terms: int, reduction: str) -> list[Tensor]:
+    """The union's loss-like quantities from this rank's SUMS over its ``terms`` counted loss terms: summed
+    over the ranks (``'sum'``), or divided by the union's count sum_r M_r (``'mean'``, one message)."""
     if reduction == "mean":
-        return distributed.weighted_mean(tensors, batch_size)[0]
-    return distributed.sum(tensors, "all_reduce of loss terms")
-
-
-def reduce_loss_and_grads(distributed: Reducer, loss: Tensor, grads: list[Tensor], batch_size: int,
-                          reduction: str, synced: bool) -> tuple[Tensor, list[Tensor]]:
-    """The union's loss and gradient (module docstring); ``synced`` gradients are kept, only the loss travels."""
-    if synced:
-        return reduce_like_loss(distributed, [loss.reshape(1)], batch_size, reduction)[0].reshape(()), grads
-    out = reduce_like_loss(distributed, [loss.reshape(1).to(grads[0].dtype), *list(grads)], batch_size, reduction)
-    return out[0].reshape(()).to(loss.dtype), out[1:]
+        return distributed.mean_of_sums(sums, terms)[0]
+    return distributed.sum(sums, "all_reduce of loss terms")
 
 
 def _assignment(op: Any, units: list[list[int]], distributed: Reducer) -> Assignment:
@@ -210,26 +205,30 @@ class DistributedKroneckerInverse:
         return out
 
 
-def reduce_step_inputs(opt: Any, X: Inputs, data_loss: Tensor, grads: list[Tensor], evaluate: Any,
+def reduce_step_inputs(opt: Any, terms: int, data_loss: Tensor, grads: list[Tensor], evaluate: Any,
                        from_closure: bool) -> tuple[Tensor, list[Tensor], Any]:
     """GaussNewton's hook: the union's data loss and gradient, and an ``evaluate()`` of the union's
-    objective (the weight-decay term is identical on every rank and is added once)."""
+    objective (the weight-decay term is identical on every rank and is added once). ``terms``: the shard's
+    counted loss terms M_r. The batch form evaluated the shard's sums; a closure returns its shard's mean
+    (the user's loss; padding is refused there, so M_r > 0), turned into the sum here."""
     import math
 
     red: Reducer = opt.distributed
     reduction = opt.likelihood.reduction
-    B = num_samples(X)
     synced = from_closure and red.grads == "synced"
-    loss, grads = reduce_loss_and_grads(red, data_loss, grads, B, reduction, synced)
+    w = float(terms) if from_closure and reduction == "mean" else 1.0
+    local = [data_loss.reshape(1).to(grads[0].dtype) * w] + ([] if synced else [g * w for g in grads])
+    out = reduce_sums(red, local, terms, reduction)
+    loss, grads = out[0].reshape(()).to(data_loss.dtype), grads if synced else out[1:]
     params = opt.ordered_params()
 
     def evaluate_union() -> float:
         reg = opt._objective(params[0].new_zeros(()), params)
-        local = evaluate() - reg
+        local = (evaluate() - reg) * w
         if not math.isfinite(local):
             local = math.inf
         t = red.tensor([local], torch.float64)  # on the communication device
-        value = float(reduce_like_loss(red, [t], B, reduction)[0][0])
+        value = float(reduce_sums(red, [t], terms, reduction)[0][0])
         return value + reg if math.isfinite(value) else math.inf
 
     return loss, grads, evaluate_union

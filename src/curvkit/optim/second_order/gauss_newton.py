@@ -248,6 +248,8 @@ class GaussNewton(CurvatureOptimizer):
         distributed: a :class:`curvkit.distributed.Reducer` for data-parallel steps (default: the one set by
             ``curvkit.distributed.set_current``): each rank steps on its shard and every rank takes the step
             of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
+            A ``reduction='mean'`` likelihood weights the ranks by their counted loss terms (positions that are
+            not padding), so padded token batches with unequal counts per rank take the union's step.
     """
 
     def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "auto",
@@ -325,6 +327,9 @@ class GaussNewton(CurvatureOptimizer):
 
             distributed = current()
         self.distributed = distributed
+        #: the likelihood of the step's own loss, gradient and quadratic model on this rank's shard: the
+        #: summed one when data-parallel (the ranks' sums travel with their counted terms, _distributed)
+        self._shard_likelihood = likelihood if distributed is None else likelihood.with_reduction("sum")
         if distributed is not None and batch_statistics == "couple":
             raise ValueError("GaussNewton: batch_statistics='couple' cannot be used data-parallel (distributed=, or "
                              "a reducer set by curvkit.distributed.set_current): each rank's BatchNorm would normalise "
@@ -509,7 +514,9 @@ class GaussNewton(CurvatureOptimizer):
             if self.distributed is not None:  # the union's loss, gradient and objective after the step
                 from curvkit.optim.second_order._distributed import reduce_step_inputs
 
-                data_loss, grads, evaluate = reduce_step_inputs(self, X, data_loss, grads, evaluate, closure is not None)
+                terms = self.likelihood.num_terms(f, y)  # this rank's counted loss terms (not its samples)
+                data_loss, grads, evaluate = reduce_step_inputs(self, terms, data_loss, grads, evaluate,
+                                                                closure is not None)
             out = self._compute(k, params, X, y, f, data_loss, grads, refresh)
         except BaseException:
             if saved_est is not None:
@@ -553,7 +560,7 @@ class GaussNewton(CurvatureOptimizer):
         Returns (X, y, f, data loss, gradient of the data loss, evaluate) with ``evaluate()`` the objective
         at the current parameters on the same minibatch (for rho).
         """
-        model, lik = self.model, self.likelihood
+        model, lik = self.model, self._shard_likelihood
         assert model is not None
         name = type(self).__name__
         if batch is None and closure is None:
@@ -749,11 +756,11 @@ class GaussNewton(CurvatureOptimizer):
             if any(u is None for u in prev):
                 prev = None
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
-        M = output_gram(self.likelihood, f, y, JV)
-        if self.distributed is not None:  # d_i^T G d_j is a sum over the examples: the union's
-            from curvkit.optim.second_order._distributed import reduce_like_loss
+        M = output_gram(self._shard_likelihood, f, y, JV)
+        if self.distributed is not None:  # d_i^T G d_j summed over the shard's counted terms: the union's
+            from curvkit.optim.second_order._distributed import reduce_sums
 
-            M = reduce_like_loss(self.distributed, [M], int(f.shape[0]), self.likelihood.reduction)[0]
+            M = reduce_sums(self.distributed, [M], self.likelihood.num_terms(f, y), self.likelihood.reduction)[0]
         if not bool(torch.isfinite(M).all()):
             raise FloatingPointError(f"{name}: step {k}: the exact GGN quadratic form is not finite; nothing was "
                                      "changed")
