@@ -202,6 +202,24 @@ def _kind(mod: nn.Module) -> LayerKind:
     return "other"
 
 
+def _refuse_sharded_parameters(model: nn.Module) -> None:
+    """Refuse a model whose trainable parameters are ``DTensor`` shards (FSDP2 ``fully_shard``, tensor
+    parallelism). Every curvature route reads a parameter as the whole tensor on this process; on a shard it
+    would build each rank's curvature of its own slice and data without a word (issue 33)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has no sharded parameters
+        return
+    sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
+    if sharded:
+        raise NotImplementedError(
+            f"parameter {sharded[0]!r} (and {len(sharded) - 1} more) is a DTensor shard (FSDP2 fully_shard or "
+            "tensor parallelism): curvkit does not compute curvature of sharded models yet. Use data parallelism "
+            "(every rank holds the whole model, pass distributed=Reducer()), or gather a full replica of the "
+            "model on each rank (e.g. torch.distributed.checkpoint's get_model_state_dict with "
+            "full_state_dict=True loaded into an unsharded copy).")
+
+
 class ModelStructure:
     """What curvkit knows about a model's structure (module docstring). Build with :func:`read_model`.
 
@@ -211,6 +229,7 @@ class ModelStructure:
     def __init__(self, model: nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _refuse_sharded_parameters(model)
         self.model = model
         module_names: dict[int, list[str]] = {}
         for name, mod in model.named_modules(remove_duplicate=False):
