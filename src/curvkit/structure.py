@@ -120,6 +120,38 @@ def curvature_kernels() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
+@contextmanager
+def differentiable() -> Iterator[None]:
+    """Leave ``torch.inference_mode`` for curvkit's curvature passes; a context, or a decorator: ``@differentiable()``.
+
+    Inside inference mode autograd records nothing, even under ``torch.enable_grad()``, so every gradient,
+    Jacobian or Hessian product would silently be zero or fail. Every public entry point of curvkit that
+    differentiates the model (the exact operators' construction and products, the estimators' updates, the
+    Kronecker capture, Laplace's fit and predictives, the Gauss-Newton step) runs inside this context: it
+    turns inference mode off and keeps the caller's grad mode (off under inference mode, as under
+    ``torch.no_grad()``; curvkit enables grad itself where it differentiates), so inference mode behaves as
+    ``torch.no_grad()`` does. Tensors created inside inference mode (inputs, vectors) are copied out of it by
+    :func:`curvkit.validation.ordinary`. Outside inference mode this does nothing. Nothing is changed for
+    the caller: the mode is restored on exit.
+    """
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
+
+
+def require_ordinary_parameters(model: nn.Module, what: str) -> None:
+    """Raise a ValueError when a parameter or buffer of ``model`` is an inference tensor (the model was built or
+    copied inside ``torch.inference_mode()``): autograd can never differentiate through it."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_inference():
+            raise ValueError(f"{what}: {name!r} of the model was created inside torch.inference_mode(), so autograd "
+                             "cannot differentiate through it; build (or copy) the model outside inference mode "
+                             "(curvkit itself runs under any grad mode)")
+
+
 class UnsupportedModelError(ValueError):
     """A model (or one of its modules) is outside what a route supports; the message says how to fix it."""
 

@@ -126,8 +126,8 @@ from curvkit.curvature.output_space import (
 )
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
-from curvkit.structure import read_model
-from curvkit.validation import Inputs, num_samples, split_samples, take_samples
+from curvkit.structure import differentiable, read_model
+from curvkit.validation import Inputs, num_samples, ordinary, split_samples, take_samples
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -158,6 +158,7 @@ class ExactCurvatureOperator(CurvatureOperator):
     = N for (B, C) outputs) and ``weight`` w = ``likelihood.scale(num_terms)``.
     """
 
+    @differentiable()
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
                  snapshot: bool = True):
         if not isinstance(likelihood, Likelihood):
@@ -210,9 +211,10 @@ class ExactCurvatureOperator(CurvatureOperator):
     def params(self) -> Params:
         return self.fmodel.params
 
+    @differentiable()
     def _matmat(self, M: Tensor) -> Tensor:
         self.fmodel.check_unchanged()
-        M = M.to(device=self.device, dtype=self.dtype)
+        M = ordinary(M.to(device=self.device, dtype=self.dtype))
         if M.shape[1] <= self.chunk_size:
             return self._matmat_chunk(M)
         return torch.cat([self._matmat_chunk(M[:, s:s + self.chunk_size])
@@ -391,6 +393,7 @@ class HessianOperator(ExactCurvatureOperator):
                                  "Hessian-vector products) or False")
         return super().trace(method, num_probes=num_probes, generator=generator, distribution=distribution)
 
+    @differentiable()
     def diagonal(self, method: Literal["exact", "hutchinson"] = "exact", num_probes: int = 100,
                  generator: torch.Generator | None = None, max_dim: int | None = 20_000) -> DiagonalOperator:
         """The diagonal: ``exact`` by d unit-vector Hessian-vector products (chunks of ``chunk_size``
@@ -662,6 +665,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out, first=i == 0)
         return out
 
+    @differentiable()
     def quadratic_form(self, M: Tensor) -> Tensor:
         """v^T C v for every column v of M (d, k) (or a flat (d,) vector): shape (k,) (or 0-d).
 
@@ -671,7 +675,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         self.fmodel.check_unchanged()
         if M.dim() == 1:
             return self.quadratic_form(M[:, None])[0]
-        M = M.to(device=self.device, dtype=self.dtype)
+        M = ordinary(M.to(device=self.device, dtype=self.dtype))
         if M.dim() != 2 or M.shape[0] != self.layout.dim:
             raise ValueError(f"quadratic_form needs a ({self.layout.dim}, k) matrix or a flat vector of length "
                              f"{self.layout.dim}, got shape {tuple(M.shape)}")
@@ -731,6 +735,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         vjp_fn = vjp(lambda p: self.fmodel.single(p, x), self.params)[1]
         return params_to_rows(vmap(lambda u: vjp_fn(u)[0])(_position_cotangents(s)), 1)
 
+    @differentiable()
     def _exact_diagonal(self) -> DiagonalOperator:
         """Exact diagonal w sum_np sum_r (J_np^T s_npr)^2: one backward pass per column r of S and position p
         (R = C for softmax: C per sample, so for large C prefer ``diagonal('hutchinson')`` or a Monte Carlo
@@ -797,6 +802,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             return None
         return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
 
+    @differentiable()
     def to_dense(self) -> Tensor:
         """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory; one backward pass per
         sample, position and column of S); d products for a model that couples samples."""
