@@ -197,7 +197,7 @@ class LayerCapture:
             if rec.output._version != rec.version:
                 raise UnsupportedModelError(
                     f"{self.what}: the output of module {rec.info.label!r} was modified in place later in the "
-                    "forward pass (e.g. nn.ReLU(inplace=True)); use inplace=False")
+                    "forward pass" + _IN_PLACE)
 
     def outputs(self) -> list[Tensor]:
         """The recorded layer outputs (on the graph), in layer order."""
@@ -301,12 +301,15 @@ class BlockCapture:
                     + (_NO_AUTOGRAD if not any(self._sites) else ""))
             if sites[0].output._version != versions[0]:
                 raise UnsupportedModelError(
-                    f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass "
-                    "(e.g. nn.ReLU(inplace=True)); use inplace=False")
+                    f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass"
+                    + _IN_PLACE)
             out.append(sites[0])
         return out
 
 
+_IN_PLACE = (" (an in-place activation: nn.ReLU(inplace=True), x.tanh_(), F.silu(x, inplace=True), x.mul_(...)), so "
+             "its output gradient is not the layer's; make that operation out of place (inplace=False, x.tanh(), "
+             "x * torch.sigmoid(x)), or use an exact operator or diagonal, which handle it")
 _NO_AUTOGRAD = ("; no layer was called with autograd on: a forward pass under torch.no_grad() or "
                 "torch.inference_mode() records nothing, so run the pass inside the capture with autograd enabled")
 

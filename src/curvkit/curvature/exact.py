@@ -127,7 +127,7 @@ from curvkit.curvature.output_space import (
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
 from curvkit.structure import differentiable, read_model
-from curvkit.validation import Inputs, num_samples, ordinary, split_samples, take_samples
+from curvkit.validation import Inputs, input_tensors, num_samples, ordinary, split_samples, take_samples
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -172,7 +172,14 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.num_data = sum(num_samples(X) for X, _ in self.batches)
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
+        versions = [[t._version for _, t in input_tensors(X)] for X, _ in self.batches]
         outputs = [self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)]
+        for i, ((X, _), before) in enumerate(zip(self.batches, versions)):
+            if [t._version for _, t in input_tensors(X)] != before:
+                raise ValueError(
+                    f"batch {i}: the model changed its input X in place (a first operation such as x.tanh_() or "
+                    "F.relu(x, inplace=True)); curvkit evaluates the model many times on one batch, so the model "
+                    "must leave its input unchanged: make that operation out of place")
         self.num_terms = sum(likelihood.num_terms(f, y) for f, (_, y) in zip(outputs, self.batches))
         self.weight = likelihood.scale(self.num_terms)
         self._setup(outputs)

@@ -198,16 +198,14 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     structure = read_model(post.model)
     setup: dict[str, Any] = {"structure": structure, "plans": [], "terms": [], "generic": []}
     if post.structure == "full":
-        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
-        return setup
+        return _generic_setup(post, setup)
     try:
         with only_trainable(post.model, post.names):  # the plan covers exactly the posterior's parameters
             plans = layerkinds.plan(read_model(post.model), "Laplace GLM predictive")
     except UnsupportedModelError:
         if post.structure == "kron":
             raise
-        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
-        return setup
+        return _generic_setup(post, setup)
     if post.structure == "kron":
         by_key = {}
         for b in post.blocks:
@@ -235,12 +233,27 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     return setup
 
 
+def _generic_setup(post: Any, setup: dict[str, Any]) -> dict[str, Any]:
+    """``setup`` changed to take every posterior block's Jacobian rows (no layer kinds' plan)."""
+    N, lam = post._hyper()
+    setup["plans"], setup["terms"] = [], []
+    setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
+    return setup
+
+
 def _variance_batch(post: Any, setup: dict[str, Any], xb: Inputs, diagonal: bool) -> tuple[Tensor, Tensor]:
-    """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C)."""
+    """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C). A ``diag`` posterior
+    whose layer-kind pass is refused at run time (an activation that overwrites a layer's output in place)
+    takes Jacobian rows instead."""
     structure = setup["structure"]
     if setup["plans"]:
-        f, var = engine_variance(structure, setup["plans"], setup["terms"], post.params, post.buffers, xb,
-                                 diagonal, post.dtype)
+        try:
+            f, var = engine_variance(structure, setup["plans"], setup["terms"], post.params, post.buffers, xb,
+                                     diagonal, post.dtype)
+        except UnsupportedModelError:
+            if post.structure == "kron":
+                raise
+            return _variance_batch(post, _generic_setup(post, setup), xb, diagonal)
     else:
         with torch.no_grad():
             f = structure.functional_call(post.params, (xb,), post.buffers)
