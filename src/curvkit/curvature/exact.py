@@ -89,6 +89,7 @@ True
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -332,7 +333,10 @@ class HessianOperator(ExactCurvatureOperator):
                 self._graphs.clear()
                 warnings.warn(f"HessianOperator: double backward failed ({err}); falling back to "
                               "forward-over-reverse products", RuntimeWarning, stacklevel=3)
-        return self._matmat_forward_over_reverse(M)
+        try:
+            return self._matmat_forward_over_reverse(M)
+        except (RuntimeError, NotImplementedError) as err:
+            raise _no_second_derivative(err, self.fmodel.structure) from err
 
     def _matmat_double_backward(self, M: Tensor) -> Tensor:
         Mt = M.T.contiguous()  # (k, d): every column's parameter pieces are contiguous views
@@ -821,6 +825,26 @@ class OutputFactorOperator(ExactCurvatureOperator):
         for rows in self._factor_rows():
             out += rows.T @ rows
         return out * self.weight
+
+
+def _no_second_derivative(err: Exception, structure: Any) -> Exception:
+    """The error of a Hessian product that PyTorch cannot form: ``err`` when it is not about a missing second
+    derivative, else a NotImplementedError naming the operation, the modules that run it (matched by class
+    name: ``aten::hardsigmoid_backward`` -> ``nn.Hardsigmoid``) and the alternatives."""
+    found = re.search(r"aten::(\w+?)(?:_backward)?\b", str(err))
+    if found is None or ("derivative" not in str(err) and "forward AD" not in str(err)):
+        return err
+    op = found.group(1)
+    users = [f"{structure.label(m)!r} ({type(m).__name__})" for _, m in structure.modules
+             if type(m).__name__.lower() == op.replace("_", "")]
+    where = f"module {', '.join(users)}" if users else "an operation of the forward pass"
+    hint = {"hardsigmoid": " (nn.Hardsigmoid is F.relu6(x + 3) / 6, nn.Hardswish x * F.relu6(x + 3) / 6: the "
+                           "same functions, with every derivative)"}.get(op, "")
+    return NotImplementedError(
+        f"HessianOperator: {where} runs aten::{op}, whose second derivative PyTorch does not implement (neither "
+        "double backward nor forward-over-reverse), so Hessian-vector products cannot be formed; use the GGN "
+        "(GGNOperator, its diagonal, KFAC), which needs first derivatives only, or write that operation with "
+        f"differentiable primitives{hint}")
 
 
 def _position_cotangents(s: Tensor) -> Tensor:
