@@ -42,6 +42,12 @@ the estimators refuse it with an error naming the module. Pass them with the bat
 (``batch["position_ids"] = torch.arange(T).expand(B, T)``, what those models compute by default without a
 cache) or freeze the position embedding.
 
+Activation checkpointing (``gradient_checkpointing_enable()``) is bypassed by every curvature pass
+(:func:`curvkit.structure.without_checkpointing`); during such a pass the adapter also suspends the forward
+hooks that ``enable_input_require_grads`` (called by ``gradient_checkpointing_enable``) put on the input
+embeddings (``output.requires_grad_()``, which ``torch.func`` refuses and which only the reentrant recomputation
+needs), and puts them back, in their place, after the call.
+
 ``transformers`` is an optional dependency: this module never imports it (a model is recognised by its
 class's module), so curvkit imports without it.
 """
@@ -50,12 +56,14 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from curvkit.structure import checkpointing_bypassed
 from curvkit.validation import describe_inputs
 
 __all__ = ["HuggingFace", "is_transformers_model", "require_wrapped"]
@@ -86,6 +94,38 @@ def _typed_kwargs(param: inspect.Parameter) -> frozenset[str] | None:
     if not keys:
         return None
     return frozenset(keys) | frozenset(getattr(args[0], "__optional_keys__", ()))
+
+
+def _input_grad_hooks(model: nn.Module) -> list[Any]:
+    """The handles of the hooks ``enable_input_require_grads`` registered in ``model`` (its modules'
+    ``_require_grads_hooks``)."""
+    handles: dict[int, Any] = {}
+    for mod in model.modules():
+        for h in getattr(mod, "_require_grads_hooks", None) or []:
+            handles[id(h)] = h
+    return list(handles.values())
+
+
+@contextmanager
+def _suspended(handles: list[Any]) -> Iterator[None]:
+    """Take the forward hooks of ``handles`` out of their modules' hook dicts, and put each back at its place
+    (before the hooks that followed it, of those still there) on exit."""
+    taken = []
+    for h in handles:
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and h.id in hooks:
+            after = list(hooks)[list(hooks).index(h.id) + 1:]
+            taken.append((hooks, h.id, hooks.pop(h.id), after))
+    try:
+        yield
+    finally:
+        for hooks, hid, fn, after in reversed(taken):
+            items = list(hooks.items())
+            cut = next((i for i, (k, _) in enumerate(items) if k in after), len(items))
+            hooks.clear()
+            hooks.update(items[:cut])
+            hooks[hid] = fn
+            hooks.update(items[cut:])
 
 
 class HuggingFace(nn.Module):
@@ -146,7 +186,11 @@ class HuggingFace(nn.Module):
         """The model's ``output`` entry for a batch (the calling conventions of the module docstring)."""
         inputs = self._inputs(batch, tensors)
         self._check_padding(inputs)
-        out = self.model(**inputs, **self._fixed)
+        if checkpointing_bypassed():
+            with _suspended(_input_grad_hooks(self.model)):
+                out = self.model(**inputs, **self._fixed)
+        else:
+            out = self.model(**inputs, **self._fixed)
         return self._pick(out)
 
     # ------------------------------------------------------------------ inputs

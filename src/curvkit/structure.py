@@ -107,17 +107,103 @@ def curvature_kernels() -> Iterator[None]:
     ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` runs one fused kernel that also skips any
     Python-level change to the layer's submodules (a LoRA adapter on ``linear1`` is silently ignored). Inside
     this context the math attention backend is the only one enabled and the fast path is off, so the model
-    computes exactly the function its modules describe, with every derivative. The previous backend
+    computes exactly the function its modules describe, with every derivative; activation checkpointing is
+    bypassed (:func:`without_checkpointing`). The previous backend
     selection and fast-path flag are restored on exit (also on error). Every model evaluation of the
     curvature engine (:meth:`ModelStructure.functional_call` and the estimators' forward passes) runs in it.
     """
     previous = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), without_checkpointing():
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
+
+
+class _CallDirectly:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (the reentrant variant): runs the function."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+def _no_recomputation(*_: Any, **__: Any) -> Iterator[None]:
+    """Stands in for the non-reentrant variant's set-up (saved-tensor hooks): none; ``checkpoint`` then runs the
+    function once between the generator's two steps."""
+    yield
+
+
+_CHECKPOINT_PATCH = {"CheckpointFunction": _CallDirectly, "_checkpoint_without_reentrant_generator": _no_recomputation}
+_bypass_depth = [0]
+
+
+def checkpointing_bypassed() -> bool:
+    """Whether a curvature pass is running (:func:`without_checkpointing`)."""
+    return _bypass_depth[0] > 0
+
+
+@contextmanager
+def without_checkpointing() -> Iterator[None]:
+    """Run every ``torch.utils.checkpoint.checkpoint`` call (both variants, also through ``checkpoint_sequential``
+    and Hugging Face's ``gradient_checkpointing_enable``) as a plain call of its function, and restore torch on
+    exit; entered by :func:`curvature_kernels`, so by every curvature pass.
+
+    Activation checkpointing recomputes a segment's forward pass in the backward pass: the reentrant variant
+    runs the segment without autograd (layer hooks see no graph, and ``torch.autograd.grad`` is refused), and
+    both variants meet ``torch.func`` transforms and double backward badly. A checkpointed segment computes the
+    same function, so the curvature passes run it directly: the numbers are those of the model without
+    checkpointing, at the memory of a pass without it. Checkpointing has no switch in torch, so this replaces
+    ``torch.utils.checkpoint.CheckpointFunction`` and ``_checkpoint_without_reentrant_generator`` (read by
+    ``checkpoint`` at each call) for the duration of the context, process-wide (another thread's checkpointed
+    pass in that time runs without recomputation too: the same numbers, more memory).
+    """
+    import torch.utils.checkpoint as cp
+
+    first = _bypass_depth[0] == 0
+    saved = {name: getattr(cp, name) for name in _CHECKPOINT_PATCH if hasattr(cp, name)} if first else {}
+    for name in saved:
+        setattr(cp, name, _CHECKPOINT_PATCH[name])
+    _bypass_depth[0] += 1
+    try:
+        yield
+    finally:
+        _bypass_depth[0] -= 1
+        for name, value in saved.items():
+            setattr(cp, name, value)
+
+
+@contextmanager
+def differentiable() -> Iterator[None]:
+    """Leave ``torch.inference_mode`` for curvkit's curvature passes; a context, or a decorator: ``@differentiable()``.
+
+    Inside inference mode autograd records nothing, even under ``torch.enable_grad()``, so every gradient,
+    Jacobian or Hessian product would silently be zero or fail. Every public entry point of curvkit that
+    differentiates the model (the exact operators' construction and products, the estimators' updates, the
+    Kronecker capture, Laplace's fit and predictives, the Gauss-Newton step) runs inside this context: it
+    turns inference mode off and keeps the caller's grad mode (off under inference mode, as under
+    ``torch.no_grad()``; curvkit enables grad itself where it differentiates), so inference mode behaves as
+    ``torch.no_grad()`` does. Tensors created inside inference mode (inputs, vectors) are copied out of it by
+    :func:`curvkit.validation.ordinary`. Outside inference mode this does nothing. Nothing is changed for
+    the caller: the mode is restored on exit.
+    """
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
+
+
+def require_ordinary_parameters(model: nn.Module, what: str) -> None:
+    """Raise a ValueError when a parameter or buffer of ``model`` is an inference tensor (the model was built or
+    copied inside ``torch.inference_mode()``): autograd can never differentiate through it."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_inference():
+            raise ValueError(f"{what}: {name!r} of the model was created inside torch.inference_mode(), so autograd "
+                             "cannot differentiate through it; build (or copy) the model outside inference mode "
+                             "(curvkit itself runs under any grad mode)")
 
 
 class UnsupportedModelError(ValueError):

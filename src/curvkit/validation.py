@@ -174,6 +174,16 @@ def map_inputs(fn: Callable[[Tensor], Tensor], X: Inputs) -> Inputs:
     return {k: fn(v) for k, v in X.items()}
 
 
+def ordinary(t: Tensor) -> Tensor:
+    """``t``, or a copy of it outside ``torch.inference_mode`` if it is an inference tensor (one created inside
+    that mode): autograd refuses to save inference tensors for a backward pass, so curvkit's curvature passes
+    take every input, target and vector through this (:func:`curvkit.structure.differentiable`)."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
+
+
 def input_tensors(X: Inputs, name: str = "X") -> list[tuple[str, Tensor]]:
     """(label, tensor) for each tensor of an input batch, for checks that name what they refuse: ``[(name,
     X)]`` for a tensor, ``[(f"{name}[{key!r}]", X[key]), ...]`` for a mapping."""
@@ -224,7 +234,7 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
     "attention_mask": ...}`` (module docstring; read into a plain dict); ``y`` the targets. A tuple whose
     first element is a tensor or a mapping is read as ONE pair; anything else is iterated, and every element
     must be such a pair with one positive leading (batch) size. Tensors are moved to ``device`` (their dtypes
-    are left alone). Raises ValueError for data without any batch, and a TypeError naming the reader's limit
+    are left alone); tensors created inside ``torch.inference_mode`` are copied out of it (:func:`ordinary`). Raises ValueError for data without any batch, and a TypeError naming the reader's limit
     for a mapping batch without ``mappings``.
     """
     if isinstance(data, Tensor):
@@ -261,6 +271,7 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
                              f"{describe_inputs(X)} and {tuple(y.shape)}")
         if device is not None:
             X, y = inputs_to(X, device), y.to(device)
+        X, y = map_inputs(ordinary, X), ordinary(y)
         count += 1
         yield X, y
     if count == 0:

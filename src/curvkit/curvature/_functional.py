@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from curvkit.hf import require_wrapped
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
-from curvkit.structure import read_model
+from curvkit.structure import read_model, require_ordinary_parameters
 from curvkit.validation import Inputs, describe_inputs, iter_batches, map_inputs, num_samples
 
 Params = tuple[Tensor, ...]
@@ -77,6 +77,7 @@ class FunctionalModel:
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         require_wrapped(module, what)
+        require_ordinary_parameters(module, what)
         self.module = module
         self.structure = read_model(module)
         self.structure.require_deterministic(what)

@@ -63,6 +63,7 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Input
     """
     inputs: dict[int, Tensor] = {}
     eps: dict[int, Tensor] = {}
+    versions: dict[int, int] = {}
 
     def hook(i: int):  # type: ignore[no-untyped-def]
         def fn(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> Tensor:
@@ -72,6 +73,7 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Input
             if isinstance(mod, nn.Linear) and a.dim() != 2:
                 raise Unsupported("Linear layer with an input of more than 2 dimensions")
             inputs[i] = a.detach()
+            versions[i] = a._version
             e = torch.zeros_like(out, requires_grad=True)
             eps[i] = e
             return out + e
@@ -86,6 +88,8 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Input
             h.remove()
     if len(eps) != len(specs):
         raise Unsupported("a layer was not run in the forward pass")
+    if any(inputs[i]._version != v for i, v in versions.items()):
+        raise Unsupported("a layer's input was changed in place later in the forward pass")
     if f.dim() != 2:
         raise Unsupported("outputs with positions")
     chunks = S(f.detach()) if callable(S) else [S]

@@ -73,6 +73,10 @@ class _Record:
     out_graph: Tensor | None  # the output itself when it is on an autograd graph (else None)
     weight: int | None  # index of the weight in the parameter tuple (None: frozen)
     bias: int | None
+    versions: tuple[int, int]  # of the input and the output when recorded (an in-place change shows later)
+
+    def changed(self) -> bool:
+        return (self.inp._version, self.out._version) != self.versions
 
 
 class SequentialTangent:
@@ -110,10 +114,18 @@ class SequentialTangent:
         return cls(layers, {n: i for i, n in enumerate(param_names)}, structure)
 
     def record(self, forward: Callable[[], Tensor]) -> Tensor:
-        """Run ``forward()`` (which must call the model once) and store every layer's input and output."""
+        """Run ``forward()`` (which must call the model once) and store every layer's input and output.
+
+        Raises a RuntimeError (the caller then takes the ``torch.func`` route) when a layer works in place:
+        it changed its input, or a recorded input or output was changed later in the pass (read from
+        PyTorch's version counters, not from an ``inplace`` attribute, so custom modules such
+        as ``x.tanh_()`` or ``F.silu(x, inplace=True)`` are seen): the recorded activations would not be the
+        layers' own, and a closed-form or ``jvp`` tangent at them would be wrong or would change them."""
         self._records = []
         self._masks = {}
+        self._before: dict[int, int] = {}  # id(module) -> version of its input before it ran
         handles = [m.register_forward_hook(self._hook) for m in self._layers]
+        handles += [m.register_forward_pre_hook(self._pre_hook) for m in self._layers]
         try:
             out = forward()
         finally:
@@ -122,17 +134,27 @@ class SequentialTangent:
         if len(self._records) != len(self._layers):
             self._records = []
             raise RuntimeError("the model did not call each of its Sequential layers exactly once")
+        if any(r.changed() for r in self._records):
+            self._records = []
+            raise RuntimeError("a layer of the Sequential works in place")
         return out
+
+    def _pre_hook(self, mod: nn.Module, inputs: tuple[Any, ...]) -> None:
+        if inputs and isinstance(inputs[0], Tensor):
+            self._before[id(mod)] = inputs[0]._version
 
     def _hook(self, mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if len(inputs) != 1 or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
             raise RuntimeError(f"layer {self._structure.label(mod)!r} does not map one tensor to one tensor")
         w, b = self._slots.get(id(mod), (None, None))
+        if inputs[0]._version != self._before.pop(id(mod), inputs[0]._version):
+            raise RuntimeError(f"layer {self._structure.label(mod)!r} works in place")
         if isinstance(mod, _AFFINE):
             # the values this pass used (functional_call swaps them into the module during the call)
             self._values[id(mod)] = mod.weight.detach()  # type: ignore[operator]
         self._records.append(_Record(mod, inputs[0].detach(), output.detach(),
-                                     output if output.requires_grad else None, w, b))
+                                     output if output.requires_grad else None, w, b,
+                                     (inputs[0]._version, output._version)))
 
     def layer_io(self, module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
         """(input detached, output on the graph or None) recorded for ``module``, or None if not recorded."""

@@ -21,6 +21,7 @@ and output gradient could not be paired) or its output was overwritten in place.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,13 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.layerkinds import Site
-from curvkit.structure import LayerInfo, UnsupportedModelError, conv_patches, curvature_kernels
+from curvkit.structure import (
+    LayerInfo,
+    UnsupportedModelError,
+    conv_patches,
+    curvature_kernels,
+    differentiable,
+)
 
 __all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
 
@@ -190,7 +197,7 @@ class LayerCapture:
             if rec.output._version != rec.version:
                 raise UnsupportedModelError(
                     f"{self.what}: the output of module {rec.info.label!r} was modified in place later in the "
-                    "forward pass (e.g. nn.ReLU(inplace=True)); use inplace=False")
+                    "forward pass" + _IN_PLACE)
 
     def outputs(self) -> list[Tensor]:
         """The recorded layer outputs (on the graph), in layer order."""
@@ -203,7 +210,8 @@ class BlockCapture:
     """The hooks of the layer-kind handlers (:mod:`curvkit.layerkinds`) on a planned model, for one forward
     pass: every block gets one :class:`~curvkit.layerkinds.Site` (input rows, an output on the graph and how
     to read its gradient). Entering also enters :func:`curvkit.structure.curvature_kernels`, so the forward
-    pass inside runs with kernels that have every derivative (math attention, no fast path).
+    pass inside runs with kernels that have every derivative (math attention, no fast path), and
+    :func:`curvkit.structure.differentiable` (out of ``torch.inference_mode``).
 
     Args:
         plans: from :func:`curvkit.layerkinds.plan`.
@@ -238,8 +246,9 @@ class BlockCapture:
         try:
             for i, lp in enumerate(self.plans):
                 self._handles += lp.handler.attach(lp.module, lp.label, lp.blocks, self._emitter(i), self.what)
-            self._kernels = curvature_kernels()
-            self._kernels.__enter__()
+            self._kernels = ExitStack()
+            self._kernels.enter_context(differentiable())
+            self._kernels.enter_context(curvature_kernels())
         except BaseException:
             self.close()
             raise
@@ -255,7 +264,7 @@ class BlockCapture:
         self._handles.clear()
         if self._kernels is not None:
             kernels, self._kernels = self._kernels, None
-            kernels.__exit__(None, None, None)
+            kernels.close()
 
     def reset(self) -> None:
         for s in self._sites:
@@ -288,13 +297,21 @@ class BlockCapture:
                 raise UnsupportedModelError(
                     f"{self.what}: module {lp.label!r} was called {len(sites)} times in "
                     "one forward pass (with autograd on); a Kronecker block pairs one input with one output gradient, "
-                    "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)")
+                    "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)"
+                    + (_NO_AUTOGRAD if not any(self._sites) else ""))
             if sites[0].output._version != versions[0]:
                 raise UnsupportedModelError(
-                    f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass "
-                    "(e.g. nn.ReLU(inplace=True)); use inplace=False")
+                    f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass"
+                    + _IN_PLACE)
             out.append(sites[0])
         return out
+
+
+_IN_PLACE = (" (an in-place activation: nn.ReLU(inplace=True), x.tanh_(), F.silu(x, inplace=True), x.mul_(...)), so "
+             "its output gradient is not the layer's; make that operation out of place (inplace=False, x.tanh(), "
+             "x * torch.sigmoid(x)), or use an exact operator or diagonal, which handle it")
+_NO_AUTOGRAD = ("; no layer was called with autograd on: a forward pass under torch.no_grad() or "
+                "torch.inference_mode() records nothing, so run the pass inside the capture with autograd enabled")
 
 
 def _flat_rows(batch: int) -> Any:

@@ -71,9 +71,11 @@ from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.structure import (
     UnsupportedModelError,
     curvature_kernels,
+    differentiable,
     kept_running_statistics,
     read_model,
     refuse,
+    require_ordinary_parameters,
 )
 from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
@@ -139,6 +141,7 @@ class CurvatureEstimator:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         require_wrapped(model, type(self).__name__)
+        require_ordinary_parameters(model, type(self).__name__)
         self.distributed = distributed
         self.model = model
         self.likelihood = _check_likelihood(likelihood)
@@ -153,6 +156,7 @@ class CurvatureEstimator:
         self.num_terms = 0  # loss terms (counted positions) behind them (the last batch's with ema)
         self.num_updates = 0
 
+    @differentiable()
     def update(self, data: Data) -> Self:
         """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs; ``X`` a tensor or a mapping
         of tensors, :mod:`curvkit.validation`); returns self."""
@@ -440,6 +444,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self._fed = capture
         return self.structure.functional_call(copies, (X,)), copies
 
+    @differentiable()
     def accumulate(self, capture: BlockCapture, f: Tensor, y: Tensor | None) -> None:
         """Add the statistics of a forward pass the caller ran inside ``capture`` (output ``f``, targets y;
         with raw parameters the pass of :meth:`forward`); f's graph is kept for the caller's own backward pass."""

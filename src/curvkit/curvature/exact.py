@@ -89,6 +89,7 @@ True
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -126,8 +127,8 @@ from curvkit.curvature.output_space import (
 )
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator, TraceMethod
-from curvkit.structure import read_model
-from curvkit.validation import Inputs, num_samples, split_samples, take_samples
+from curvkit.structure import differentiable, read_model
+from curvkit.validation import Inputs, input_tensors, num_samples, ordinary, split_samples, take_samples
 
 # Per-sample factor rows are produced in chunks of at most this many scalars (rows * d).
 _ROW_BUDGET = 2**24
@@ -158,6 +159,7 @@ class ExactCurvatureOperator(CurvatureOperator):
     = N for (B, C) outputs) and ``weight`` w = ``likelihood.scale(num_terms)``.
     """
 
+    @differentiable()
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
                  snapshot: bool = True):
         if not isinstance(likelihood, Likelihood):
@@ -171,7 +173,14 @@ class ExactCurvatureOperator(CurvatureOperator):
         self.num_data = sum(num_samples(X) for X, _ in self.batches)
         self.chunk_size = int(chunk_size)
         self._use_vmap = True
+        versions = [[t._version for _, t in input_tensors(X)] for X, _ in self.batches]
         outputs = [self._construction_output(i, X, y) for i, (X, y) in enumerate(self.batches)]
+        for i, ((X, _), before) in enumerate(zip(self.batches, versions)):
+            if [t._version for _, t in input_tensors(X)] != before:
+                raise ValueError(
+                    f"batch {i}: the model changed its input X in place (a first operation such as x.tanh_() or "
+                    "F.relu(x, inplace=True)); curvkit evaluates the model many times on one batch, so the model "
+                    "must leave its input unchanged: make that operation out of place")
         self.num_terms = sum(likelihood.num_terms(f, y) for f, (_, y) in zip(outputs, self.batches))
         self.weight = likelihood.scale(self.num_terms)
         self._setup(outputs)
@@ -210,9 +219,10 @@ class ExactCurvatureOperator(CurvatureOperator):
     def params(self) -> Params:
         return self.fmodel.params
 
+    @differentiable()
     def _matmat(self, M: Tensor) -> Tensor:
         self.fmodel.check_unchanged()
-        M = M.to(device=self.device, dtype=self.dtype)
+        M = ordinary(M.to(device=self.device, dtype=self.dtype))
         if M.shape[1] <= self.chunk_size:
             return self._matmat_chunk(M)
         return torch.cat([self._matmat_chunk(M[:, s:s + self.chunk_size])
@@ -323,7 +333,10 @@ class HessianOperator(ExactCurvatureOperator):
                 self._graphs.clear()
                 warnings.warn(f"HessianOperator: double backward failed ({err}); falling back to "
                               "forward-over-reverse products", RuntimeWarning, stacklevel=3)
-        return self._matmat_forward_over_reverse(M)
+        try:
+            return self._matmat_forward_over_reverse(M)
+        except (RuntimeError, NotImplementedError) as err:
+            raise _no_second_derivative(err, self.fmodel.structure) from err
 
     def _matmat_double_backward(self, M: Tensor) -> Tensor:
         Mt = M.T.contiguous()  # (k, d): every column's parameter pieces are contiguous views
@@ -391,6 +404,7 @@ class HessianOperator(ExactCurvatureOperator):
                                  "Hessian-vector products) or False")
         return super().trace(method, num_probes=num_probes, generator=generator, distribution=distribution)
 
+    @differentiable()
     def diagonal(self, method: Literal["exact", "hutchinson"] = "exact", num_probes: int = 100,
                  generator: torch.Generator | None = None, max_dim: int | None = 20_000) -> DiagonalOperator:
         """The diagonal: ``exact`` by d unit-vector Hessian-vector products (chunks of ``chunk_size``
@@ -662,6 +676,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             self._backward_product(i, y, entry, self._tangents(X, entry, V, k), out, first=i == 0)
         return out
 
+    @differentiable()
     def quadratic_form(self, M: Tensor) -> Tensor:
         """v^T C v for every column v of M (d, k) (or a flat (d,) vector): shape (k,) (or 0-d).
 
@@ -671,7 +686,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         self.fmodel.check_unchanged()
         if M.dim() == 1:
             return self.quadratic_form(M[:, None])[0]
-        M = M.to(device=self.device, dtype=self.dtype)
+        M = ordinary(M.to(device=self.device, dtype=self.dtype))
         if M.dim() != 2 or M.shape[0] != self.layout.dim:
             raise ValueError(f"quadratic_form needs a ({self.layout.dim}, k) matrix or a flat vector of length "
                              f"{self.layout.dim}, got shape {tuple(M.shape)}")
@@ -731,6 +746,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         vjp_fn = vjp(lambda p: self.fmodel.single(p, x), self.params)[1]
         return params_to_rows(vmap(lambda u: vjp_fn(u)[0])(_position_cotangents(s)), 1)
 
+    @differentiable()
     def _exact_diagonal(self) -> DiagonalOperator:
         """Exact diagonal w sum_np sum_r (J_np^T s_npr)^2: one backward pass per column r of S and position p
         (R = C for softmax: C per sample, so for large C prefer ``diagonal('hutchinson')`` or a Monte Carlo
@@ -797,6 +813,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
             return None
         return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
 
+    @differentiable()
     def to_dense(self) -> Tensor:
         """Exact (d, d) matrix w V^T V from the per-sample factor rows (O(d^2) memory; one backward pass per
         sample, position and column of S); d products for a model that couples samples."""
@@ -808,6 +825,26 @@ class OutputFactorOperator(ExactCurvatureOperator):
         for rows in self._factor_rows():
             out += rows.T @ rows
         return out * self.weight
+
+
+def _no_second_derivative(err: Exception, structure: Any) -> Exception:
+    """The error of a Hessian product that PyTorch cannot form: ``err`` when it is not about a missing second
+    derivative, else a NotImplementedError naming the operation, the modules that run it (matched by class
+    name: ``aten::hardsigmoid_backward`` -> ``nn.Hardsigmoid``) and the alternatives."""
+    found = re.search(r"aten::(\w+?)(?:_backward)?\b", str(err))
+    if found is None or ("derivative" not in str(err) and "forward AD" not in str(err)):
+        return err
+    op = found.group(1)
+    users = [f"{structure.label(m)!r} ({type(m).__name__})" for _, m in structure.modules
+             if type(m).__name__.lower() == op.replace("_", "")]
+    where = f"module {', '.join(users)}" if users else "an operation of the forward pass"
+    hint = {"hardsigmoid": " (nn.Hardsigmoid is F.relu6(x + 3) / 6, nn.Hardswish x * F.relu6(x + 3) / 6: the "
+                           "same functions, with every derivative)"}.get(op, "")
+    return NotImplementedError(
+        f"HessianOperator: {where} runs aten::{op}, whose second derivative PyTorch does not implement (neither "
+        "double backward nor forward-over-reverse), so Hessian-vector products cannot be formed; use the GGN "
+        "(GGNOperator, its diagonal, KFAC), which needs first derivatives only, or write that operation with "
+        f"differentiable primitives{hint}")
 
 
 def _position_cotangents(s: Tensor) -> Tensor:

@@ -98,7 +98,7 @@ from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.kron import index_from_state, index_state
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
-from curvkit.structure import LayerInfo, curvature_kernels, read_model
+from curvkit.structure import LayerInfo, curvature_kernels, differentiable, read_model
 from curvkit.validation import (
     Inputs,
     input_tensors,
@@ -411,6 +411,7 @@ class Laplace:
         return N, lam
 
     # ------------------------------------------------------------------ fitting
+    @differentiable()
     def fit(self, data: Any, num_data: float | None = None) -> Self:
         """Sum the curvature over ``data`` (an ``(X, y)`` pair or an iterable of pairs, read once; X a tensor
         or a mapping of tensors) at the model's current parameters, which become the posterior mean.

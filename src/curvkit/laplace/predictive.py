@@ -38,7 +38,7 @@ from curvkit.laplace._jacobians import engine_variance, generic_variance, new_va
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.linalg.kron import BlockIndex
-from curvkit.structure import UnsupportedModelError, read_model
+from curvkit.structure import UnsupportedModelError, differentiable, read_model
 from curvkit.validation import (
     Inputs,
     check_inputs,
@@ -47,7 +47,9 @@ from curvkit.validation import (
     input_tensors,
     inputs_to,
     integer,
+    map_inputs,
     num_samples,
+    ordinary,
     take_samples,
 )
 
@@ -76,7 +78,7 @@ def _check_inputs(post: Any, X: Any) -> Inputs:
     if not isinstance(X, (Tensor, Mapping)):
         raise TypeError(f"X must be a torch.Tensor of inputs (B, ...) or a mapping of such tensors (e.g. "
                         f"{{'input_ids': ..., 'attention_mask': ...}}), got {type(X).__name__}")
-    X = check_inputs(X, "X")
+    X = map_inputs(ordinary, check_inputs(X, "X"))
     for label, t in input_tensors(X, "X"):
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{label} contains NaN or inf ({int((~torch.isfinite(t)).sum())} entries)")
@@ -140,6 +142,7 @@ def predictive_function(post: Any, samples: Tensor, batch_size: int | None = Non
     return fn
 
 
+@differentiable()
 def mc_predictive(post: Any, X: Inputs, num_samples: int = 100, generator: torch.Generator | None = None,
                   samples: Tensor | None = None, batch_size: int = 1024, sample_batch: int = 10) -> Any:
     """Thesis Eq. 5.9 (module docstring). ``samples`` (K, d) overrides ``num_samples``/``generator``.
@@ -195,16 +198,14 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     structure = read_model(post.model)
     setup: dict[str, Any] = {"structure": structure, "plans": [], "terms": [], "generic": []}
     if post.structure == "full":
-        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
-        return setup
+        return _generic_setup(post, setup)
     try:
         with only_trainable(post.model, post.names):  # the plan covers exactly the posterior's parameters
             plans = layerkinds.plan(read_model(post.model), "Laplace GLM predictive")
     except UnsupportedModelError:
         if post.structure == "kron":
             raise
-        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
-        return setup
+        return _generic_setup(post, setup)
     if post.structure == "kron":
         by_key = {}
         for b in post.blocks:
@@ -232,12 +233,27 @@ def _glm_setup(post: Any) -> dict[str, Any]:
     return setup
 
 
+def _generic_setup(post: Any, setup: dict[str, Any]) -> dict[str, Any]:
+    """``setup`` changed to take every posterior block's Jacobian rows (no layer kinds' plan)."""
+    N, lam = post._hyper()
+    setup["plans"], setup["terms"] = [], []
+    setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks]
+    return setup
+
+
 def _variance_batch(post: Any, setup: dict[str, Any], xb: Inputs, diagonal: bool) -> tuple[Tensor, Tensor]:
-    """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C)."""
+    """(f, variances) of one batch of inputs: (B, *P, C) and (B, *P, C) or (B, *P, C, C). A ``diag`` posterior
+    whose layer-kind pass is refused at run time (an activation that overwrites a layer's output in place)
+    takes Jacobian rows instead."""
     structure = setup["structure"]
     if setup["plans"]:
-        f, var = engine_variance(structure, setup["plans"], setup["terms"], post.params, post.buffers, xb,
-                                 diagonal, post.dtype)
+        try:
+            f, var = engine_variance(structure, setup["plans"], setup["terms"], post.params, post.buffers, xb,
+                                     diagonal, post.dtype)
+        except UnsupportedModelError:
+            if post.structure == "kron":
+                raise
+            return _variance_batch(post, _generic_setup(post, setup), xb, diagonal)
     else:
         with torch.no_grad():
             f = structure.functional_call(post.params, (xb,), post.buffers)
@@ -253,6 +269,7 @@ def _variance_batch(post: Any, setup: dict[str, Any], xb: Inputs, diagonal: bool
     return f.detach(), var.reshape(shape)
 
 
+@differentiable()
 def functional_variance(post: Any, X: Inputs, batch_size: int = 256, diagonal: bool = False) -> tuple[Tensor, Tensor]:
     """``(f*, J Sigma J^T)`` at the posterior mean, batch by batch: outputs (B, C) and their covariances
     (B, C, C), or with positions (B, *P, C) and per-position covariances (B, *P, C, C) (the positions'
@@ -276,6 +293,7 @@ def _num_classes(post: Any, X: Inputs) -> int:
     return int(out.shape[-1])
 
 
+@differentiable()
 def linearised_samples(post: Any, X: Inputs, deltas: Tensor) -> tuple[Tensor, Tensor]:
     """``(f*, f* + J delta_k)``: the outputs at the posterior mean (B, *P, C) and the linearised model's
     outputs for each flat parameter offset ``delta_k`` (rows of ``deltas`` (K, d), :attr:`layout` order),
@@ -303,6 +321,7 @@ def linearised_samples(post: Any, X: Inputs, deltas: Tensor) -> tuple[Tensor, Te
     return f0.detach(), torch.stack(outs).detach()
 
 
+@differentiable()
 def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit", batch_size: int = 256,
                    num_samples: int = 100, generator: torch.Generator | None = None,
                    sampler: Literal["auto", "covariance", "jvp"] = "auto") -> Any:

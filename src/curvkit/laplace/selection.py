@@ -21,17 +21,21 @@ from torch import Tensor
 
 from curvkit.laplace.predictive import glm_predictive, mc_predictive, predictive_nll
 from curvkit.linalg.krylov import NotPositiveDefiniteError
+from curvkit.structure import differentiable
 from curvkit.validation import integer, positive
 
 __all__ = ["default_grids", "grid_search", "optimize_prior_precision"]
 
 
+@differentiable()
+@torch.enable_grad()
 def optimize_prior_precision(post: Any, per_layer: bool = False, steps: int = 200, lr: float = 0.1,
                              init: Any = None) -> Tensor:
     """Set (and return) the prior precision that maximises the log marginal likelihood.
 
     ``per_layer``: one value per layer instead of one shared value. ``steps`` Adam steps of size ``lr`` on
-    log(lambda), started from ``init`` (default: the current prior precision).
+    log(lambda), started from ``init`` (default: the current prior precision). Runs with autograd on under any
+    grad mode (``torch.no_grad``, ``torch.inference_mode``).
     """
     post._require_fit()
     steps, lr = integer("steps", steps), positive("lr", lr)

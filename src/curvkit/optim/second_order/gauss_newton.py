@@ -112,6 +112,7 @@ from curvkit.optim.second_order.quadratic import (
 from curvkit.structure import (
     UnsupportedModelError,
     curvature_kernels,
+    differentiable,
     kept_running_statistics,
     read_model,
     require_fixed_mode,
@@ -128,6 +129,7 @@ from curvkit.validation import (
     map_inputs,
     nonnegative,
     num_samples,
+    ordinary,
     take_samples,
     unit_interval,
 )
@@ -479,6 +481,7 @@ class GaussNewton(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
+    @differentiable()
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              batch: tuple[Inputs, Tensor] | None = None, **extras: Any) -> Tensor:
         """One damped Gauss-Newton step on the minibatch ``batch=(X, y)`` (X a tensor or a mapping of tensors)
@@ -697,7 +700,7 @@ class GaussNewton(CurvatureOptimizer):
                    if isinstance(batch, (tuple, list)) else type(batch).__name__)
             raise TypeError(f"{name}.step: batch must be a pair (X, y), X a tensor or a mapping of tensors (e.g. "
                             f"{{'input_ids': ..., 'attention_mask': ...}}) and y a tensor, got {got}")
-        X, y = self._check_input(batch[0], "batch X"), batch[1]
+        X, y = map_inputs(ordinary, self._check_input(batch[0], "batch X")), ordinary(batch[1])
         if y.dim() == 0 or y.shape[0] != num_samples(X):
             raise ValueError(f"{name}.step: batch y has shape {tuple(y.shape)} for X of shape {describe_inputs(X)}; "
                              "give one target per example (same first dimension)")
