@@ -150,3 +150,36 @@ def test_gpt2_under_inference_mode():
                 close(kfac(hf, lik, (Xi, yi)).to_dense(), ref_k)
     finally:
         torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_other_entry_points_equal_normal_mode(mode):
+    """EKFAC, MESU's step, the SLT Hessian trace and LLC, and the continual penalties (their curvature passes)."""
+    from curvkit.continual.laplace import LaplacePenalty
+    from curvkit.continual.penalties import EWC
+    from curvkit.curvature.ekfac import EKFACEstimator
+    from curvkit.optim import MESU
+    from curvkit.slt.hessian import hessian_trace
+    from curvkit.slt.llc import estimate_llc
+
+    (X, y), lik = data(), CrossEntropy("mean")
+    Xi, yi = made_inside(MODES[mode], X, y)
+
+    def run(X, y, ctx):
+        m, trained, other = net(), net(), net(seed=1)
+        out = {}
+        with ctx():
+            out["ekfac"] = EKFACEstimator(m, lik).update((X, y)).operator().to_dense()
+            opt = MESU(trained.parameters(), model=trained, loss_fn=CrossEntropy("sum"), mc_samples=2, seed=0)
+            opt.step(batch=(X, y))
+            out["mesu"] = torch.cat([p.detach().reshape(-1) for p in trained.parameters()])
+            out["hessian_trace"] = torch.as_tensor(hessian_trace(m, lik, (X, y)).value)
+            out["llc"] = torch.as_tensor(estimate_llc(m, (X, y), batch_size=8, seed=0).llc_mean)
+            for name, penalty in (("laplace", LaplacePenalty(curvature="kron", task_size=8)), ("ewc", EWC(1.0))):
+                penalty.on_task_end(m, (X, y))
+                out[name] = penalty.loss(other).detach()
+        return out
+
+    ref, got = run(X, y, contextlib.nullcontext), run(Xi, yi, MODES[mode])
+    for key, value in ref.items():
+        close(got[key], value)

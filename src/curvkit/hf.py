@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvkit.structure import checkpointing_bypassed
+from curvkit.structure import checkpointing_bypassed, uncompiled
 from curvkit.validation import describe_inputs
 
 __all__ = ["HuggingFace", "is_transformers_model", "require_wrapped"]
@@ -156,7 +156,7 @@ class HuggingFace(nn.Module):
         if not isinstance(output, str) or not output:
             raise ValueError(f"HuggingFace: output must be the name of an output entry (e.g. 'logits'), got "
                              f"{output!r}")
-        self.model = model
+        model = self.model = uncompiled(model)  # a compiled transformers model: the model it compiles
         self.output = output
         params = inspect.signature(model.forward).parameters
         self._named = tuple(n for n, p in params.items()

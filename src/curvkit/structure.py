@@ -683,8 +683,23 @@ def kept_running_statistics(model: nn.Module) -> Iterator[None]:
 
 
 def read_model(model: nn.Module) -> ModelStructure:
-    """Read ``model``'s structure once (see :class:`ModelStructure` and the module docstring)."""
-    return ModelStructure(model)
+    """Read ``model``'s structure once (see :class:`ModelStructure` and the module docstring); a
+    ``torch.compile``'d model is read as the module it compiles (:func:`uncompiled`)."""
+    return ModelStructure(uncompiled(model))
+
+
+def uncompiled(model: Any) -> Any:
+    """The module that ``torch.compile(module)`` wraps (its ``_orig_mod``, through nested compiles), else ``model``.
+
+    curvkit's curvature passes hook layers, call the model inside ``torch.func`` transforms and differentiate
+    twice, which compiled graphs do not support (or recompile for, pass after pass); the compiled wrapper and
+    its module share their parameters and compute the same function, so every entry point that takes a model
+    holds this module instead: the numbers, the parameter names (without the ``_orig_mod.`` prefix) and the
+    automatic choices are those of the uncompiled model. The compiled model stays the user's, for training."""
+    while isinstance(model, nn.Module) and type(model).__name__ == "OptimizedModule" \
+            and type(model).__module__.startswith("torch._dynamo") and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- convolutions

@@ -67,7 +67,7 @@ from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import Index, block_matrix, write_block_matrix
-from curvkit.structure import LayerInfo, curvature_kernels, read_model
+from curvkit.structure import LayerInfo, curvature_kernels, read_model, uncompiled
 from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
 
 __all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
@@ -245,6 +245,7 @@ class LaplacePenalty(Penalty):
         """The penalised blocks (``kron``: one :class:`PenaltyBlock` per block of the Kronecker engine's layer
         kinds, for the parameters in ``params``; an unsupported layer or a tied weight is refused, naming it) or
         layers (``diag``)."""
+        model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         if self._layers is None:
             names = self._names(model)
             with only_trainable(model, names):
@@ -265,6 +266,7 @@ class LaplacePenalty(Penalty):
         return 1.0 / self.task_size
 
     def loss(self, model: nn.Module) -> Tensor:
+        model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         named = dict(model.named_parameters())
         p0 = named[self._names(model)[0]]
         total = torch.zeros((), dtype=p0.dtype, device=p0.device)
@@ -298,6 +300,7 @@ class LaplacePenalty(Penalty):
     def gradient(self, model: nn.Module) -> list[Tensor]:
         """The analytic penalty gradient ``sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0)`` (scaled as
         :meth:`loss`), one tensor per penalised parameter in ``params`` order, without autograd."""
+        model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         named = {n: p.detach() for n, p in model.named_parameters()}
         out: dict[str, Tensor] = {}
         if self.curvature == "kron":
@@ -324,10 +327,12 @@ class LaplacePenalty(Penalty):
         is an (X, y) pair or an iterable of batches of that task; N_i is ``task_size`` when set (the data
         may be a sample of the task), else the number of loss terms in ``data`` (its examples; its counted
         positions for sequence outputs)."""
+        model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         self.consolidate(model, data, num_data=self.task_size)
 
     def consolidate(self, model: nn.Module, data: Any, num_data: int | None = None) -> None:
         """As :meth:`on_task_end`, with N_i given explicitly (default: the number of loss terms seen)."""
+        model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         task = self.tasks_seen
         stats, count = self._task_curvature(model, data, task)
         n_i = count if num_data is None else integer("num_data", num_data)

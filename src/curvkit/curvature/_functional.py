@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from curvkit.hf import require_wrapped
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
-from curvkit.structure import read_model, require_ordinary_parameters
+from curvkit.structure import read_model, require_ordinary_parameters, uncompiled
 from curvkit.validation import Inputs, describe_inputs, iter_batches, map_inputs, num_samples
 
 Params = tuple[Tensor, ...]
@@ -76,6 +76,7 @@ class FunctionalModel:
                              f"got {snapshot!r}")
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        module = uncompiled(module)
         require_wrapped(module, what)
         require_ordinary_parameters(module, what)
         self.module = module

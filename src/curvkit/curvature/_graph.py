@@ -12,6 +12,7 @@ backward pass, nothing changes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -79,7 +80,8 @@ def _caller_level() -> int:
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame: FrameType | None = sys._getframe(2)
     level = 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep)
+                                 or frame.f_code.co_filename == contextlib.__file__):  # (curvkit's decorators)
         frame, level = frame.f_back, level + 1
     return level
 

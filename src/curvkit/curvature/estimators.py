@@ -76,6 +76,7 @@ from curvkit.structure import (
     read_model,
     refuse,
     require_ordinary_parameters,
+    uncompiled,
 )
 from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
@@ -140,6 +141,7 @@ class CurvatureEstimator:
     def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        model = uncompiled(model)
         require_wrapped(model, type(self).__name__)
         require_ordinary_parameters(model, type(self).__name__)
         self.distributed = distributed

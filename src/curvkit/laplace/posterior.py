@@ -98,7 +98,7 @@ from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.kron import index_from_state, index_state
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
-from curvkit.structure import LayerInfo, curvature_kernels, differentiable, read_model
+from curvkit.structure import LayerInfo, curvature_kernels, differentiable, read_model, uncompiled
 from curvkit.validation import (
     Inputs,
     input_tensors,
@@ -263,6 +263,7 @@ class Laplace:
                  norm_structure: str = "diag", weight_sharing: str = "expand", parameter_structure: str = "diag"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
         if not isinstance(likelihood, (CrossEntropy, BernoulliBCE, Gaussian)):
             raise TypeError("likelihood must be a curvkit CrossEntropy, BernoulliBCE or Gaussian, got "
                             f"{type(likelihood).__name__}")

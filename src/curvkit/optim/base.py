@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from curvkit.linalg.layout import ParamLayout
+from curvkit.structure import uncompiled
 
 GroupChecks = Mapping[str, Callable[[str, Any], Any]]
 
@@ -116,13 +117,14 @@ class CurvatureOptimizer(Optimizer):
             if name in group and group[name] is not None:
                 check(name, group[name])
 
-    def _init_names(self, model: nn.Module | None) -> None:
-        """Record ``model`` and check that every optimised parameter belongs to it."""
+    def _init_names(self, model: nn.Module | None) -> Any:
+        """Record ``model`` (a compiled one as the module it compiles) and check that every optimised parameter
+        belongs to it; returns the recorded model."""
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        self.model = model
+        model = self.model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
         if model is None:
-            return
+            return None
         names = {id(p): n for n, p in model.named_parameters()}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -130,6 +132,7 @@ class CurvatureOptimizer(Optimizer):
                     raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
                                      f"parameter of the model given as model=; pass model.parameters() (or a "
                                      "subset of them)")
+        return model
 
     def first_param(self) -> Tensor:
         """The first optimised parameter (its device and dtype are the optimiser's); groups may be empty."""

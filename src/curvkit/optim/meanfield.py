@@ -79,7 +79,7 @@ from curvkit.posterior.sampling import (
     sample_buffers,
     sample_eps,
 )
-from curvkit.structure import read_model
+from curvkit.structure import read_model, uncompiled
 from curvkit.validation import integer, positive
 
 _DIAG_KEYS = (
@@ -170,7 +170,7 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         self.mc_samples = integer("mc_samples", mc_samples)
         if chunk_size is not None:
             integer("chunk_size", chunk_size)
-        self.model = model
+        model = self.model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.chunk_size = chunk_size
         if loss_fn is None:

@@ -125,7 +125,7 @@ class NaturalGradient(CurvatureOptimizer):
                                       nesterov=nesterov))
         if len(self.param_groups) != 1:
             raise ValueError("NaturalGradient takes one parameter group (its Fisher spans all parameters)")
-        self._init_names(model)
+        model = self._init_names(model)
         self.likelihood = likelihood
         self.layout_ = ParamLayout.from_module(model)
         if [id(p) for p in self.ordered_params()] != [id(p) for p in model.parameters() if p.requires_grad]:

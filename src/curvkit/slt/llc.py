@@ -61,7 +61,7 @@ from curvkit.slt.sampler import (
     run_sgld,
     stacked_mlp_grad_fn,
 )
-from curvkit.structure import read_model
+from curvkit.structure import differentiable, read_model
 from curvkit.validation import finite_tensor, nonnegative, positive
 
 
@@ -256,6 +256,7 @@ def _check_mean(criterion: Criterion, f: Tensor, y: Tensor) -> None:
                          "(reduction='sum') would multiply the LLC by the batch size; use reduction='mean'")
 
 
+@differentiable()
 def estimate_llc(
     model: nn.Module,
     data: Any,
@@ -425,6 +426,7 @@ def estimate_llc(
     return _summarise(run.losses, init, nbeta, n, m, cfg, run.seconds)
 
 
+@differentiable()
 def estimate_llc_potential(
     potential: Callable[[Tensor], Tensor],
     w_star: Tensor,

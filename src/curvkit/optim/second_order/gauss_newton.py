@@ -308,7 +308,10 @@ class GaussNewton(CurvatureOptimizer):
                     raise ValueError(f"param group {gi} sets {key}={group[key]!r}, but GaussNewton's "
                                      "hyperparameters are optimiser-wide (the damping couples all layers through "
                                      "the quadratic model); pass it to the constructor instead")
-        self._init_names(model)
+        self._closure_models = [model]  # what a closure may call: the user's model, compiled or not
+        model = self._init_names(model)
+        if model is not self._closure_models[0]:
+            self._closure_models.append(model)
         owned = {id(p) for g in self.param_groups for p in g["params"]}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
@@ -601,20 +604,26 @@ class GaussNewton(CurvatureOptimizer):
                             "closure does not pass them: the curvature would count the padded positions; use "
                             "step(batch=(X, y))")
         seen: list[Inputs] = []
+        called: set[int] = set()
 
         def record_input(_m: nn.Module, args: tuple[Any, ...]) -> None:
             if len(args) != 1 or not isinstance(args[0], (Tensor, Mapping)):
                 raise TypeError(f"{name}: the closure must call the model on the batch as its one positional "
                                 "argument, model(X), with X a tensor or a mapping of tensors")
+            if id(args[0]) in called:  # the compiled model calling the module it compiles
+                return
+            called.add(id(args[0]))
             X = self._check_input(args[0], "the closure's model input")  # before the model runs on it
             seen.append(map_inputs(Tensor.detach, X))
 
-        handle = model.register_forward_pre_hook(record_input)
+        # a compiled model does not run hooks added to the module it compiles: both are watched
+        handles = [m.register_forward_pre_hook(record_input) for m in self._closure_models]
         try:
             with torch.enable_grad():
                 loss = closure()  # type: ignore[misc]
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         if len(seen) != 1:
             raise ValueError(f"{name}: the closure must call the model exactly once (it called it {len(seen)} "
                              "times)")
