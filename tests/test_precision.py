@@ -128,3 +128,46 @@ def test_gauss_newton_bf16_model():
     assert opt.estimator.operator().blocks[0].G.dtype == torch.float32
     assert all(p.dtype == BF16 for p in m.parameters())
     assert losses[-1] < losses[0]
+
+
+def test_bf16_gpt2_with_float32_lora_adapters():
+    """Laplace-LoRA as used: a bf16 transformers GPT-2 with peft LoRA adapters in float32, end to end:
+    Kronecker Laplace (fit, evidence, GLM and MC predictives), GaussNewton on the adapters, MESU."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from curvkit.hf import HuggingFace
+    from curvkit.optim.mesu import MESU
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    base = transformers.GPT2LMHeadModel(cfg).to(BF16).eval()
+    with pytest.warns(UserWarning):  # peft: GPT-2's Conv1D takes fan_in_fan_out=True
+        peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0))
+    adapters = [p for p in base.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    model = HuggingFace(base)  # the LoRA layers are injected into base
+    g = torch.Generator().manual_seed(0)
+    X, y = {"input_ids": torch.randint(0, 32, (4, 6), generator=g)}, torch.randint(0, 32, (4, 6), generator=g)
+    lik = CrossEntropy()
+    post = Laplace(model, lik, "kron", "kfac").fit([(X, y)] * 2)
+    assert post.dtype == torch.float32 and bool(torch.isfinite(post.log_marginal_likelihood()))
+    for probs in (post.predict(X, "glm"), post.predict(X, "mc", num_samples=3)):
+        assert probs.shape == (4, 6, 32) and probs.dtype == torch.float32
+        assert torch.allclose(probs.sum(-1), torch.ones(4, 6), atol=1e-4)
+    frozen = {n: p.clone() for n, p in base.named_parameters() if not p.requires_grad}
+    opt = GaussNewton(adapters, model=model, likelihood=lik, curvature="kfac")
+    before = [p.clone() for p in adapters]
+    for _ in range(2):
+        assert bool(torch.isfinite(opt.step(batch=(X, y))))
+    assert any(not torch.equal(a, b) for a, b in zip(adapters, before))
+    mesu = MESU(adapters, model=model, mc_samples=2)
+    loss_fn = CrossEntropy(reduction="sum")
+
+    def closure():
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    assert bool(torch.isfinite(mesu.step(closure)))
+    assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if not p.requires_grad)
