@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit import precision
 from curvkit.hf import require_wrapped
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.layout import ParamLayout
@@ -70,7 +71,8 @@ class FunctionalModel:
     running statistics never change, and ``batch_coupled`` tells per-sample routes to step aside.
     """
 
-    def __init__(self, module: nn.Module, what: str = "curvature operator", snapshot: bool = True):
+    def __init__(self, module: nn.Module, what: str = "curvature operator", snapshot: bool = True,
+                 compute_dtype: torch.dtype | None = None):
         if snapshot not in (True, False):
             raise ValueError(f"snapshot must be True (copy the model's state) or False (hold its tensors), "
                              f"got {snapshot!r}")
@@ -95,9 +97,9 @@ class FunctionalModel:
         trainable: list[Tensor] = [named[n] for n in self.names]
         self.params: Params = (_flat_snapshot(trainable, self.layout) if snapshot
                                else tuple(p.detach() for p in trainable))
-        self.dtype: torch.dtype = self.params[0].dtype
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"parameters must be floating point, got {self.dtype}")
+        if not self.params[0].dtype.is_floating_point:
+            raise ValueError(f"parameters must be floating point, got {self.params[0].dtype}")
+        self.dtype: torch.dtype = precision.compute_dtype(self.params[0].dtype, compute_dtype)
         self.device: torch.device = self.params[0].device
         keep = (lambda t: t.detach().clone()) if snapshot else (lambda t: t.detach())
         trainable_names = set(self.names)
@@ -106,6 +108,15 @@ class FunctionalModel:
         self.buffers: dict[str, Tensor] = {n: keep(b) for n, b in module.named_buffers()}
         held = [*zip(self.names, self.params), *self.frozen.items(), *self.buffers.items()]
         self._versions = [] if snapshot else [(n, t, t._version) for n, t in held]
+        #: the passes run in ``compute_dtype`` (curvkit.precision): an upcast copy of the held state
+        self.upcast = compute_dtype is not None and (self.dtype != self.params[0].dtype or any(
+            t.is_floating_point() and torch.finfo(t.dtype).bits < torch.finfo(self.dtype).bits
+            for t in [*self.frozen.values(), *self.buffers.values()]))
+        if self.upcast:
+            self._versions = []  # the copies are the snapshot: later changes of the model do not reach them
+            self.params = _flat_snapshot([p.to(self.dtype) for p in self.params], self.layout)
+            self.frozen = precision.upcast_state(self.frozen, self.dtype)
+            self.buffers = precision.upcast_state(self.buffers, self.dtype)
 
     def check_unchanged(self) -> None:
         """Raise if a tensor held with ``snapshot=False`` was changed in place since construction."""
@@ -119,6 +130,8 @@ class FunctionalModel:
 
     def __call__(self, params: Params, X: Inputs) -> Tensor:
         self.check_unchanged()
+        if self.upcast:
+            X = precision.upcast_inputs(X, self.dtype)
         state = dict(self.frozen)
         state.update(zip(self.names, params))
         buffers = {n: b.clone() for n, b in self.buffers.items()} if self.batch_coupled else self.buffers

@@ -59,7 +59,7 @@ from typing import Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from curvkit import layerkinds
+from curvkit import layerkinds, precision
 from curvkit.curvature.capture import BlockCapture
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
@@ -138,12 +138,18 @@ class CurvatureEstimator:
     rank raise the same error. Every rank must call ``update``/``accumulate`` equally often.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None):
+    def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None,
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)
         require_wrapped(model, type(self).__name__)
         require_ordinary_parameters(model, type(self).__name__)
+        dtype = precision.model_dtype(model)
+        #: the dtype of the passes (None: the model's) and of the statistics (:mod:`curvkit.precision`)
+        self.compute_dtype = None if compute_dtype is None else precision.compute_dtype(dtype, compute_dtype)
+        self.statistics_dtype = precision.statistics_dtype(precision.compute_dtype(dtype, compute_dtype),
+                                                           statistics_dtype)
         self.distributed = distributed
         self.model = model
         self.likelihood = _check_likelihood(likelihood)
@@ -167,6 +173,7 @@ class CurvatureEstimator:
         return self
 
     def _combine(self, stats: list[Tensor], B: int, terms: int) -> None:
+        stats = [t.to(self.statistics_dtype) for t in stats]  # summed in float32 or wider (curvkit.precision)
         if self.distributed is not None:
             stats, B, terms = self._reduce(stats, B, terms)
         for t, name in zip(stats, self._stat_names()):
@@ -307,6 +314,12 @@ class KroneckerEstimator(CurvatureEstimator):
             The forward passes the estimator runs itself (:meth:`update`) leave the model's running statistics
             unchanged. Not with ``distributed`` (each rank's BatchNorm would normalise with its own shard's
             statistics: the factors would not be those of one coupled batch).
+        statistics_dtype: the dtype of the factors (None: float32 for a bf16/fp16 model, else the model's;
+            or torch.float32/float64): the rows are cast to it before their products are formed and summed
+            (:mod:`curvkit.precision`).
+        compute_dtype: None (the estimator's own passes run in the model's dtype) or torch.float32/float64:
+            :meth:`update` runs the passes on an upcast copy of the model's state and inputs. A pass the
+            caller runs (:meth:`capture`) is the caller's.
 
     Attributes:
         plans: the model's layers (:class:`curvkit.layerkinds.LayerPlan`), each with its blocks.
@@ -319,7 +332,8 @@ class KroneckerEstimator(CurvatureEstimator):
                  parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
                  keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto",
-                 batch_statistics: BatchStatistics = "refuse"):
+                 batch_statistics: BatchStatistics = "refuse", statistics_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -367,7 +381,7 @@ class KroneckerEstimator(CurvatureEstimator):
             if any(id(lp.module) not in position for lp in self.plans):
                 raise UnsupportedModelError("kfra: the trainable layers must be nn.Linear layers of the chain")
             self._chain_pos = [position[id(lp.module)] for lp in self.plans]  # increasing (module order)
-        super().__init__(model, likelihood, ema, distributed)
+        super().__init__(model, likelihood, ema, distributed, statistics_dtype, compute_dtype)
 
     def _low_rank_output(self, lp: Any, spec: BlockSpec, keep_per_sample: bool, distributed: Any) -> bool:
         """Whether block ``spec`` keeps a low-rank output factor (``output_factor``), or the refusal of a
@@ -428,7 +442,17 @@ class KroneckerEstimator(CurvatureEstimator):
         if self._raw and not self._raw_checked:
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad(), kept_running_statistics(self.model):
-            f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,)) if self._raw else self.model(X)
+            if self.compute_dtype is not None:  # on an upcast copy of the model's state (curvkit.precision)
+                dt = self.compute_dtype
+                params = precision.upcast_state(dict(self.model.named_parameters()), dt, grad=True)
+                buffers = precision.upcast_state(dict(self.model.named_buffers()), dt)
+                if self._raw:
+                    params.update(cap.substitute(num_samples(X), params))
+                f = self.structure.functional_call(params, (precision.upcast_inputs(X, dt),), buffers)
+            elif self._raw:
+                f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,))
+            else:
+                f = self.model(X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         return self._statistics(cap, f, y)
 
@@ -533,12 +557,12 @@ class KroneckerEstimator(CurvatureEstimator):
         a = site.inputs
         if spec.ids:
             keep = a[a >= 0]
-            return torch.bincount(keep, minlength=spec.in_features).to(f.dtype)
+            return torch.bincount(keep, minlength=spec.in_features).to(self.statistics_dtype)
         mode = self._sharing(spec)
         key = (id(a), mode, spec.bias is not None)
         if key not in cache:
             rows = a.mean(1) if mode == "reduce" else _rows(a)
-            cache[key] = self._input_gram(rows, spec.bias is not None)
+            cache[key] = self._input_gram(rows.to(self.statistics_dtype), spec.bias is not None)
         return cache[key]
 
     @staticmethod
@@ -668,7 +692,7 @@ class KroneckerEstimator(CurvatureEstimator):
             for h in handles:
                 h.remove()
         if closed:  # KFLR at the output layer: sum_c s_c s_c^T = H_L per position, in closed form
-            H = _output_hessian_sum(self.likelihood, f.detach(), y)
+            H = _output_hessian_sum(self.likelihood, f.detach().to(self.statistics_dtype), y)
             R = math.prod(f.shape[1:-1])
             for j in closed:
                 fired[j] = True
@@ -717,6 +741,7 @@ class KroneckerEstimator(CurvatureEstimator):
         return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
 
     def _output_term(self, spec: BlockSpec, r: Tensor, low_rank: bool = False) -> Tensor | GramRows:
+        r = r.to(self.statistics_dtype)  # products of the rounded rows, summed in float32 or wider
         if spec.form == "grad":  # per-sample gradients (B, P)
             return (r * r).sum(0) if self._grad_structure(spec) == "diag" else r.T @ r
         if self._sharing(spec) == "reduce":
@@ -961,6 +986,9 @@ class GramRows:
     def __truediv__(self, c: float) -> GramRows:
         return self * (1.0 / float(c))
 
+    def to(self, dtype: torch.dtype) -> GramRows:
+        return GramRows(self.rows.to(dtype))
+
     def sum(self) -> Tensor:
         """The sum of the rows' entries (finite exactly when the rows are)."""
         return self.rows.sum()
@@ -994,29 +1022,34 @@ class DiagonalEstimator(CurvatureEstimator):
     ``mc_samples`` labels sampled from the model, averaged), ``empirical`` (squared per-example gradients
     at the data labels: the empirical Fisher, EWC's choice). Scale and ``ema`` as
     :class:`CurvatureEstimator`. The batches draw their labels from one generator seeded ``seed``.
+    ``statistics_dtype`` / ``compute_dtype``: as :class:`KroneckerEstimator` (:mod:`curvkit.precision`); each
+    batch's diagonal is summed in the statistics dtype over its samples and over the batches.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: DiagonalMethod = "ggn", *,
-                 mc_samples: int = 1, ema: float | None = None, seed: int = 0, distributed: Any = None):
+                 mc_samples: int = 1, ema: float | None = None, seed: int = 0, distributed: Any = None,
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
         if method not in ("ggn", "mc_fisher", "empirical"):
             raise ValueError(f"unknown diagonal method {method!r}; use 'ggn', 'mc_fisher' or 'empirical'")
         self.method = method
         self.mc_samples = integer("mc_samples", mc_samples)
         self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
-        super().__init__(model, likelihood, ema, distributed)
+        super().__init__(model, likelihood, ema, distributed, statistics_dtype, compute_dtype)
 
     def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
 
         lik = self.likelihood.with_reduction("sum")
         op: CurvatureOperator
+        dtypes: dict[str, Any] = {"compute_dtype": self.compute_dtype, "statistics_dtype": self.statistics_dtype}
         if self.method == "ggn":
-            op = GGNOperator(self.model, lik, (X, y), snapshot=False)
+            op = GGNOperator(self.model, lik, (X, y), snapshot=False, **dtypes)
         elif self.method == "empirical":
-            op = EmpiricalFisherOperator(self.model, lik, (X, y), snapshot=False)
+            op = EmpiricalFisherOperator(self.model, lik, (X, y), snapshot=False, **dtypes)
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed, snapshot=False)
+            op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed, snapshot=False,
+                                  **dtypes)
         with torch.no_grad(), curvature_kernels():  # the loss terms of the batch (counted positions)
             terms = self.likelihood.num_terms(self.model(X), y)
         return [op.diagonal().flat], num_samples(X), terms

@@ -99,6 +99,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import grad, jvp, vjp, vmap
 
+from curvkit import precision
 from curvkit.curvature._functional import (
     FunctionalModel,
     Params,
@@ -150,6 +151,12 @@ class ExactCurvatureOperator(CurvatureOperator):
         snapshot: True (default) evaluates at copies of the parameters, frozen parameters and buffers taken
             at construction; False holds the model's own tensors (no copy) and refuses every evaluation
             after one of them was changed in place (module doc, "Evaluation point").
+        compute_dtype: None (default: the passes run in the model's dtype) or torch.float32/float64: every
+            pass runs on an upcast copy of the parameters, frozen parameters, buffers and floating inputs
+            (:mod:`curvkit.precision`; the operator's products are then in that dtype).
+        statistics_dtype: the dtype the exact diagonal and the dense matrix are summed in over samples and
+            batches (None: float32 for a bf16/fp16 pass, else the pass's dtype; :mod:`curvkit.precision`).
+            Products stay in the pass's dtype.
 
     Raises at construction: TypeError for a non-module / non-likelihood / malformed data; ValueError if
     the model output is not (B, C) / (B, *P, C) or contains NaN/inf, the targets do not fit the likelihood
@@ -161,13 +168,15 @@ class ExactCurvatureOperator(CurvatureOperator):
 
     @differentiable()
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 snapshot: bool = True):
+                 snapshot: bool = True, compute_dtype: torch.dtype | None = None,
+                 statistics_dtype: torch.dtype | None = None):
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a curvkit.likelihoods.Likelihood, got {type(likelihood).__name__}")
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-        self.fmodel = FunctionalModel(model, type(self).__name__, snapshot=snapshot)
+        self.fmodel = FunctionalModel(model, type(self).__name__, snapshot=snapshot, compute_dtype=compute_dtype)
         super().__init__(self.fmodel.layout, self.fmodel.dtype, self.fmodel.device)
+        self.statistics_dtype = precision.statistics_dtype(self.dtype, statistics_dtype)
         self.likelihood = likelihood
         self.batches = as_batches(data, self.device)
         self.num_data = sum(num_samples(X) for X, _ in self.batches)
@@ -213,6 +222,7 @@ class ExactCurvatureOperator(CurvatureOperator):
         op.fmodel, op.likelihood, op.batches = self.fmodel, self.likelihood, self.batches
         op.num_data, op.num_terms, op.weight = self.num_data, self.num_terms, self.weight
         op.chunk_size, op._use_vmap = self.chunk_size, True
+        op.statistics_dtype = self.statistics_dtype
         return op
 
     @property
@@ -277,13 +287,15 @@ class HessianOperator(ExactCurvatureOperator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_graph: bool | None = None, snapshot: bool = True):
+                 cache_graph: bool | None = None, snapshot: bool = True, compute_dtype: torch.dtype | None = None,
+                 statistics_dtype: torch.dtype | None = None):
         if cache_graph not in (None, True, False):
             raise ValueError(f"cache_graph must be None (auto), True or False, got {cache_graph!r}")
         self.cache_graph = cache_graph
         self._graphs: dict[int, tuple[Params, Any]] = {}  # batch -> (leaves, output f or gradient tuple)
         self._use_double_backward = True
-        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot,
+                         compute_dtype=compute_dtype, statistics_dtype=statistics_dtype)
 
     @property
     def caches_graph(self) -> bool:
@@ -479,14 +491,16 @@ class OutputFactorOperator(ExactCurvatureOperator):
     reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
-                 cache_linearisation: bool | None = None, reverse_tangents: bool = False, snapshot: bool = True):
+                 cache_linearisation: bool | None = None, reverse_tangents: bool = False, snapshot: bool = True,
+                 compute_dtype: torch.dtype | None = None, statistics_dtype: torch.dtype | None = None):
         if cache_linearisation not in (None, True, False):
             raise ValueError(f"cache_linearisation must be None (auto), True or False, got {cache_linearisation!r}")
         if reverse_tangents not in (True, False):
             raise ValueError(f"reverse_tangents must be True or False, got {reverse_tangents!r}")
         self.cache_linearisation = cache_linearisation
         self.reverse_tangents = bool(reverse_tangents)
-        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot)
+        super().__init__(model, likelihood, data, chunk_size=chunk_size, snapshot=snapshot,
+                         compute_dtype=compute_dtype, statistics_dtype=statistics_dtype)
 
     # ------------------------------------------------------------------ output space (subclasses)
     def output_matvec(self, batch_index: int, f: Tensor, y: Tensor, V: Tensor) -> Tensor:
@@ -771,18 +785,18 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return self._diagonal_per_sample()
 
     def _diagonal_per_sample(self) -> DiagonalOperator:
-        diag = torch.zeros(self.layout.dim, dtype=self.dtype, device=self.device)
+        diag = torch.zeros(self.layout.dim, dtype=self.statistics_dtype, device=self.device)
         for rows in self._factor_rows():
-            diag += (rows**2).sum(0)
+            diag += (rows.to(self.statistics_dtype)**2).sum(0)
         return DiagonalOperator.from_flat(self.layout, diag * self.weight)
 
     def _diagonal_layerwise(self, specs: list[LayerSpec]) -> DiagonalOperator:
-        acc = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
+        acc = {n: torch.zeros(s, dtype=self.statistics_dtype, device=self.device)
                for n, s in zip(self.layout.names, self.layout.shapes)}
 
         def add(values: dict[str, Tensor]) -> None:
             for name, val in values.items():
-                acc[name] += val
+                acc[name] += val.to(self.statistics_dtype)
 
         for i, (X, y) in enumerate(self.batches):
             recorded = self._recorded_layers(i, specs)
@@ -821,8 +835,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         if self.fmodel.batch_coupled:
             return super().to_dense()
         d = self.layout.dim
-        out = torch.zeros(d, d, dtype=self.dtype, device=self.device)
+        out = torch.zeros(d, d, dtype=self.statistics_dtype, device=self.device)
         for rows in self._factor_rows():
+            rows = rows.to(self.statistics_dtype)
             out += rows.T @ rows
         return out * self.weight
 
@@ -939,14 +954,16 @@ class MCFisherOperator(_SmallFactorOperator):
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, mc_samples: int = 1,
                  seed: int = 0, chunk_size: int = 64, cache_linearisation: bool | None = None,
-                 reverse_tangents: bool = False, snapshot: bool = True):
+                 reverse_tangents: bool = False, snapshot: bool = True, compute_dtype: torch.dtype | None = None,
+                 statistics_dtype: torch.dtype | None = None):
         if int(mc_samples) < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples}")
         self.mc_samples = int(mc_samples)
         self.seed = int(seed)
         self.labels: list[list[Tensor]] = []
         super().__init__(model, likelihood, data, chunk_size=chunk_size, cache_linearisation=cache_linearisation,
-                         reverse_tangents=reverse_tangents, snapshot=snapshot)
+                         reverse_tangents=reverse_tangents, snapshot=snapshot, compute_dtype=compute_dtype,
+                         statistics_dtype=statistics_dtype)
 
     def _setup(self, outputs: list[Tensor]) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.seed)

@@ -52,7 +52,9 @@ class KroneckerSource:
             self.estimator = KroneckerEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
                                                 mc_samples=mc_samples, seed=seed, **(options or {}))
             self.estimator.require_dense_output_factors("Laplace(structure='kron')")
-        self.own_pass = any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
+        # raw parameters need per-sample copies, an upcast copy of the model its own pass: the estimator's pass
+        self.own_pass = (any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
+                         or self.estimator.compute_dtype is not None)
 
     def update(self, X: Inputs, y: Tensor) -> Tensor | None:
         """Add the batch's statistics; returns the model's (detached) output of the forward pass they used
@@ -80,11 +82,11 @@ class DiagonalSource:
     """Per-datum mean diagonal curvature of the parameters ``names``."""
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
-                 mc_samples: int, seed: int):
+                 mc_samples: int, seed: int, **dtypes: Any):
         self.model, self.names = model, list(names)
         with only_trainable(model, self.names):  # 'sum' divided by the samples: per-datum (mean())
             self.estimator = DiagonalEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
-                                               mc_samples=mc_samples, seed=seed)
+                                               mc_samples=mc_samples, seed=seed, **dtypes)
 
     def update(self, X: Inputs, y: Tensor) -> None:
         with only_trainable(self.model, self.names):
@@ -101,7 +103,8 @@ class DenseSource:
     """Per-datum mean dense curvature (d, d) of the parameters ``names`` (flat ``named_parameters()`` order)."""
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
-                 mc_samples: int, seed: int):
+                 mc_samples: int, seed: int, statistics_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None):
         if method not in ELEMENT_METHODS:
             raise ValueError(f"unknown dense curvature {method!r}; use one of {ELEMENT_METHODS}")
         self.model, self.names, self.method = model, list(names), method
@@ -110,18 +113,19 @@ class DenseSource:
         self._seeds = torch.Generator().manual_seed(int(seed))
         self.total: Tensor | None = None
         self.count = 0
+        self.dtypes: dict[str, Any] = {"statistics_dtype": statistics_dtype, "compute_dtype": compute_dtype}
 
     def update(self, X: Inputs, y: Tensor) -> None:
         with only_trainable(self.model, self.names):
             op: Any
             if self.method == "ggn":
-                op = GGNOperator(self.model, self.likelihood, (X, y), snapshot=False)
+                op = GGNOperator(self.model, self.likelihood, (X, y), snapshot=False, **self.dtypes)
             elif self.method == "empirical":
-                op = EmpiricalFisherOperator(self.model, self.likelihood, (X, y), snapshot=False)
+                op = EmpiricalFisherOperator(self.model, self.likelihood, (X, y), snapshot=False, **self.dtypes)
             else:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
                 op = MCFisherOperator(self.model, self.likelihood, (X, y), mc_samples=self.mc_samples, seed=seed,
-                                    snapshot=False)
+                                      snapshot=False, **self.dtypes)
             D = op.to_dense()
         if not bool(torch.isfinite(D).all()):
             raise ValueError("the dense curvature of this batch contains NaN or inf; check the inputs and the model")

@@ -125,6 +125,7 @@ class FactoredTerm(_PairTerm):
 
     def _y(self, st: _FactoredState, D: Tensor) -> tuple[Tensor, Tensor]:
         """(X, Y) with ``<X_e, Y_e'>`` = the covariance of entries e, e'."""
+        D = D.to(self.S_G.dtype)  # the rows of a bf16/fp16 model's pass: the posterior's dtype (curvkit.precision)
         if st.path == "m":
             assert st.v is not None
             M = torch.einsum("kbro,bri->kboi", D, st.v)
@@ -179,6 +180,7 @@ class SpectralTerm(_PairTerm):
         return _SpectralState("k", w, kern=kern)
 
     def _y(self, st: _SpectralState, D: Tensor) -> tuple[Tensor, Tensor]:
+        D = D.to(self.s.dtype)
         Dt = D if self.QG is None else D @ self.QG
         if st.path == "w":
             return Dt, Dt * st.w[None]

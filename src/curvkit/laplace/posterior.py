@@ -76,6 +76,7 @@ from typing import Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
+from curvkit import precision
 from curvkit.curvature._graph import warn_unused
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
 from curvkit.laplace._curvature import (
@@ -195,8 +196,8 @@ def _check_natural_outputs(likelihood: Likelihood, f: Tensor) -> None:
     cross-entropy also off the values (every row non-negative and summing to 1)."""
     op = type(f.grad_fn).__name__ if f.grad_fn is not None else ""
     if isinstance(likelihood, CrossEntropy):
-        rows = f.detach()
-        tol = 1e3 * torch.finfo(rows.dtype).eps * rows.shape[-1]
+        rows = f.detach().double()  # a bf16/fp16 softmax sums to 1 within a few of its eps, never 0.02 off
+        tol = min(1e3 * torch.finfo(f.dtype).eps * rows.shape[-1], 0.02)
         probabilities = rows.shape[-1] > 1 and bool((rows >= 0).all()) and bool(
             ((rows.sum(-1) - 1).abs() <= tol).all())
         if op.startswith("Softmax") or probabilities:
@@ -255,12 +256,18 @@ class Laplace:
         norm_structure: ``'diag'`` | ``'full'`` per normalisation layer (kron only).
         weight_sharing: ``'expand'`` | ``'reduce'`` (kron only; :class:`~curvkit.curvature.estimators.KroneckerEstimator`).
         parameter_structure: ``'diag'`` | ``'full'`` per raw parameter (kron only).
+        statistics_dtype: the dtype of the curvature statistics and of everything built from them (precision,
+            covariance, log-determinants, samples, predictive variances): None (float32 for a bf16/fp16
+            model, else the model's) or torch.float32/float64 (:mod:`curvkit.precision`). :attr:`dtype`.
+        compute_dtype: None (the curvature passes run in the model's dtype) or torch.float32/float64 (on an
+            upcast copy of the model's state; :mod:`curvkit.precision`). Predictions run the model as it is.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, structure: StructureName = "kron",
                  curvature: str | None = None, *, subset: Any = "all", prior_precision: Any = 1.0,
                  mc_samples: int = 1, seed: int = 0, prior_form: str = "factored", trace_balance: bool = False,
-                 norm_structure: str = "diag", weight_sharing: str = "expand", parameter_structure: str = "diag"):
+                 norm_structure: str = "diag", weight_sharing: str = "expand", parameter_structure: str = "diag",
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
@@ -293,7 +300,11 @@ class Laplace:
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
-        self.dtype, self.device = trainable[0].dtype, trainable[0].device
+        self.device = trainable[0].device
+        self.compute_dtype = None if compute_dtype is None else precision.compute_dtype(trainable[0].dtype,
+                                                                                        compute_dtype)
+        #: the dtype of the statistics and the posterior (curvkit.precision)
+        self.dtype = precision.statistics_dtype(self.compute_dtype or trainable[0].dtype, statistics_dtype)
         self.subset = subset
         self._selection: _Selection | None = None
         self._prior_value: Any = prior_precision
@@ -440,7 +451,7 @@ class Laplace:
                     if f is None:
                         f = model(X)
                     lik.check(f, y)
-                    ll += float(log_likelihood(lik, f, y).sum())
+                    ll += float(log_likelihood(lik, f.to(self.dtype), y).sum())
                 count += num_samples(X)
             assert sources is not None  # iter_batches refuses data without a batch
             stats = self._statistics(sources)
@@ -499,15 +510,17 @@ class Laplace:
     def _kron_source(self, names: Sequence[str]) -> KroneckerSource:
         """The Kronecker statistics of ``names`` (the estimator refuses a layer the engine cannot take, naming it)."""
         options = {"weight_sharing": self.weight_sharing, "parameter_structure": self.parameter_structure,
-                   "norm_structure": self.norm_structure}
+                   "norm_structure": self.norm_structure, "statistics_dtype": self.dtype,
+                   "compute_dtype": self.compute_dtype}
         return KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed, options)
 
     def _sources(self) -> dict[str, Any]:
         m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
+        dtypes = {"statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype}
         if self.structure == "diag":
-            return {"diag": DiagonalSource(m, lik, self.names, self.curvature, k, s)}
+            return {"diag": DiagonalSource(m, lik, self.names, self.curvature, k, s, **dtypes)}
         if self.structure == "full":
-            return {"dense": DenseSource(m, lik, self.names, self.curvature, k, s)}
+            return {"dense": DenseSource(m, lik, self.names, self.curvature, k, s, **dtypes)}
         return {"kron": self._kron_source(self.names)}
 
     def _statistics(self, sources: dict[str, Any]) -> list[dict[str, Any]]:
@@ -581,7 +594,7 @@ class Laplace:
     def mean(self) -> Tensor:
         """The posterior mean theta* (flat, :attr:`layout` order)."""
         self._require_fit()
-        return self.layout.flatten([self.params[n] for n in self.names])
+        return self.layout.flatten([self.params[n].to(self.dtype) for n in self.names])
 
     def _combine(self, parts: list[CurvatureOperator]) -> CurvatureOperator:
         return parts[0] if len(parts) == 1 else BlockSumOperator(self.layout, parts)
@@ -617,7 +630,7 @@ class Laplace:
     def sample_params(self, flat: Tensor) -> dict[str, Tensor]:
         """The full parameter dict (every parameter of the model) for one flat sample (d,)."""
         params = dict(self.params)
-        params.update(zip(self.names, self.layout.unflatten(flat)))
+        params.update((n, t.to(params[n].dtype)) for n, t in zip(self.names, self.layout.unflatten(flat)))
         return params
 
     # ------------------------------------------------------------------ evidence

@@ -175,7 +175,8 @@ def mc_predictive(post: Any, X: Inputs, num_samples: int = 100, generator: torch
             for theta in thetas:
                 p = post.sample_params(theta)
                 for j, xb in enumerate(chunks):
-                    y = _link(post, structure.functional_call(p, (xb,), post.buffers))
+                    f = structure.functional_call(p, (xb,), post.buffers).to(post.dtype)  # float32 or wider
+                    y = _link(post, f)
                     acc[j] = acc[j] + y
                     if regression:
                         sq[j] = sq[j] + y * y

@@ -94,7 +94,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from curvkit import layerkinds
+from curvkit import layerkinds, precision
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.likelihoods import CrossEntropy, Likelihood
@@ -252,6 +252,9 @@ class GaussNewton(CurvatureOptimizer):
             of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
             A ``reduction='mean'`` likelihood weights the ranks by their counted loss terms (positions that are
             not padding), so padded token batches with unequal counts per rank take the union's step.
+        statistics_dtype: the dtype of the Kronecker factors, their damping, inverses and the direction (None:
+            float32 for bf16/fp16 parameters, else theirs; or torch.float32/float64, :mod:`curvkit.precision`);
+            the forward and backward passes run in the model's dtype and the step is cast to each parameter's.
     """
 
     def __init__(self, params: Any, *, model: nn.Module, likelihood: Likelihood, curvature: Curvature = "auto",
@@ -263,7 +266,8 @@ class GaussNewton(CurvatureOptimizer):
                  distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
                  parameter_structure: Literal["full", "diag"] = "diag",
-                 batch_statistics: Literal["refuse", "couple"] = "refuse", distributed: Any = None):
+                 batch_statistics: Literal["refuse", "couple"] = "refuse", distributed: Any = None,
+                 statistics_dtype: torch.dtype | None = None):
         if curvature != "auto" and curvature not in _CURVATURES:
             raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
         for key, value, allowed in (("weight_sharing", weight_sharing, ("expand", "reduce")),
@@ -325,6 +329,9 @@ class GaussNewton(CurvatureOptimizer):
                              "to optimise")
         self.likelihood = likelihood
         self.hp = defaults
+        #: the dtype of the factors, their damping and inverses (curvkit.precision); steps are cast to each
+        #: parameter's dtype
+        self.statistics_dtype = precision.statistics_dtype(self._trainable[0].dtype, statistics_dtype)
         first = self.ordered_params()[0]
         self._device, self._dtype = first.device, first.dtype
         if distributed is None:
@@ -400,7 +407,8 @@ class GaussNewton(CurvatureOptimizer):
             self.model, self.likelihood, method=source, mc_samples=hp["mc_samples"],  # type: ignore[arg-type]
             distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
             weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
-            parameter_structure=hp["parameter_structure"], batch_statistics=hp["batch_statistics"])
+            parameter_structure=hp["parameter_structure"], batch_statistics=hp["batch_statistics"],
+            statistics_dtype=self.statistics_dtype)
         self.estimator.require_dense_output_factors("GaussNewton")
         self.source, self.source_reason = source, reason
 
@@ -457,6 +465,7 @@ class GaussNewton(CurvatureOptimizer):
             else:
                 inv = FactoredInverse(self._op, damping, [self._omega[b.name] for b in self._op.blocks])
             self._inverses[zeta] = inv
+        g = [t.to(self.statistics_dtype) for t in g]  # the direction in the factors' dtype (curvkit.precision)
         if hasattr(inv, "apply"):
             d = inv.apply(dict(zip(self._names, g)))  # type: ignore[union-attr]
             return [d[n] for n in self._names]
