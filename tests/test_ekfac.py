@@ -102,3 +102,27 @@ def test_ekfac_scalings_on_modern_models(name):
         QA = torch.eye(b.in_dim) if e.A_eigvecs is None else e.A_eigvecs
         Q = torch.kron(e.G_eigvecs.contiguous(), QA.contiguous())
         assert torch.allclose(s.reshape(-1), (Q.T @ M @ Q).diagonal(), atol=1e-12), b.name
+
+
+def test_ekfac_warns_when_later_batches_reuse_the_first_batchs_basis(make_mlp):
+    """Without ``basis=`` the second batch is accumulated in the first batch's eigenbasis: one warning that says
+    so; the fix it names (the basis of all the data) gives EKFAC over the union, batch by batch."""
+    import warnings
+
+    from curvkit.curvature.ekfac import FirstBatchBasisWarning
+
+    model = make_mlp((4, 6, 3), "tanh")
+    g = torch.Generator().manual_seed(5)
+    X, y = torch.randn(16, 4, generator=g, dtype=D64), torch.randint(0, 3, (16,), generator=g)
+    batches = [(X[:8], y[:8]), (X[8:], y[8:])]
+    lik = CrossEntropy("sum")
+    with pytest.warns(FirstBatchBasisWarning, match="basis=KroneckerEstimator") as record:
+        first = EKFACEstimator(model, lik).update(batches).update((X[:4], y[:4])).operator()
+    assert len([w for w in record if issubclass(w.category, FirstBatchBasisWarning)]) == 1  # once per estimator
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FirstBatchBasisWarning)
+        basis = kflr(model, lik, (X, y))
+        union = EKFACEstimator(model, lik, basis=basis).update(batches).operator()
+        whole = EKFACEstimator(model, lik).update((X, y)).operator()  # one batch: no warning
+    torch.testing.assert_close(union.to_dense(), whole.to_dense(), atol=1e-10, rtol=1e-10)
+    assert float((first.to_dense() - whole.to_dense()).norm()) > 1e-6  # the first-batch basis differs

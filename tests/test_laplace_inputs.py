@@ -183,3 +183,29 @@ def test_predict_accepts_token_ids_of_any_integer_dtype():
     with pytest.raises(ValueError, match=r"X has dtype torch.float64, but the posterior was fitted on inputs "
                                          r"\(B, 4\) of dtype torch.int64"):
         post.predict(ids.double())
+
+
+def test_fit_refuses_inputs_of_another_dtype_in_curvkits_words():
+    """float32 inputs for a float64 model: curvkit's error naming both dtypes and the fix, not torch's
+    "mat1 and mat2 must have the same dtype"; for every structure and for mapping batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    X, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for structure in ("kron", "diag", "full"):
+        post = Laplace(model, CrossEntropy(), structure)
+        with pytest.raises(ValueError, match=r"inputs X have dtype torch.float32, but the model's parameters are "
+                                             r"torch.float64.*X.to\(torch.float64\)"):
+            post.fit((X, y))
+        assert not post.blocks
+        post.fit((X.to(DT), y))  # the converted inputs fit
+
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, batch):
+            return self.net(batch["x"])
+
+    with pytest.raises(ValueError, match=r"inputs X\['x'\] have dtype torch.float32"):
+        Laplace(Keyed(), CrossEntropy(), "diag").fit(({"x": X}, y))

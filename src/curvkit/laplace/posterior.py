@@ -180,9 +180,16 @@ def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
     return ll
 
 
-def _check_finite_batch(i: int, X: Inputs, y: Tensor) -> None:
-    """Name a batch whose inputs (any tensor of a mapping) or targets hold NaN or inf, before anything is
-    computed from it."""
+def _check_finite_batch(i: int, X: Inputs, y: Tensor, dtype: torch.dtype | None = None) -> None:
+    """Name a batch whose inputs (any tensor of a mapping) or targets hold NaN or inf, or whose
+    floating-point inputs are not of the model's ``dtype``, before anything is computed from it (torch would
+    answer the dtype with "mat1 and mat2 must have the same dtype")."""
+    if dtype is not None:
+        for what, t in input_tensors(X, "inputs X"):
+            if t.is_floating_point() and t.dtype != dtype:
+                raise ValueError(f"batch {i} of the data: the {what} have dtype {t.dtype}, but the model's parameters "
+                                 f"are {dtype}; convert the inputs (X.to({dtype})) or the model (model.to({t.dtype})) "
+                                 "before fitting")
     for what, t in [*input_tensors(X, "inputs X"), ("targets y", y)]:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"batch {i} of the data: the {what} contain NaN or inf ({int((~torch.isfinite(t)).sum())} "
@@ -441,7 +448,7 @@ class Laplace:
             sources: dict[str, Any] | None = None
             count, ll = 0, 0.0
             for i, (X, y) in enumerate(iter_batches(data, self.device, mappings=True)):
-                _check_finite_batch(i, X, y)
+                _check_finite_batch(i, X, y, self.dtype)
                 if sources is None:
                     self._inspect(X, y)
                     sources = self._sources()
