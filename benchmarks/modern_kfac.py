@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_call
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {"vit": {"batch": 128, "outputs": "(B, 10)"}, "gpt": {"batch": 16, "outputs": "(B, 64, 256)"}}
+MODELS = {"vit": {"batch": 128, "outputs": "(B, 10)"}, "gpt": {"batch": 16, "outputs": "(B, 64, 256)"},
+          "resnet": {"batch": 128, "outputs": "(B, 10)"}}
 QUANTITIES = ("grad", "kfac_expand", "kfac_reduce", "kflr")
 QUANTITY_NAMES = {"grad": "loss + gradient pass", "kfac_expand": "KFAC-MC factors, expand",
                   "kfac_reduce": "KFAC-MC factors, reduce", "kflr": "exact-GGN (KFLR / type-2) factors, expand"}
@@ -63,8 +64,10 @@ LIBRARIES = tuple(OFFERS)
 def build_model(name: str) -> Any:
     import torch
 
-    from curvkit.architectures import causal_lm, vit
+    from curvkit.architectures import causal_lm, resnet, vit
 
+    if name == "resnet":  # eval mode: BatchNorm with running statistics (per-sample curvature)
+        return resnet(widths=(32, 64, 128), seed=0, dtype=torch.float32).eval()
     if name == "vit":
         return vit(image_size=28, patch_size=4, dim=256, depth=2, heads=4, mlp_dim=512, num_classes=10, seed=0,
                    dtype=torch.float32)
@@ -72,12 +75,12 @@ def build_model(name: str) -> Any:
 
 
 def curvlinops_params(model: Any) -> list[Any]:
-    """The parameters curvlinops 3.0.1 can take: those of nn.Linear modules that are called as modules
-    (not the out_proj of nn.MultiheadAttention, whose forward reads its weight directly)."""
+    """The parameters curvlinops 3.0.1 can take: those of nn.Linear and nn.Conv2d modules that are called as
+    modules (not the out_proj of nn.MultiheadAttention, whose forward reads its weight directly)."""
     from torch import nn
 
     inside = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    return [p for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside
+    return [p for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) and id(m) not in inside
             for p in m.parameters() if p.requires_grad]
 
 
@@ -210,8 +213,9 @@ def prepare_data(tmp: Path, seed: int = 0) -> dict[str, str]:
 
     X, y = mnist(train=True)
     idx = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed))[: MODELS["vit"]["batch"]]
-    paths = {"vit": str(tmp / "vit.pt"), "gpt": str(tmp / "gpt.pt")}
+    paths = {"vit": str(tmp / "vit.pt"), "gpt": str(tmp / "gpt.pt"), "resnet": str(tmp / "resnet.pt")}
     torch.save((to_unit(X[idx]).float()[:, None].contiguous(), y[idx].clone()), paths["vit"])
+    torch.save((to_unit(X[idx]).float()[:, None].contiguous(), y[idx].clone()), paths["resnet"])
     text = b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md")))
     data = torch.tensor(list(text), dtype=torch.long)
     B, T = MODELS["gpt"]["batch"], 64

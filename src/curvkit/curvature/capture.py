@@ -20,7 +20,7 @@ and output gradient could not be paired) or its output was overwritten in place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,11 +216,18 @@ class BlockCapture:
     Args:
         plans: from :func:`curvkit.layerkinds.plan`.
         what: the name used in error messages.
+        take: called as ``take(block, site)`` (global block position) the moment a site is emitted, inside
+            the forward pass; what it returns is kept in :attr:`taken` under the block's position. The
+            Kronecker estimators form a block's input statistic there and drop the input rows, so at most
+            one layer's input rows (a convolution's unfolded patches) exist at a time.
     """
 
-    def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture"):
+    def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture",
+                 take: Callable[[int, Any], Any] | None = None):
         self.plans = list(plans)
         self.what = what
+        self.take = take
+        self.taken: dict[int, Any] = {}
         self.specs = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self._first = []  # first global block position of each layer
         k = 0
@@ -239,6 +246,8 @@ class BlockCapture:
         def emit(site: Any) -> None:
             self._sites[first + site.block].append(site)
             self._versions[first + site.block].append(site.output._version)
+            if self.take is not None:
+                self.taken[first + site.block] = self.take(first + site.block, site)
         return emit
 
     def __enter__(self) -> BlockCapture:
@@ -271,6 +280,7 @@ class BlockCapture:
             s.clear()
         for v in self._versions:
             v.clear()
+        self.taken.clear()
 
     def substitute(self, batch: int, values: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a

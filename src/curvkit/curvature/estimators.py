@@ -63,7 +63,7 @@ from curvkit import layerkinds, precision
 from curvkit.curvature.capture import BlockCapture
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
-from curvkit.layerkinds import BlockSpec, Site
+from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
@@ -435,8 +435,35 @@ class KroneckerEstimator(CurvatureEstimator):
     # ------------------------------------------------------------------ per-batch statistics
     def capture(self) -> BlockCapture:
         """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``); the pass
-        inside runs under :func:`curvkit.structure.curvature_kernels`."""
-        return BlockCapture(self.plans, self.method)
+        inside runs under :func:`curvkit.structure.curvature_kernels`. Each block's input statistic is formed
+        inside the pass, when its layer runs, and its input rows are dropped there (:meth:`_taker`)."""
+        return BlockCapture(self.plans, self.method, take=None if self.keep_per_sample else self._taker())
+
+    def _taker(self) -> Any:
+        """The ``take`` of a capture (:class:`BlockCapture`): a Kronecker block's input statistic the moment
+        its layer runs, after which its input rows are dropped (replaced by an empty (B, 0) tensor, which
+        keeps the batch size for the checks), so the pass never holds more than one layer's rows (a
+        convolution's patches, unfolded a few samples at a time, :class:`~curvkit.layerkinds.UnfoldedSite`).
+        The blocks fed by one input (q, k, v of self-attention, emitted one after the other) share one
+        statistic: the last input is remembered."""
+        cache: dict[tuple[int, str, bool], Tensor] = {}
+        last: list[Tensor] = []  # the input the cache is about (held, so that its id stays its own)
+
+        def take(i: int, site: Site) -> Tensor | None:
+            spec = self.blocks[i][1]
+            if spec.form != "kron":
+                return None
+            lazy = isinstance(site, UnfoldedSite) and not site.formed
+            a = None if lazy else site.inputs
+            if a is None or not last or a is not last[0]:
+                cache.clear()
+                last[:] = [] if a is None else [a]
+            stat = self._input_stat(spec, site, cache)
+            B = site.batch if isinstance(site, UnfoldedSite) and a is None else site.inputs.shape[0]
+            site.inputs = site.output.new_empty(B, 0)
+            return stat
+
+        return take
 
     def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         if self._raw and not self._raw_checked:
@@ -530,13 +557,12 @@ class KroneckerEstimator(CurvatureEstimator):
                     f"dimension ({site.inputs.shape[0]}) is not the batch ({B}), e.g. position ids without a batch "
                     "dimension, so its output is shared by every sample and has no per-sample statistics; give its "
                     "input the batch dimension (ids.expand(batch, -1)) or freeze it")
-        grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
-        A: list[Tensor | None] = [self._input_stat(spec, site, f, grams) for (_, spec), site in zip(self.blocks, sites)]
-        del grams
-        if not self.keep_per_sample:  # the input rows are used: let the backward pass free the activations
-            for (_, spec), site in zip(self.blocks, sites):
-                if spec.form == "kron":
-                    site.inputs = site.inputs.new_empty(0)
+        A: list[Tensor | None]
+        if cap.take is not None:  # formed in the pass (:meth:`_taker`)
+            A = [cap.taken.get(i) for i in range(len(sites))]
+        else:
+            grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
+            A = [self._input_stat(spec, site, grams) for (_, spec), site in zip(self.blocks, sites)]
         if self.method == "kfra":
             G = self._kfra(sites, f, y)
         else:
@@ -546,29 +572,58 @@ class KroneckerEstimator(CurvatureEstimator):
     def _sharing(self, spec: BlockSpec) -> WeightSharing:
         return self.weight_sharing if spec.sharing == "any" else "expand"
 
-    def _input_stat(self, spec: BlockSpec, site: Site, f: Tensor,
+    def _input_stat(self, spec: BlockSpec, site: Site,
                     cache: dict[tuple[int, str, bool], Tensor]) -> Tensor | None:
         """The input statistic of one batch: ``sum_n sum_r a_hat a_hat^T`` (expand; a_hat = [a, 1]) or
         ``sum_n a_bar a_bar^T`` (reduce; a_bar = [mean_r a, 1]); token counts for an embedding; None for a
         block from per-sample gradients (formed with the output side). Blocks with the same input rows share
-        one statistic (``cache``)."""
+        one statistic (``cache``). Rows that are not formed yet (:class:`~curvkit.layerkinds.UnfoldedSite`),
+        or that are not a view of (B * R, in) rows, are taken a few samples at a time (:data:`_BUDGET`
+        scalars): expand sums the chunks' Gram matrices, reduce stacks their position means."""
         if spec.form == "grad":
             return None
+        mode, bias = self._sharing(spec), spec.bias is not None
+        if isinstance(site, UnfoldedSite) and not site.formed:
+            key = (id(site), mode, bias)
+            if key not in cache:
+                chunk = max(1, _BUDGET // max(1, site.row_size))
+                cache[key] = self._chunked_gram(site.sample_rows, site.batch, chunk, mode, bias)
+            return cache[key]
         a = site.inputs
         if spec.ids:
             keep = a[a >= 0]
             return torch.bincount(keep, minlength=spec.in_features).to(self.statistics_dtype)
-        mode = self._sharing(spec)
-        key = (id(a), mode, spec.bias is not None)
+        key = (id(a), mode, bias)
         if key not in cache:
-            rows = a.mean(1) if mode == "reduce" else _rows(a)
-            cache[key] = self._input_gram(rows.to(self.statistics_dtype), spec.bias is not None)
+            if mode == "reduce":
+                cache[key] = self._input_gram(a.mean(1), bias)
+            else:
+                rows = _view_rows(a)
+                chunk = max(1, _BUDGET // max(1, a[0].numel()))
+                if rows is None and chunk >= a.shape[0]:
+                    rows = a.reshape(-1, a.shape[-1])
+                cache[key] = (self._input_gram(rows, bias) if rows is not None else
+                              self._chunked_gram(lambda lo, hi: a[lo:hi], a.shape[0], chunk, mode, bias))
         return cache[key]
 
-    @staticmethod
-    def _input_gram(a: Tensor, bias: bool) -> Tensor:
+    def _chunked_gram(self, rows: Any, B: int, chunk: int, mode: WeightSharing, bias: bool) -> Tensor:
+        """The input statistic from ``rows(lo, hi)`` -> (hi - lo, R, in), ``chunk`` samples at a time."""
+        if mode == "reduce":
+            return self._input_gram(torch.cat([rows(lo, min(B, lo + chunk)).mean(1) for lo in range(0, B, chunk)]),
+                                    bias)
+        out: Tensor | None = None
+        for lo in range(0, B, chunk):
+            a = rows(lo, min(B, lo + chunk))
+            part = self._input_gram(a.reshape(-1, a.shape[-1]), bias)
+            out = part if out is None else out.add_(part)
+        assert out is not None
+        return out
+
+    def _input_gram(self, a: Tensor, bias: bool) -> Tensor:
         """sum over rows of a_hat a_hat^T (in_aug, in_aug), a_hat = [a, 1] with a bias; the bias row and
-        column come from sum(a) and the count (no concatenated copy of the inputs)."""
+        column come from sum(a) and the count (no concatenated copy of the inputs). The rows are taken to the
+        statistics dtype first (:mod:`curvkit.precision`)."""
+        a = a.to(self.statistics_dtype)
         if not bias:
             return _gram(a)
         n = a.shape[1]
@@ -912,16 +967,22 @@ def _lowest(outs: list[Tensor]) -> list[int]:
     return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]
 
 
-def _rows(t: Tensor) -> Tensor:
-    """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it): a view when the
-    strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), a
-    copy otherwise."""
+def _view_rows(t: Tensor) -> Tensor | None:
+    """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it) as a view when the
+    strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), else
+    None."""
     for u in (t, t.transpose(0, 1)):
         try:
             return u.view(-1, t.shape[-1])
         except RuntimeError:
             continue
-    return t.reshape(-1, t.shape[-1])
+    return None
+
+
+def _rows(t: Tensor) -> Tensor:
+    """:func:`_view_rows`, or a copy where no view exists."""
+    rows = _view_rows(t)
+    return t.reshape(-1, t.shape[-1]) if rows is None else rows
 
 
 def _gram(a: Tensor, block: int = 128) -> Tensor:

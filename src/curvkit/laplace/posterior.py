@@ -180,16 +180,18 @@ def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
     return ll
 
 
-def _check_finite_batch(i: int, X: Inputs, y: Tensor, dtype: torch.dtype | None = None) -> None:
+def _check_finite_batch(i: int, X: Inputs, y: Tensor, dtypes: frozenset[torch.dtype] = frozenset()) -> None:
     """Name a batch whose inputs (any tensor of a mapping) or targets hold NaN or inf, or whose
-    floating-point inputs are not of the model's ``dtype``, before anything is computed from it (torch would
-    answer the dtype with "mat1 and mat2 must have the same dtype")."""
-    if dtype is not None:
+    floating-point inputs are of none of the model's floating ``dtypes`` (a bf16 model with float32 adapters
+    takes bf16 inputs), before anything is computed from it (torch would answer the dtype with "mat1 and mat2
+    must have the same dtype")."""
+    if dtypes:
         for what, t in input_tensors(X, "inputs X"):
-            if t.is_floating_point() and t.dtype != dtype:
+            if t.is_floating_point() and t.dtype not in dtypes:
+                want = sorted(dtypes, key=str)[0]
                 raise ValueError(f"batch {i} of the data: the {what} have dtype {t.dtype}, but the model's parameters "
-                                 f"are {dtype}; convert the inputs (X.to({dtype})) or the model (model.to({t.dtype})) "
-                                 "before fitting")
+                                 f"are {', '.join(sorted(map(str, dtypes)))}; convert the inputs (X.to({want})) or the "
+                                 f"model (model.to({t.dtype})) before fitting")
     for what, t in [*input_tensors(X, "inputs X"), ("targets y", y)]:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"batch {i} of the data: the {what} contain NaN or inf ({int((~torch.isfinite(t)).sum())} "
@@ -447,8 +449,9 @@ class Laplace:
         try:
             sources: dict[str, Any] | None = None
             count, ll = 0, 0.0
+            dtypes = frozenset(p.dtype for p in model.parameters() if p.is_floating_point())
             for i, (X, y) in enumerate(iter_batches(data, self.device, mappings=True)):
-                _check_finite_batch(i, X, y, self.dtype)
+                _check_finite_batch(i, X, y, dtypes)
                 if sources is None:
                     self._inspect(X, y)
                     sources = self._sources()

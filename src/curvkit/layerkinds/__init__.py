@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, UnfoldedSite
 from curvkit.layerkinds.attention import AttentionHandler
 from curvkit.layerkinds.conv import ConvHandler
 from curvkit.layerkinds.embedding import EmbeddingHandler
@@ -65,6 +65,7 @@ __all__ = [
     "ParameterHandler",
     "Site",
     "TransposedLinearHandler",
+    "UnfoldedSite",
     "handler_for",
     "plan",
     "register",

