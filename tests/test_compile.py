@@ -163,3 +163,21 @@ def test_continual_laplace_penalty_takes_the_compiled_model(curvature):
     torch.testing.assert_close(out[1][0], out[0][0], atol=0, rtol=0)
     for a, b in zip(out[1][1], out[0][1]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_llc_hessian_trace_and_mesu_take_the_compiled_model():
+    from curvkit.optim import MESU
+    from curvkit.slt.hessian import hessian_trace
+    from curvkit.slt.llc import estimate_llc
+
+    batch, out = data(), []
+    for compile_it in (False, True):
+        model, trained = mlp(), mlp()
+        run, run_trained = ((torch.compile(m, backend="eager") for m in (model, trained)) if compile_it
+                            else (model, trained))
+        opt = MESU(run_trained.parameters(), model=run_trained, loss_fn=CrossEntropy("sum"), mc_samples=2, seed=0)
+        opt.step(batch=batch)
+        out.append((estimate_llc(run, batch, batch_size=4, seed=0).llc_mean,
+                    hessian_trace(run, CrossEntropy(), batch).value, flat(trained)))
+    assert out[1][:2] == out[0][:2]
+    torch.testing.assert_close(out[1][2], out[0][2], atol=0, rtol=0)

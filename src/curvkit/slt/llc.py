@@ -61,7 +61,7 @@ from curvkit.slt.sampler import (
     run_sgld,
     stacked_mlp_grad_fn,
 )
-from curvkit.structure import differentiable, read_model
+from curvkit.structure import differentiable, read_model, uncompiled
 from curvkit.validation import finite_tensor, nonnegative, positive
 
 
@@ -322,6 +322,7 @@ def estimate_llc(
         raise TypeError(f"config must be an SGLDConfig, got {type(cfg).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
     if vectorise not in ("auto", "vmap"):
         raise ValueError(f"vectorise must be 'auto' or 'vmap', got {vectorise!r}")
     if init_loss is not None:
