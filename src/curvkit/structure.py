@@ -181,7 +181,7 @@ def differentiable() -> Iterator[None]:
     Inside inference mode autograd records nothing, even under ``torch.enable_grad()``, so every gradient,
     Jacobian or Hessian product would silently be zero or fail. Every public entry point of curvkit that
     differentiates the model (the exact operators' construction and products, the estimators' updates, the
-    Kronecker capture, Laplace's fit and predictives, the Gauss-Newton step) runs inside this context: it
+    Kronecker capture, Laplace's fit and predictives, the Gauss-Newton step, the LLC) runs inside this context: it
     turns inference mode off and keeps the caller's grad mode (off under inference mode, as under
     ``torch.no_grad()``; curvkit enables grad itself where it differentiates), so inference mode behaves as
     ``torch.no_grad()`` does. Tensors created inside inference mode (inputs, vectors) are copied out of it by
