@@ -63,10 +63,10 @@ from torch import Tensor, nn
 from curvkit import layerkinds
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
-from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
+from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
-from curvkit.linalg.kron import Index, block_matrix, write_block_matrix
+from curvkit.linalg.kron import Index, LowRankFactor, block_matrix, write_block_matrix
 from curvkit.structure import LayerInfo, curvature_kernels, read_model, uncompiled
 from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
 
@@ -111,22 +111,23 @@ class _KroneckerQuadratic(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
-                prior_anchor: Tensor) -> Tensor:
-        grad, value = _kron_grad_value(W, G, A, coef, anchors, lam0, prior_anchor)
+                prior_anchor: Tensor, rows: bool) -> Tensor:
+        grad, value = _kron_grad_value(W, G, A, coef, anchors, lam0, prior_anchor, rows)
         ctx.save_for_backward(grad)
         return value
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
-        return g * grad, None, None, None, None, None, None
+        return g * grad, None, None, None, None, None, None, None
 
 
 def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
-                     prior_anchor: Tensor) -> tuple[Tensor, Tensor]:
-    """G (T, o, o), A (T, i, i) or (T, i) (a diagonal input factor)."""
+                     prior_anchor: Tensor, rows: bool = False) -> tuple[Tensor, Tensor]:
+    """G (T, o, o), or with ``rows`` the rows R (T, r, o) of a low-rank ``G = R^T R`` (a vocabulary-sized
+    output: never an (o, o) matrix); A (T, i, i) or (T, i) (a diagonal input factor)."""
     D = W - anchors  # (o, i) for one shared anchor, (T, o, i) per task
-    GD = torch.matmul(G, D)
+    GD = torch.matmul(G.transpose(-1, -2), torch.matmul(G, D)) if rows else torch.matmul(G, D)
     M = GD * A[:, None, :] if A.dim() == 2 else torch.matmul(GD, A)  # (T, o, i)
     grad = torch.einsum("t,toi->oi", coef, M)
     if D.dim() == 2:
@@ -138,6 +139,20 @@ def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Ten
         grad = grad + lam0 * D0
         value = value + 0.5 * lam0 * (D0 * D0).sum()
     return grad, value
+
+
+def _output(store: dict[str, Tensor]) -> Tensor:
+    """A stored block's output factors: G (T, o, o), or the rows "GR" (T, r, o) of a low-rank G = R^T R."""
+    return store["GR"] if "GR" in store else store["G"]
+
+
+def _pad_rows(R: Tensor, r: int) -> Tensor:
+    """(T, r', o) rows padded with zero rows to (T, r, o)."""
+    return torch.cat([R, R.new_zeros(R.shape[0], r - R.shape[1], R.shape[2])], 1) if R.shape[1] < r else R
+
+
+#: the estimator's refusals in the penalty's words (``method=``; no ``output_factor``)
+_WORDS = OptionWords(sampled="method='kfac' or 'empirical'", dense=None)
 
 
 @dataclass(frozen=True)
@@ -170,7 +185,9 @@ class LaplacePenalty(Penalty):
         lam: the curvature multiplier lambda (one value for all tasks).
         prior_precision: lam_0, on the summed-loss scale.
         memory: ``'per_task'`` | ``'summed'`` (kron only; see the module docstring).
-        method: curvature source: ``kflr`` (default) / ``kfac`` / ... for kron, ``ggn`` (default) /
+        method: curvature source: ``kflr`` (default; ``kfac`` for a model with a block of more than
+            :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` outputs, whose output factor is then kept as
+            the rows of its exact low-rank form) / ``kfac`` / ... for kron, ``ggn`` (default) /
             ``mc_fisher`` / ``empirical`` for diag.
         mc_samples: sampled labels per datum (kfac, mc_fisher).
         likelihood: the task likelihood (default softmax cross-entropy).
@@ -210,6 +227,8 @@ class LaplacePenalty(Penalty):
         self.lam, self.lam0 = positive("lam", lam), nonnegative("prior_precision", prior_precision)
         default = "kflr" if curvature == "kron" else "ggn"
         self.method = default if method is None else method
+        #: the default kflr becomes kfac for a model with a vocabulary-sized output (its output factor stays thin)
+        self._default_method = method is None
         self.mc_samples, self.batch_size = integer("mc_samples", mc_samples), integer("batch_size", batch_size)
         self.likelihood = likelihood if likelihood is not None else CrossEntropy()
         self.reduction = reduction
@@ -218,7 +237,8 @@ class LaplacePenalty(Penalty):
         self.task_data, self.seed = task_data, int(seed)
         self.tasks_seen = 0
         self.sizes: list[int] = []
-        # kron: block label -> {"G": (T, o, o), "A": (T, i, i) | (T, i), "coef": (T,), "anchor": (o, i) | (T, o, i)}
+        # kron: block label -> {"G": (T, o, o) or "GR": (T, r, o) (the rows of a low-rank G = R^T R: a vocabulary-
+        # sized output), "A": (T, i, i) | (T, i), "coef": (T,), "anchor": (o, i) | (T, o, i)}
         # diag: param name -> {"F": (T, *shape), "coef": (T,), "anchor": shape | (T, *shape)}
         self.store: dict[str, dict[str, Tensor]] = {}
         self._layers: list[PenaltyBlock] | list[LayerInfo] | None = None
@@ -277,8 +297,8 @@ class LaplacePenalty(Penalty):
                 if s is None:  # before the first task ends: the prior only
                     total = total + 0.5 * self.lam0 * (W * W).sum()
                     continue
-                total = total + _KroneckerQuadratic.apply(W, s["G"], s["A"], s["coef"], s["anchor"], self.lam0,
-                                                          self._prior_anchor(s["anchor"], W))
+                total = total + _KroneckerQuadratic.apply(W, _output(s), s["A"], s["coef"], s["anchor"], self.lam0,
+                                                          self._prior_anchor(s["anchor"], W), "GR" in s)
         else:
             for n in self._names(model):
                 p = named[n]
@@ -309,7 +329,8 @@ class LaplacePenalty(Penalty):
                 W = block_matrix(lay, named)
                 s = self.store.get(lay.label)
                 g = self.lam0 * W if s is None else _kron_grad_value(
-                    W, s["G"], s["A"], s["coef"], s["anchor"], self.lam0, self._prior_anchor(s["anchor"], W))[0]
+                    W, _output(s), s["A"], s["coef"], s["anchor"], self.lam0, self._prior_anchor(s["anchor"], W),
+                    "GR" in s)[0]
                 write_block_matrix(lay, g, out)
         else:
             for n in self._names(model):
@@ -364,9 +385,11 @@ class LaplacePenalty(Penalty):
                 est: Any
                 if self.curvature == "kron":
                     self.layers(model)  # refuses what the penalty cannot take, in its own words
+                    if self._default_method and self.method == "kflr" and wide_blocks(
+                            layerkinds.plan(read_model(model), "Kronecker Laplace penalty")):
+                        self.method = "kfac"  # a vocabulary-sized output: KFAC's output factor is exactly low rank
                     est = KroneckerEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
-                                             seed=self.seed + 7919 * task)
-                    est.require_dense_output_factors("LaplacePenalty(curvature='kron')")
+                                             seed=self.seed + 7919 * task, option_words=_WORDS)
                 else:
                     est = DiagonalEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
                                             seed=self.seed + 7919 * task)
@@ -417,7 +440,14 @@ class LaplacePenalty(Penalty):
             for lay in self.layers(model):
                 G, A = stats[lay.label]
                 a = block_matrix(lay, anchor)
-                self.store[lay.label] = self._append(self.store.get(lay.label), {"G": G, "A": A}, c, a,
+                if isinstance(G, LowRankFactor):  # a vocabulary-sized output: its rows R, G = R^T R
+                    if G.c != 0 or not bool((G.s >= 0).all()):
+                        raise ValueError(f"LaplacePenalty: the low-rank output factor of {lay.label!r} is not a "
+                                         "Gram matrix of rows (c = 0, s >= 0)")
+                    new = {"GR": (G.U * G.s.sqrt()).T, "A": A}
+                else:
+                    new = {"G": G, "A": A}
+                self.store[lay.label] = self._append(self.store.get(lay.label), new, c, a,
                                                      per_task_anchor, summed=self.memory == "summed")
         else:
             for n in self._names(model):
@@ -434,9 +464,15 @@ class LaplacePenalty(Penalty):
         elif summed:  # one (weighted-mean) set of factors with the total coefficient
             total = old["coef"] + coef
             out = {k: (old[k] * old["coef"].reshape(-1, *[1] * (v.dim() - 1)) + fresh[k] * c) / total.reshape(
-                -1, *[1] * (v.dim() - 1)) for k, v in fresh.items()}
+                -1, *[1] * (v.dim() - 1)) for k, v in fresh.items() if k != "GR"}
+            if "GR" in fresh:  # the weighted mean of R_i^T R_i: the rows of both, scaled by sqrt(weight)
+                out["GR"] = torch.cat([old["GR"] * (old["coef"] / total).sqrt(), fresh["GR"] * (c / total).sqrt()], 1)
             out["coef"] = total
         else:
+            if "GR" in fresh:  # tasks with fewer rows get zero rows (R^T R unchanged)
+                r = max(old["GR"].shape[1], fresh["GR"].shape[1])
+                old = {**old, "GR": _pad_rows(old["GR"], r)}
+                fresh = {**fresh, "GR": _pad_rows(fresh["GR"], r)}
             out = {k: torch.cat([old[k], fresh[k]]) for k in fresh}
             out["coef"] = torch.cat([old["coef"], coef])
         if per_task_anchor:
@@ -464,8 +500,10 @@ class LaplacePenalty(Penalty):
         ``lambda_max(sum_i c_i G_i (x) A_i) <= sum_i c_i lambda_max(G_i) lambda_max(A_i)``, plus lam_0."""
         worst = 0.0
         for s in self.store.values():
-            if "G" in s:
-                lg = torch.linalg.eigvalsh(s["G"])[:, -1]
+            if "G" in s or "GR" in s:
+                R = s.get("GR")
+                lg = torch.linalg.eigvalsh(s["G"])[:, -1] if R is None else torch.linalg.eigvalsh(
+                    R @ R.transpose(1, 2))[:, -1]  # lambda_max(R^T R) = lambda_max(R R^T), (r, r)
                 la = s["A"].amax(-1) if s["A"].dim() == 2 else torch.linalg.eigvalsh(s["A"])[:, -1]  # (T, i): diagonal
                 worst = max(worst, float((s["coef"] * lg * la).sum()))
             else:

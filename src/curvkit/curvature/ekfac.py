@@ -37,6 +37,7 @@ from curvkit.curvature.estimators import (
     KroneckerEstimator,
     KroneckerMethod,
     NormStructure,
+    OptionWords,
     PerSample,
     WeightSharing,
 )
@@ -74,7 +75,7 @@ class EKFACEstimator(CurvatureEstimator):
                              "'kflr', 'kfac', 'projection' or 'empirical'")
         self.vectors = KroneckerEstimator(model, likelihood, method, mc_samples=mc_samples, seed=seed,  # type: ignore[arg-type]
                                           keep_per_sample=True, weight_sharing=weight_sharing,
-                                          norm_structure=norm_structure)
+                                          norm_structure=norm_structure, option_words=OptionWords(dense=None))
         if basis is not None and not isinstance(basis, KroneckerOperator):
             raise TypeError(f"basis must be a KroneckerOperator, got {type(basis).__name__}")
         self.basis = basis

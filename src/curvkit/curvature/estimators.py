@@ -51,7 +51,7 @@ Per-step use inside an optimiser shares the forward pass::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal, Self
@@ -80,7 +80,7 @@ from curvkit.structure import (
 )
 from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
 
-__all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "PerSample"]
+__all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "OptionWords", "PerSample", "wide_blocks"]
 
 Data = tuple[Inputs, Tensor] | Iterable[tuple[Inputs, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
@@ -94,6 +94,26 @@ LOW_RANK_OUTPUTS = 8192
 """``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
 :class:`~curvkit.linalg.kron.LowRankFactor` (a dense one would hold more than 8192^2 floats, 256 MiB in
 float32; GPT-2's 50,257-token output layer: 10 GB)."""
+
+
+@dataclass(frozen=True)
+class OptionWords:
+    """How the caller of an estimator spells the options its refusals of a wide output layer suggest (a
+    consumer builds the estimator itself, so its users know its own keywords, not the estimator's):
+    ``sampled`` names the methods whose output factor is exactly low rank, ``dense`` forces a dense output
+    factor (None: the caller has no such option; the refusal then offers freezing the layer)."""
+
+    sampled: str = "method='kfac' or 'empirical'"
+    dense: str | None = "output_factor='dense'"
+
+
+def wide_blocks(plans: Sequence[Any]) -> list[str]:
+    """Labels of the Kronecker blocks of ``plans`` (:func:`curvkit.layerkinds.plan`) with more than
+    :data:`LOW_RANK_OUTPUTS` outputs: the blocks whose output factor ``output_factor='auto'`` keeps low rank,
+    and that KFLR and KFRA refuse (consumers choosing a method by default take ``kfac`` when there are any)."""
+    return [spec.label for lp in plans for spec in lp.blocks
+            if spec.form == "kron" and spec.out_features > LOW_RANK_OUTPUTS]
+
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
 
@@ -333,7 +353,7 @@ class KroneckerEstimator(CurvatureEstimator):
                  ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
                  keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto",
                  batch_statistics: BatchStatistics = "refuse", statistics_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, option_words: OptionWords = OptionWords()):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -355,6 +375,7 @@ class KroneckerEstimator(CurvatureEstimator):
                              "not those of one coupled batch; use one process, or model.eval() (running statistics)")
         self.batch_statistics: BatchStatistics = batch_statistics
         self.output_factor: OutputFactor = output_factor
+        self._words = option_words
         require_wrapped(model, "KroneckerEstimator")
         self.method = method
         self.weight_sharing: WeightSharing = weight_sharing
@@ -395,37 +416,32 @@ class KroneckerEstimator(CurvatureEstimator):
         if self.method in ("kflr", "kfra") and self.output_factor == "low_rank":
             raise ValueError(f"output_factor='low_rank' needs a method whose output factor is a sum of few outer "
                              f"products ('kfac', 'empirical' or 'projection'), got method={self.method!r}")
+        words, freeze = self._words, "freeze the layer (requires_grad_(False))"
         if self.method in ("kflr", "kfra"):
-            how = ("use method='kfac' or 'empirical', whose output factor is exactly low rank and kept as a thin "
-                   "eigendecomposition (output_factor='low_rank'), or output_factor='dense' to form it anyway")
+            how = (f"use {words.sampled}, whose output factor is exactly low rank and kept as a thin "
+                   "eigendecomposition" + (f", or {words.dense} to form it anyway" if words.dense else f", or {freeze}"))
             raise refuse(self.method, lp.label, lp.module, f"has {size}, and {self.method.upper()}'s has full rank "
                          "(it back-propagates every column of the output Hessian's square root)", how)
-        for flag, what in ((keep_per_sample, "keep_per_sample (eigenvalue corrections, EKFAC)"),
-                           (distributed is not None, "distributed")):
+        for flag, what, other in ((keep_per_sample, "keep_per_sample (eigenvalue corrections, EKFAC)", ""),
+                                  (distributed is not None, "distributed", ", or run in one process")):
             if flag:
                 raise refuse(self.method, lp.label, lp.module, f"has {size} and gets a low-rank output factor "
                              f"(output_factor={self.output_factor!r}), which {what} cannot use yet",
-                             "pass output_factor='dense', or freeze the layer")
+                             f"pass {words.dense}, or {freeze}" if words.dense else freeze + other)
         return True
-
-    def require_dense_output_factors(self, what: str) -> None:
-        """Raise unless every block's output factor is a dense matrix: for consumers that factorise ``G``
-        themselves (Cholesky, eigendecomposition, damping by adding to its diagonal) and cannot take a
-        :class:`~curvkit.linalg.kron.LowRankFactor` yet (they name ``what``)."""
-        for (lp, spec), low in zip(self.blocks, self.low_rank):
-            if low:
-                n = spec.out_features
-                raise refuse(what, lp.label, lp.module, f"has a low-rank output factor ({n} outputs, more than "
-                             f"{LOW_RANK_OUTPUTS}; output_factor={self.output_factor!r}), which this consumer cannot "
-                             "use yet", "freeze the layer (requires_grad_(False)), or, where the estimator options "
-                             f"are yours, build it with output_factor='dense' (a {n}^2 matrix)")
 
     def require_weight_matrix_blocks(self, what: str) -> None:
         """Raise unless every block is one whole layer's ``G (x) A`` of ``[W.reshape(out, -1) | b]`` with
         dense factors (Linear, Conv1d/Conv2d with groups 1): for consumers that read the factors in that
         layout (they name ``what``). Embedding, normalisation, attention and grouped-convolution blocks
         have other views (:class:`~curvkit.linalg.kron.KroneckerBlock` ``index``)."""
-        self.require_dense_output_factors(what)
+        for (lp, spec), low in zip(self.blocks, self.low_rank):
+            if low:
+                n = spec.out_features
+                raise refuse(what, lp.label, lp.module, f"has a low-rank output factor ({n} outputs, more than "
+                             f"{LOW_RANK_OUTPUTS}; output_factor={self.output_factor!r}), which this consumer reads "
+                             "as a matrix", "freeze the layer (requires_grad_(False)), or build the estimator with "
+                             f"output_factor='dense' (a {n}^2 matrix)")
         for lp, spec in self.blocks:
             if spec.index is not None or spec.ids or spec.form != "kron":
                 raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "

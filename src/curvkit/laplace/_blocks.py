@@ -29,8 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from curvkit.laplace._glm import FactoredTerm, GLMTerm, GradTerm, SpectralTerm
-from curvkit.linalg.kron import BlockIndex, KroneckerOperator, index_state, psd_eigh
+from curvkit.laplace._glm import FactoredTerm, GLMTerm, GradTerm, SpectralTerm, SumTerm
+from curvkit.linalg.kron import (
+    BlockIndex,
+    KroneckerOperator,
+    LowRankFactor,
+    factor_state,
+    index_state,
+    psd_eigh,
+)
 from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
@@ -44,6 +51,23 @@ def _chol(M: Tensor, what: str) -> Tensor:
     if int(info) != 0:
         raise NotPositiveDefiniteError(f"{what} is not positive definite; increase the prior precision or N")
     return L
+
+
+def _g_inverse(LG: Any, what: str) -> Any:
+    """``P_G^{-1}`` from :meth:`KroneckerBlock._cholesky`'s output-side entry: a Cholesky factor, or the damped
+    :class:`~curvkit.linalg.kron.LowRankFactor` itself (a vocabulary-sized output: its thin inverse)."""
+    if isinstance(LG, LowRankFactor):
+        return LG.inverse(what)
+    SG = torch.cholesky_inverse(LG)
+    return 0.5 * (SG + SG.T)
+
+
+def _g_half_solve(LG: Any, Z: Tensor, what: str) -> Tensor:
+    """``L_G^{-T} Z`` for Z (S, out, in_aug) (a draw with covariance ``P_G^{-1}`` on the output side); a
+    low-rank ``P_G`` uses its symmetric inverse square root ``U diag(s^-1/2) U^T + c^-1/2 (I - U U^T)``."""
+    if isinstance(LG, LowRankFactor):
+        return (Z.transpose(1, 2) @ LG.power(-0.5, what)).transpose(1, 2)
+    return torch.linalg.solve_triangular(LG.T, Z, upper=True)
 
 
 def _positive_vector(v: Tensor, what: str) -> Tensor:
@@ -134,16 +158,27 @@ class KroneckerBlock(PosteriorBlock):
         the identity), computed on first use - the exact form and the factored form's log-determinant need
         them, the factored form's sampling and predictives do not. :func:`curvkit.linalg.kron.psd_eigh`
         retries in float64 where LAPACK fails on the repeated zero eigenvalues of a rank-deficient factor
-        (MNIST's always-zero border pixels in A)."""
+        (MNIST's always-zero border pixels in A). A low-rank G gives its thin eigendecomposition (QG = U,
+        (out, r)); its complement is :attr:`_rest`."""
         out: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
         for b in self.factors:
-            lG, QG = psd_eigh(b.G)
+            if isinstance(b.G, LowRankFactor):
+                lG, QG = b.G.s.clamp_min(0), b.G.U
+            else:
+                lG, QG = psd_eigh(b.G)
             if b.diagonal_input:
                 out.append((lG, QG, b.A.clamp_min(0), None))
             else:
                 lA, QA = psd_eigh(b.A)
                 out.append((lG, QG, lA, QA))
         return out
+
+    @functools.cached_property
+    def _rest(self) -> list[tuple[int, float]]:
+        """Per block the complement of a low-rank G's span: (its dimension out - r, G's eigenvalue c there);
+        (0, 0.0) for a dense G."""
+        return [(b.G.complement, max(b.G.c, 0.0)) if isinstance(b.G, LowRankFactor) else (0, 0.0)
+                for b in self.factors]
 
     def _eye(self, n: int) -> Tensor:
         return torch.eye(n, dtype=self.dtype, device=self.device)
@@ -161,15 +196,18 @@ class KroneckerBlock(PosteriorBlock):
                 out.append((self._eye(1), PA))
                 continue
             PA = sN * b.A + (pi * sl if b.diagonal_input else pi * sl * self._eye(b.in_dim))
-            out.append((sN * b.G + (sl / pi) * self._eye(b.out_dim), PA))
+            PG = ((b.G * sN).shifted(sl / pi) if isinstance(b.G, LowRankFactor)  # type: ignore[attr-defined]
+                  else sN * b.G + (sl / pi) * self._eye(b.out_dim))
+            out.append((PG, PA))
         return out
 
     def _cholesky(self, N: float, lam: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per block the Cholesky factors of ``(P_G, P_A)`` (a diagonal ``P_A`` stays a vector)."""
+        """Per block the Cholesky factors of ``(P_G, P_A)`` (a diagonal ``P_A`` stays a vector; a low-rank
+        ``P_G`` stays itself: :func:`_g_inverse` and :func:`_g_half_solve` read both forms)."""
         def build() -> list[tuple[Tensor, Tensor]]:
             out = []
             for b, (PG, PA) in zip(self.factors, self.damped(N, lam)):
-                LG = _chol(PG, f"the output factor of {b.name!r}")
+                LG = PG if isinstance(PG, LowRankFactor) else _chol(PG, f"the output factor of {b.name!r}")
                 LA = (_positive_vector(PA, f"the input factor of {b.name!r}").sqrt() if PA.dim() == 1
                       else _chol(PA, f"the input factor of {b.name!r}"))
                 out.append((LG, LA))
@@ -196,25 +234,33 @@ class KroneckerBlock(PosteriorBlock):
         blocks = []
         for b, (LG, LA) in zip(self.factors, self._cholesky(N, lam)):
             iA = 1.0 / LA**2 if LA.dim() == 1 else torch.cholesky_inverse(LA)
-            blocks.append(KFactors.from_gram(torch.cholesky_inverse(LG), iA, b.weight_name, b.bias_name,
+            blocks.append(KFactors.from_gram(_g_inverse(LG, f"the output factor of {b.name!r}"), iA, b.weight_name,
+                                             b.bias_name,
                                              index=b.index, label=b.label, factored=b.factored))
         return KroneckerOperator(self.layout, blocks)
 
     def logdet(self, N: Tensor, lam: Tensor) -> Tensor:
         l = lam[self.layer]
         total = torch.zeros((), dtype=self.dtype, device=self.device)
-        for b, pi, (lG, _, lA, _) in zip(self.factors, self.pis, self._eigen):
+        for b, pi, (lG, _, lA, _), (rest, c) in zip(self.factors, self.pis, self._eigen, self._rest):
             if self.form == "exact" or not b.factored:  # the exact spectrum N lG lA^T + lam
                 total = total + torch.log(N * torch.outer(lG, lA) + l).sum()
+                if rest:  # a low-rank G's complement: eigenvalue c, multiplicity out - r
+                    total = total + rest * torch.log(N * c * lA + l).sum()
             else:  # det(P_G (x) P_A) = det(P_G)^in_aug det(P_A)^out
                 sN, sl = N.sqrt(), l.sqrt()
                 total = (total + b.in_dim * torch.log(sN * lG + sl / pi).sum()
                          + b.out_dim * torch.log(sN * lA + pi * sl).sum())
+                if rest:
+                    total = total + b.in_dim * rest * torch.log(sN * c + sl / pi)
         return total
 
     def sample(self, N: float, lam: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
         """Per block ``W_hat = L_G^{-T} Z L_A^{-1}`` (factored: Cov(vec_row W_hat) = P_G^{-1} (x) P_A^{-1}) or
-        ``QG (Z / sqrt(N lG lA^T + lam)) QA^T`` (exact), written into the block's entries."""
+        ``QG (Z / sqrt(N lG lA^T + lam)) QA^T`` (exact), written into the block's entries. A low-rank G (U,
+        its complement eigenvalue c): ``P_G^{-1/2} Z L_A^{-1}`` (factored) or, exact, the span's draw
+        ``U ((U^T Z) / sqrt(N s lA^T + lam)) QA^T`` plus the complement's ``(I - U U^T) Z QA diag((N c lA +
+        lam)^-1/2) QA^T``."""
         out = torch.empty(num_samples, self.dim, dtype=self.dtype, device=self.device)
         exact = self.form == "exact"
         chol = None if exact else self._cholesky(N, lam)
@@ -224,12 +270,17 @@ class KroneckerBlock(PosteriorBlock):
                             generator=generator)
             if chol is not None:
                 LG, LA = chol[j]
-                X = torch.linalg.solve_triangular(LG.T, Z, upper=True)
+                X = _g_half_solve(LG, Z, f"the output factor of {b.name!r}")
                 X = X / LA if LA.dim() == 1 else torch.linalg.solve_triangular(LA, X, upper=False, left=False)
             else:
                 assert spectra is not None
-                _, QG, _, QA = self._eigen[j]
-                X = QG @ (Z / spectra[j].sqrt())
+                _, QG, lA, QA = self._eigen[j]
+                rest, c = self._rest[j]
+                if rest:  # Z's coordinates in span(U) and its (independent) projection on the complement
+                    Zt = QG.T @ Z
+                    X = QG @ (Zt / spectra[j].sqrt()) + (Z - QG @ Zt) * (N * c * lA + lam[self.layer]).rsqrt()
+                else:
+                    X = QG @ (Z / spectra[j].sqrt())
                 X = X if QA is None else X @ QA.T
             view.scatter(X.permute(1, 2, 0), out.T)
         return out
@@ -245,19 +296,26 @@ class KroneckerBlock(PosteriorBlock):
                 terms.append(GradTerm(chol=_chol(PA, f"the block of {b.name!r}")) if PA.dim() == 2 else
                              GradTerm(inverse=1.0 / _positive_vector(PA, f"the block of {b.name!r}")))
             elif spectra is not None:
-                _, QG, _, QA = self._eigen[j]
-                terms.append(SpectralTerm(QG, QA, 1.0 / spectra[j]))
+                _, QG, lA, QA = self._eigen[j]
+                span = SpectralTerm(QG, QA, 1.0 / spectra[j])
+                rest, c = self._rest[j]
+                if not rest:
+                    terms.append(span)
+                    continue
+                # a low-rank G: the complement (I - U U^T) (x) (N c A + lam I)^{-1} as a factored term
+                PA = N * c * lA + lam[self.layer]
+                LA = PA.sqrt() if QA is None else _chol((QA * PA) @ QA.T, f"the input factor of {b.name!r}")
+                terms.append(SumTerm([span, FactoredTerm(LowRankFactor(QG, QG.new_zeros(QG.shape[1]), 1.0), LA)]))
             else:
                 LG, LA = self._cholesky(N, lam)[j]
-                SG = torch.cholesky_inverse(LG)
-                terms.append(FactoredTerm(0.5 * (SG + SG.T), LA))
+                terms.append(FactoredTerm(_g_inverse(LG, f"the output factor of {b.name!r}"), LA))
         return terms
 
     def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
         return GradTerm(dense=self.covariance(N, lam).to_dense())
 
     def state(self) -> dict[str, Any]:
-        return {"blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": index_state(b.index),
+        return {"blocks": [{"G": factor_state(b.G), "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": index_state(b.index),
                             "label": b.label, "factored": b.factored} for b in self.factors]}
 
 

@@ -18,22 +18,34 @@ sets N to the size of the data set.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator
+from curvkit import layerkinds
+from curvkit.curvature import estimators
+from curvkit.curvature.estimators import (
+    DiagonalEstimator,
+    KroneckerEstimator,
+    OptionWords,
+    wide_blocks,
+)
 from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
+from curvkit.structure import read_model
 from curvkit.validation import Inputs, num_samples
 
 __all__ = ["DenseSource", "DiagonalSource", "KroneckerSource"]
 
 KRON_METHODS = ("kflr", "kfac", "kfra", "projection", "empirical")
+#: the estimator's refusals in Laplace's words (``curvature=``; Laplace has no ``output_factor``)
+_WORDS = OptionWords(sampled="curvature='kfac', 'empirical' or 'projection'", dense=None)
+logger = logging.getLogger(__name__)
 ELEMENT_METHODS = ("ggn", "mc_fisher", "empirical")
 
 
@@ -44,14 +56,23 @@ class KroneckerSource:
     blocks (``factored=False``) of normalisation layers and raw parameters)."""
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
-                 mc_samples: int, seed: int, options: dict[str, Any] | None = None):
+                 mc_samples: int, seed: int, options: dict[str, Any] | None = None, default: bool = False):
         self.names = list(names)
         with only_trainable(model, self.names):
+            if default and method == "kflr":  # the default; a vocabulary-sized output takes kfac (exactly low rank)
+                wide = wide_blocks(layerkinds.plan(read_model(model), "Laplace(structure='kron')"))
+                if wide:
+                    method = "kfac"
+                    logger.info("Laplace: curvature='kfac' (not the default 'kflr'): block(s) %s have more than %d "
+                                "outputs, where KFLR's output factor would be dense and full rank", wide,
+                                estimators.LOW_RANK_OUTPUTS)
+            #: the curvature source in use
+            self.method = method
             # 'sum': the operator is the curvature of the summed loss (every position of every sample), which
             # factors() divides by the number of samples: the per-datum curvature of thesis Eq. 5.7
             self.estimator = KroneckerEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
-                                                mc_samples=mc_samples, seed=seed, **(options or {}))
-            self.estimator.require_dense_output_factors("Laplace(structure='kron')")
+                                                mc_samples=mc_samples, seed=seed, option_words=_WORDS,
+                                                **(options or {}))
         # raw parameters need per-sample copies, an upcast copy of the model its own pass: the estimator's pass
         self.own_pass = (any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
                          or self.estimator.compute_dtype is not None)

@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FactoredTerm", "GLMTerm", "GradTerm", "SpectralTerm"]
+from curvkit.linalg.kron import LowRankFactor
+
+__all__ = ["FactoredTerm", "GLMTerm", "GradTerm", "SpectralTerm", "SumTerm"]
 
 
 def _pairs(D: Tensor, Y: Tensor, C: int) -> Tensor:
@@ -97,10 +99,11 @@ class _FactoredState:
 
 
 class FactoredTerm(_PairTerm):
-    """``Sigma = S_G (x) P_A^{-1}``: ``S_G`` (out, out) the inverse output factor, ``L_A`` the Cholesky factor
-    of ``P_A`` (in_aug, in_aug), or the square root of a diagonal ``P_A`` (in_aug,)."""
+    """``Sigma = S_G (x) P_A^{-1}``: ``S_G`` (out, out) the inverse output factor (or a
+    :class:`~curvkit.linalg.kron.LowRankFactor`: a vocabulary-sized output, applied in its thin form), ``L_A``
+    the Cholesky factor of ``P_A`` (in_aug, in_aug), or the square root of a diagonal ``P_A`` (in_aug,)."""
 
-    def __init__(self, S_G: Tensor, L_A: Tensor):
+    def __init__(self, S_G: Tensor | LowRankFactor, L_A: Tensor):
         self.S_G, self.L_A = S_G, L_A
 
     def prepare(self, inputs: Tensor | None, ids: bool, k: int) -> _FactoredState:
@@ -129,7 +132,7 @@ class FactoredTerm(_PairTerm):
         if st.path == "m":
             assert st.v is not None
             M = torch.einsum("kbro,bri->kboi", D, st.v)
-            return M, self.S_G @ M
+            return M, (M.transpose(-1, -2) @ self.S_G).transpose(-1, -2)  # S_G M (S_G symmetric)
         assert st.kin is not None
         E = D @ self.S_G
         if D.shape[2] == 1:
@@ -140,7 +143,34 @@ class FactoredTerm(_PairTerm):
         kd = state.kin_diag  # (B, R)
         if diagonal:
             return kd[:, :, None] * self.S_G.diagonal()
-        return kd[:, :, None, None] * self.S_G
+        S = self.S_G.to_dense() if isinstance(self.S_G, LowRankFactor) else self.S_G
+        return kd[:, :, None, None] * S
+
+
+# ---------------------------------------------------------------------------------------------- sums
+class SumTerm(GLMTerm):
+    """The sum of terms on the same rows: a low-rank output factor's exact posterior, the spectral term of
+    its span plus the factored term of its complement (:class:`curvkit.laplace._blocks.KroneckerBlock`)."""
+
+    def __init__(self, terms: list[GLMTerm]):
+        self.terms = terms
+        self.rows = terms[0].rows
+
+    def prepare(self, inputs: Tensor | None, ids: bool, k: int) -> Any:
+        return [t.prepare(inputs, ids, k) for t in self.terms]
+
+    def diag(self, state: Any, D: Tensor) -> Tensor:
+        return sum((t.diag(s, D) for t, s in zip(self.terms[1:], state[1:])), self.terms[0].diag(state[0], D))
+
+    def full(self, state: Any, D: Tensor, C: int) -> Tensor:
+        return sum((t.full(s, D, C) for t, s in zip(self.terms[1:], state[1:])), self.terms[0].full(state[0], D, C))
+
+    def root(self, state: Any, diagonal: bool) -> Tensor | None:
+        parts = [t.root(s, diagonal) for t, s in zip(self.terms, state)]
+        total = parts[0]
+        for p in parts[1:]:
+            total = None if total is None or p is None else total + p
+        return total
 
 
 # ---------------------------------------------------------------------------------------------- spectral

@@ -30,7 +30,10 @@ built per layer by the ``structure``:
 * ``'diag'`` (Eqs. 5.10-5.11): ``N diag(F) + lam`` per parameter (any differentiable model).
 * ``'full'``: ``N F + diag(lam)`` over all parameters of the subset (small nets or small subsets only).
 
-Curvature sources (``curvature``): for ``kron`` ``'kflr'`` (exact output factor, default), ``'kfac'``
+Curvature sources (``curvature``): for ``kron`` ``'kflr'`` (exact output factor, default; the default is
+``'kfac'`` when a block has more than :data:`curvkit.curvature.estimators.LOW_RANK_OUTPUTS` outputs, a language
+model's vocabulary, whose sampled output factor is exactly low rank and kept thin: every posterior quantity then
+works in its thin eigendecomposition, never an (out, out) matrix), ``'kfac'``
 (``mc_samples`` labels sampled from the model per datum), ``'kfra'`` (MLP chains only), ``'projection'``,
 ``'empirical'``, with ``weight_sharing`` ``'expand'`` (default) or ``'reduce'`` for the positions that
 share a weight (tokens, patches, convolution locations; docs/architecture.md); the per-sample-gradient
@@ -96,7 +99,7 @@ from curvkit.laplace._subset import (
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
-from curvkit.linalg.kron import index_from_state, index_state
+from curvkit.linalg.kron import factor_from_state, factor_state, index_from_state, index_state
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
 from curvkit.structure import LayerInfo, curvature_kernels, differentiable, read_model, uncompiled
@@ -285,6 +288,8 @@ class Laplace:
                             f"{type(likelihood).__name__}")
         if structure not in ("kron", "diag", "full"):
             raise ValueError(f"structure must be 'kron', 'diag' or 'full', got {structure!r}")
+        #: the curvature was not given: 'kron' takes kflr, or kfac where a block has a vocabulary-sized output
+        self._default_curvature = curvature is None
         if curvature is None:
             curvature = "kflr" if structure == "kron" else "mc_fisher"
         allowed = KRON_METHODS if structure == "kron" else ELEMENT_METHODS
@@ -522,7 +527,10 @@ class Laplace:
         options = {"weight_sharing": self.weight_sharing, "parameter_structure": self.parameter_structure,
                    "norm_structure": self.norm_structure, "statistics_dtype": self.dtype,
                    "compute_dtype": self.compute_dtype}
-        return KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed, options)
+        source = KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed,
+                                 options, default=self._default_curvature)
+        self.curvature = source.method
+        return source
 
     def _sources(self) -> dict[str, Any]:
         m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
@@ -547,7 +555,7 @@ class Laplace:
         for group in _components(sources["kron"].blocks()):
             layer = self._layer_of[group[0].weight_name]
             stats.append({"type": "kron", "layer": self.layer_names[layer],
-                          "blocks": [{"G": b.G, "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
+                          "blocks": [{"G": factor_state(b.G), "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
                                       "index": index_state(b.index), "label": b.label, "factored": b.factored}
                                      for b in group]})
         return stats
@@ -583,7 +591,7 @@ class Laplace:
             specs = [{"G": s["G"], "A": s["A"], "weight": lay.weight, "bias": lay.bias}]
         else:
             specs = list(s["blocks"])
-        factors = [KFactors(b["G"].to(self.device), b["A"].to(self.device), b["weight"], b.get("bias"),
+        factors = [KFactors(factor_from_state(b["G"], self.device), b["A"].to(self.device), b["weight"], b.get("bias"),
                             index_from_state(b.get("index"), self.device), b.get("label"),
                             bool(b.get("factored", True))) for b in specs]
         names = self._ordered({n for b in factors for n in b.names})
@@ -731,12 +739,12 @@ class Laplace:
         if not isinstance(state, Mapping) or state.get("version") not in (1, 2):
             raise ValueError("not a Laplace state_dict (version 1 or 2)")
         defaults = {"weight_sharing": "expand", "parameter_structure": "diag"}
+        if self._selection is None:  # subset='last_layer' before any fit: the layer the saved posterior found
+            self._select(resolve_subset(self.model, list(state["names"])))
         for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure", "weight_sharing",
                     "parameter_structure"):
             if state.get(key, defaults.get(key)) != getattr(self, key):
                 raise ValueError(f"state_dict has {key}={state.get(key, defaults.get(key))!r}, this posterior {getattr(self, key)!r}")
-        if self._selection is None:  # subset='last_layer' before any fit: the layer the saved posterior found
-            self._select(resolve_subset(self.model, list(state["names"])))
         if list(state["names"]) != list(self.names) or list(state["layer_names"]) != list(self.layer_names):
             raise ValueError("state_dict covers other parameters/layers than this posterior")
         own = dict(self.model.named_parameters())

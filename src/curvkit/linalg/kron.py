@@ -64,6 +64,8 @@ __all__ = [
     "StridedIndex",
     "block_matrix",
     "block_positions",
+    "factor_from_state",
+    "factor_state",
     "index_from_state",
     "index_state",
     "kron_matvec",
@@ -245,6 +247,19 @@ class LowRankFactor:
         out = Y if self.c == 0 else Y + self.c * X.reshape(X.shape[0], -1)
         return out.reshape(X.shape)
 
+    def __rmatmul__(self, X: Tensor) -> Tensor:
+        """``X M`` for X (..., n) (M is symmetric): ``((X U) * (s - c)) U^T + c X``."""
+        if X.shape[-1] != self.U.shape[0]:
+            raise ValueError(f"X @ LowRankFactor of size {self.U.shape[0]}: X must have {self.U.shape[0]} columns, "
+                             f"got shape {tuple(X.shape)}")
+        Y = ((X @ self.U) * (self.s - self.c)) @ self.U.T
+        return Y if self.c == 0 else Y + self.c * X
+
+    @classmethod
+    def scalar(cls, n: int, c: float, like: Tensor) -> LowRankFactor:
+        """``c I`` of size n (rank 0: no vector held), in ``like``'s dtype and device."""
+        return cls(like.new_zeros(n, 0), like.new_zeros(0), c)
+
     def diagonal(self) -> Tensor:
         return (self.U * self.U) @ (self.s - self.c) + self.c
 
@@ -264,6 +279,18 @@ class LowRankFactor:
         """``M + d I``."""
         return LowRankFactor(self.U, self.s + d, self.c + d)
 
+    def power(self, p: float, what: str) -> LowRankFactor:
+        """``M^p`` (``p < 0``: raises :class:`NotPositiveDefiniteError` naming ``what`` unless M is positive
+        definite; ``p = -1/2`` is the symmetric square root of the inverse, a sampler of ``N(0, M^{-1})``)."""
+        if not (bool((self.s > 0).all()) and (self.c > 0 or self.complement == 0)):
+            raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the "
+                                           "damping")
+        return LowRankFactor(self.U, self.s ** p, self.c ** p if self.c > 0 else 0.0)
+
+    def state(self) -> dict[str, Tensor | float]:
+        """``{"U", "s", "c"}`` (tensors and a number: ``torch.load(weights_only=True)`` reads them)."""
+        return {"U": self.U, "s": self.s, "c": self.c}
+
     def inverse(self, what: str) -> LowRankFactor:
         """``M^{-1}`` (raises :class:`NotPositiveDefiniteError` naming ``what`` unless M is positive definite)."""
         if not (bool((self.s > 0).all()) and (self.c > 0 or self.complement == 0)):
@@ -278,6 +305,21 @@ class LowRankFactor:
 
     def __repr__(self) -> str:
         return f"LowRankFactor(n={self.U.shape[0]}, rank={self.rank}, c={self.c:g})"
+
+
+def factor_state(M: Any) -> Any:
+    """A factor in a form a ``weights_only=True`` checkpoint holds: a tensor stays a tensor, a
+    :class:`LowRankFactor` becomes its :meth:`LowRankFactor.state`."""
+    return M.state() if isinstance(M, LowRankFactor) else M
+
+
+def factor_from_state(state: Any, device: torch.device | str | None = None) -> Any:
+    """The inverse of :func:`factor_state` (moved to ``device`` when given)."""
+    if isinstance(state, Mapping):
+        U, s = state["U"], state["s"]
+        return LowRankFactor(U.to(device) if device is not None else U, s.to(device) if device is not None else s,
+                             float(state["c"]))
+    return state.to(device) if device is not None else state
 
 
 def _dense(M: Any) -> Tensor:
@@ -1391,3 +1433,4 @@ class BlockDiagonalOperator(CurvatureOperator):
                 raise NotPositiveDefiniteError(f"block {b.weight_name!r} is not positive definite; increase the damping")
             total = total + val
         return total
+

@@ -143,7 +143,6 @@ class NaturalGradient(CurvatureOptimizer):
             from curvkit.curvature.estimators import KroneckerEstimator
 
             self._estimator = KroneckerEstimator(model, likelihood, "kfac", ema=fisher_ema, seed=seed)
-            self._estimator.require_dense_output_factors("NaturalGradient(fisher='kfac')")
         self._fisher: CurvatureOperator | None = None
         self.last_kappa = math.nan
         self._steps = 0

@@ -15,7 +15,10 @@ normalisation layer or of raw parameters) and written back into the parameters' 
       D = (G + k/omega I)^{-1} grad_W_hat (A + omega k I)^{-1}
 
   with Cholesky solves on both sides (a diagonal A: an elementwise division) - no explicit inverse and no
-  flat-vector permutation: this is the per-step hot path of the optimiser.
+  flat-vector permutation: this is the per-step hot path of the optimiser. A low-rank G (a vocabulary-sized
+  output layer, :class:`~curvkit.linalg.kron.LowRankFactor`) is inverted in its thin eigendecomposition,
+  ``(U diag(s) U^T + k/omega I)^{-1} = U diag(1/(s + k/omega)) U^T + (omega/k) (I - U U^T)``: O(out r) per
+  column, never an (out, out) matrix.
 * A PLAIN MATRIX block ``[[g]] (x) A`` (``factored=False``: the exact or diagonal block of a normalisation
   layer's or raw parameters' per-sample gradients) is damped EXACTLY, ``[[g]] (x) (A + delta/g I) = block +
   delta I`` (there are no two factors to split the damping between).
@@ -39,12 +42,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, block_matrix, write_block_matrix
+from curvkit.linalg.kron import (
+    KroneckerBlock,
+    KroneckerOperator,
+    LowRankFactor,
+    block_matrix,
+    write_block_matrix,
+)
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 
 __all__ = ["FactoredInverse", "cholesky_factors", "parameter_units", "split_with_zero_blocks"]
@@ -66,12 +75,17 @@ def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "froben
     zero = [i for i, b in enumerate(op.blocks) if b.factored and not (_trace(b.G) > 0 and _trace(b.A) > 0)]
     if not zero:
         return op, op.damping_split(norm), []
+    def scalar_G(b: KroneckerBlock, c: float) -> Tensor:  # c I in G's form (a low-rank G: rank 0, never (n, n))
+        if b.low_rank_output:
+            return LowRankFactor.scalar(b.out_dim, c, b.G.U)  # type: ignore[attr-defined,return-value]
+        return c * torch.eye(b.out_dim, dtype=b.G.dtype, device=b.G.device)
+
     def zeros(b: KroneckerBlock) -> KroneckerBlock:
-        return KroneckerBlock.from_gram(torch.zeros_like(b.G), torch.zeros_like(b.A), b.weight_name, b.bias_name,
+        return KroneckerBlock.from_gram(scalar_G(b, 0.0), torch.zeros_like(b.A), b.weight_name, b.bias_name,
                                         index=b.index, label=b.label, factored=True)
 
     def ones(b: KroneckerBlock) -> KroneckerBlock:  # any factors with positive traces: their split is dropped
-        return KroneckerBlock.from_gram(torch.eye(b.out_dim, dtype=b.G.dtype, device=b.G.device),
+        return KroneckerBlock.from_gram(scalar_G(b, 1.0),
                                         torch.ones_like(b.A) if b.A.dim() == 1 else torch.eye(b.in_dim, dtype=b.A.dtype,
                                                                                           device=b.A.device),
                                         b.weight_name, b.bias_name, index=b.index, label=b.label, factored=True)
@@ -90,10 +104,12 @@ def _cholesky(M: Tensor, what: str) -> Tensor:
     return L
 
 
-def cholesky_factors(damped: KroneckerBlock) -> tuple[Tensor, Tensor]:
+def cholesky_factors(damped: KroneckerBlock) -> tuple[Any, Tensor]:
     """(L_G, L_A) of a damped block: lower Cholesky factors of G and A, or A itself for a diagonal input
-    factor (checked positive)."""
-    LG = _cholesky(damped.G, f"{damped.name!r} G")
+    factor (checked positive). A low-rank G (:class:`~curvkit.linalg.kron.LowRankFactor`, a vocabulary-sized
+    output) gives its inverse ``U diag(1/s) U^T + (1/c) (I - U U^T)`` instead, in the same thin form."""
+    G: Tensor | LowRankFactor = damped.G
+    LG = G.inverse(f"{damped.name!r} G") if isinstance(G, LowRankFactor) else _cholesky(G, f"{damped.name!r} G")
     if damped.A.dim() == 1:
         if not bool((damped.A > 0).all()):
             raise NotPositiveDefiniteError(f"factor {damped.name!r} A is not positive definite after damping; "
@@ -162,7 +178,8 @@ class FactoredInverse:
             for n in b.names:
                 if n not in out:
                     out[n] = torch.zeros(grads[n].shape, dtype=grads[n].dtype, device=grads[n].device)
-            Y = torch.cholesky_solve(block_matrix(b, grads), LG)  # G_d^{-1} X
+            X = block_matrix(b, grads)
+            Y = LG @ X if isinstance(LG, LowRankFactor) else torch.cholesky_solve(X, LG)  # G_d^{-1} X
             Y = Y / LA if LA.dim() == 1 else torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
             write_block_matrix(b, Y, out)
         return out

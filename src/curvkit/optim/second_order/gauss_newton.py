@@ -87,7 +87,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -95,7 +95,8 @@ import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
-from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.curvature import estimators
+from curvkit.curvature.estimators import KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import KroneckerOperator
@@ -158,11 +159,18 @@ _CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "paramet
 #: (C for a softmax over C classes), KFAC one per sampled label.
 KFLR_MAX_COLUMNS = 10
 
+#: the refusals of the optimiser's estimator in its caller's words (``curvature=``; no ``output_factor``)
+_WORDS = OptionWords(sampled="curvature='kfac' or 'projection'", dense=None)
 
-def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor) -> tuple[str, str]:
+
+def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: Sequence[str] = ()) -> tuple[str, str]:
     """(source, reason): the curvature source ``curvature='auto'`` takes for a model (its
     :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's).
 
+    0. ``kfac`` when a block has more outputs than
+       :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` (``wide``, its labels:
+       :func:`~curvkit.curvature.estimators.wide_blocks`; a language model's vocabulary): its sampled
+       output factor is exactly low rank and kept thin, where KFRA's and KFLR's would be dense and full rank;
     1. ``kfra`` (the thesis's method, Sec. 4.3.2) where its recursion is defined: an MLP chain
        (``structure.mlp_chain``) with (B, C) outputs;
     2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its cost is affordable: (B, C) outputs and
@@ -171,6 +179,9 @@ def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor) -> tupl
        holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
     3. otherwise ``kfac`` (one backward pass of sampled labels per ``mc_samples``, Sec. 4.3.3).
     """
+    if wide:
+        return "kfac", (f"block(s) {', '.join(repr(w) for w in wide[:3])} have more than {estimators.LOW_RANK_OUTPUTS} outputs: "
+                        "KFAC's output factor is exactly low rank there (KFRA's and KFLR's would be dense)")
     positions = f.dim() > 2
     if not positions:
         try:
@@ -356,8 +367,10 @@ class GaussNewton(CurvatureOptimizer):
         self.source_reason = ""
         self.estimator: KroneckerEstimator = None  # type: ignore[assignment]  # built by _use_source
         self._output_checked = False  # by the first step's _first_pass
+        self._wide: list[str] = []  # the blocks with a vocabulary-sized output (curvature='auto' takes kfac)
         if curvature == "auto":  # every layer must have a Kronecker block: refuse what no source takes, now
-            layerkinds.plan(self._structure, type(self).__name__, batch_statistics=batch_statistics)
+            self._wide = wide_blocks(layerkinds.plan(self._structure, type(self).__name__,
+                                                     batch_statistics=batch_statistics))
         else:
             self._use_source(curvature, "given")
         if distributed is not None:
@@ -408,8 +421,7 @@ class GaussNewton(CurvatureOptimizer):
             distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
             weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
             parameter_structure=hp["parameter_structure"], batch_statistics=hp["batch_statistics"],
-            statistics_dtype=self.statistics_dtype)
-        self.estimator.require_dense_output_factors("GaussNewton")
+            statistics_dtype=self.statistics_dtype, option_words=_WORDS)
         self.source, self.source_reason = source, reason
 
     def _first_pass(self, X: Inputs) -> None:
@@ -425,7 +437,7 @@ class GaussNewton(CurvatureOptimizer):
                              "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
         self._output_checked = True
         if self.estimator is None:
-            source, reason = default_curvature(self._structure, self.likelihood, f)
+            source, reason = default_curvature(self._structure, self.likelihood, f, self._wide)
             self._use_source(source, reason)
             logger.info("GaussNewton: curvature='auto' chose %r: %s", source, reason)
 
