@@ -1,0 +1,53 @@
+"""The exact damped inverse, log-determinant and sampler of a sum of two Kronecker terms (issue 30, section 2:
+a parameter used twice, e.g. a tied embedding and output layer) against the dense matrix, float64, 1e-10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curvkit.linalg.kron import KroneckerPairEigh
+from curvkit.linalg.krylov import NotPositiveDefiniteError
+
+DT = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _psd(n: int, rank: int, g: torch.Generator) -> torch.Tensor:
+    R = torch.randn(rank, n, generator=g, dtype=DT)
+    return R.T @ R
+
+
+def _dense(M: torch.Tensor) -> torch.Tensor:
+    return torch.diag(M) if M.dim() == 1 else M
+
+
+@pytest.mark.parametrize(("diag_g2", "diag_a"), [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("damping", [0.3, 0.0])
+def test_pair_equals_the_dense_sum(diag_g2: bool, diag_a: bool, damping: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    out, n_in = 5, 4
+    G1, A1 = _psd(out, 2, g), _psd(n_in, 3, g)  # rank-deficient first term
+    G2, A2 = _psd(out, out + 2, g), _psd(n_in, n_in + 1, g)
+    if diag_g2:
+        G2 = G2.diagonal().clone()
+    if diag_a:
+        A1, A2 = A1.diagonal().clone(), A2.diagonal().clone()
+    pi = 1.7
+    k = damping ** 0.5
+    M = (torch.kron(G1, _dense(A1)) + torch.kron(_dense(G2) + k / pi * torch.eye(out, dtype=DT),
+                                               _dense(A2) + pi * k * torch.eye(n_in, dtype=DT)))
+    pair = KroneckerPairEigh.of(G1, A1, G2, A2, damping, pi)
+    X = torch.randn(out, n_in, 3, generator=g, dtype=DT)
+    ref = torch.linalg.solve(M, X.reshape(out * n_in, 3)).reshape(out, n_in, 3)
+    torch.testing.assert_close(pair.solve(X), ref, **TOL)  # type: ignore[arg-type]
+    torch.testing.assert_close(pair.logdet(), torch.linalg.slogdet(M)[1], **TOL)  # type: ignore[arg-type]
+    d = out * n_in
+    S = pair.sample(torch.eye(d, dtype=DT).reshape(out, n_in, d)).reshape(d, d)  # columns: a square root
+    torch.testing.assert_close(S @ S.T, torch.linalg.inv(M), **TOL)  # type: ignore[arg-type]
+
+
+def test_pair_refuses_an_undamped_singular_second_term() -> None:
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NotPositiveDefiniteError, match=r"output factor of 'tied'.*increase the damping"):
+        KroneckerPairEigh.of(_psd(4, 4, g), _psd(3, 3, g), _psd(4, 2, g), _psd(3, 3, g), 0.0, what="'tied'")
