@@ -51,3 +51,32 @@ def test_pair_refuses_an_undamped_singular_second_term() -> None:
     g = torch.Generator().manual_seed(1)
     with pytest.raises(NotPositiveDefiniteError, match=r"output factor of 'tied'.*increase the damping"):
         KroneckerPairEigh.of(_psd(4, 4, g), _psd(3, 3, g), _psd(4, 2, g), _psd(3, 3, g), 0.0, what="'tied'")
+
+
+@pytest.mark.parametrize("diag_a", [False, True])
+def test_a_low_rank_first_output_factor_stays_thin(diag_a: bool) -> None:
+    """GPT-2's tied embedding and head in the head's (V, D) view: the head's low-rank G (x) A plus the
+    embedding's diag(token counts) (x) G_emb; the thin route equals the dense sum."""
+    from curvkit.linalg.kron import LowRankFactor
+
+    g = torch.Generator().manual_seed(2)
+    V, D = 7, 3
+    G1 = LowRankFactor.from_rows(torch.randn(2, V, generator=g, dtype=DT))
+    counts = torch.rand(V, generator=g, dtype=DT) * 3
+    counts[0] = 0.0  # a token never seen: only the damping there
+    A1, A2 = _psd(D, 4, g), _psd(D, 2, g)
+    if diag_a:
+        A1, A2 = A1.diagonal().clone(), A2.diagonal().clone()
+    damping, pi = 0.2, 0.8
+    k = damping ** 0.5
+    M = torch.kron(G1.to_dense(), _dense(A1)) + torch.kron(torch.diag(counts + k / pi),
+                                                            _dense(A2) + pi * k * torch.eye(D, dtype=DT))
+    pair = KroneckerPairEigh.of(G1, A1, counts, A2, damping, pi)  # type: ignore[arg-type]
+    assert pair.span is not None and pair.WG.shape == (V, 2)
+    X = torch.randn(V, D, 2, generator=g, dtype=DT)
+    ref = torch.linalg.solve(M, X.reshape(V * D, 2)).reshape(V, D, 2)
+    torch.testing.assert_close(pair.solve(X), ref, **TOL)  # type: ignore[arg-type]
+    torch.testing.assert_close(pair.logdet(), torch.linalg.slogdet(M)[1], **TOL)  # type: ignore[arg-type]
+    d = V * D
+    S = pair.sample(torch.eye(d, dtype=DT).reshape(V, D, d)).reshape(d, d)
+    torch.testing.assert_close(S @ S.T, torch.linalg.inv(M), **TOL)  # type: ignore[arg-type]

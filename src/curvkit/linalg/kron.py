@@ -1456,7 +1456,14 @@ class KroneckerPairEigh:
         log det M = in_aug log det G2' + out log det A2' + sum_ij log(g_i a_j + 1),
 
     and ``W_G [Z / sqrt(g a^T + 1)] W_A^T`` (Z standard normal) is a draw of ``N(0, M^{-1})``. A diagonal A
-    (a vector) stays a vector where both terms' A are diagonal. Three or more terms have no such closed form
+    (a vector) stays a vector where both terms' A are diagonal.
+
+    A vocabulary-sized output (GPT-2's tied embedding and head, seen in the head's (V, D) view: the head's G1
+    a :class:`LowRankFactor` ``U diag(s) U^T`` (c = 0), the embedding's G2 the diagonal of token counts) stays
+    thin: with ``S = G2'^{-1/2}`` (a vector) and the thin eigendecomposition ``S U diag(s) U^T S = Q diag(g) Q^T``
+    (Q (V, r)), ``W_G = S Q`` on the span and the whitened complement ``S (I - Q Q^T) S`` has eigenvalue 0 in
+    G, so the sum's spectrum there is 1:
+    ``M^{-1} X = W_G [(W_G^T X W_A) / (g a^T + 1)] W_A^T + S (I - Q Q^T) S X W_A W_A^T`` (O(V r) per column). Three or more terms have no such closed form
     (the damping identity is already a third term, which is why it rides on the second): they are handled as
     the sum of the first two plus the rest by the operator's generic routes (CG solves, SLQ log-determinants),
     never silently dropped.
@@ -1467,6 +1474,8 @@ class KroneckerPairEigh:
     g: Tensor  # (out,)
     a: Tensor  # (in_aug,)
     logdet_base: Tensor  # in_aug log det G2' + out log det A2'
+    rest_scale: Tensor | None = None  # a thin low-rank G1: S = G2'^{-1/2} (out,), the complement's scaling
+    span: Tensor | None = None  # ... and Q (out, r), W_G = S Q
 
     @classmethod
     def of(cls, G1: Tensor, A1: Tensor, G2: Tensor, A2: Tensor, damping: float = 0.0, pi: float = 1.0,
@@ -1474,8 +1483,19 @@ class KroneckerPairEigh:
         k = math.sqrt(_check_damping(damping))
         G2d = G2 + (k / pi) * _eye_like(G2)
         A2d = A2 + (pi * k) * _eye_like(A2)
-        WG, g, ldG = _generalised_eigh(G1, G2d, f"output factor of {what}")
         WA, a, ldA = _generalised_eigh(A1, A2d, f"input factor of {what}")
+        if isinstance(G1, LowRankFactor) and G2d.dim() == 1:  # thin (class docstring)
+            if G1.c != 0:
+                raise ValueError(f"{what}: a low-rank first output factor must be exactly low rank (c = 0), got "
+                                 f"c = {G1.c:g}")
+            if not bool((G2d > 0).all()):
+                raise NotPositiveDefiniteError(f"the damped output factor of {what} is not positive definite; "
+                                               "increase the damping")
+            S = G2d.rsqrt()
+            Q = LowRankFactor.from_rows((S[:, None] * G1.U * G1.s.clamp_min(0).sqrt()).T)
+            return cls(S[:, None] * Q.U, WA, Q.s, a, A2d.shape[0] * torch.log(G2d).sum() + G2d.shape[0] * ldA,
+                       S, Q.U)
+        WG, g, ldG = _generalised_eigh(_dense(G1), G2d, f"output factor of {what}")
         return cls(WG, WA, g, a, A2d.shape[0] * ldG + G2d.shape[0] * ldA)
 
     def spectrum(self) -> Tensor:
@@ -1484,14 +1504,35 @@ class KroneckerPairEigh:
 
     def solve(self, X: Tensor) -> Tensor:
         """``M^{-1}`` applied to every column of X (out, in_aug, k)."""
-        return self._out(self._in(X) / self.spectrum()[:, :, None])
+        Y = self._out(self._in(X) / self.spectrum()[:, :, None])
+        if self.span is None:
+            return Y
+        S = self.rest_scale[:, None, None]  # type: ignore[index]
+        P = self._complement(S * X)
+        return Y + S * self._a_side(self._a_side(P, True), False)
 
     def logdet(self) -> Tensor:
         return self.logdet_base + torch.log(self.spectrum()).sum()
 
     def sample(self, Z: Tensor) -> Tensor:
-        """Draws of ``N(0, M^{-1})`` from standard normal Z (out, in_aug, k)."""
-        return self._out(Z / self.spectrum().sqrt()[:, :, None])
+        """Draws of ``N(0, M^{-1})`` from standard normal Z (out, in_aug, k) (a thin low-rank G1: Z's
+        coordinates in span(Q) and its independent projection on the complement)."""
+        if self.span is None:
+            return self._out(Z / self.spectrum().sqrt()[:, :, None])
+        Zt = _sandwich(self.span.T, Z, None)
+        inside = self._out(Zt / self.spectrum().sqrt()[:, :, None])
+        S = self.rest_scale[:, None, None]  # type: ignore[index]
+        return inside + S * self._a_side(self._complement(Z), False)
+
+    def _complement(self, X: Tensor) -> Tensor:
+        """``(I - Q Q^T) X`` per column."""
+        assert self.span is not None
+        return X - _sandwich(self.span, _sandwich(self.span.T, X, None), None)
+
+    def _a_side(self, X: Tensor, transpose: bool) -> Tensor:
+        """``X W_A`` (``transpose``) or ``X W_A^T`` per column."""
+        WA = self.WA
+        return _sandwich(None, X, WA if transpose or WA.dim() == 1 else WA.T)
 
     def _in(self, X: Tensor) -> Tensor:
         """``W_G^T X W_A`` per column (a vector W: a diagonal scaling)."""
