@@ -228,8 +228,9 @@ class GaussNewton(CurvatureOptimizer):
             named in the error. It must return one tensor of logits (B, [*P,] C).
         likelihood: the loss head (:mod:`curvkit.likelihoods`), e.g. ``BernoulliBCE('mean')`` for an
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
-        curvature: ``'auto'`` (default: :func:`default_curvature`, KFRA - the thesis's method - where its
-            recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
+        curvature: ``'auto'`` (default: :func:`default_curvature`, KFAC for a model with a vocabulary-sized
+            output layer (its exactly low-rank output factor is kept thin), else KFRA - the thesis's method - where
+            its recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
             ``'kflr'`` | ``'kfac'`` | ``'projection'``.
         inversion: ``'factored'`` (Eq. 4.25, default) | ``'eigen'`` (exact damped inverse, KFAC*/KFRA*).
         omega_norm: ``'trace'`` (Eq. 4.27 with the trace norm, the thesis's) | ``'frobenius'``.
