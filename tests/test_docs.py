@@ -67,3 +67,18 @@ def test_benchmarks_page_has_curvature_section() -> None:
     text = (DOCS / "benchmarks.md").read_text()
     assert "## Curvature engine" in text
     assert "benchmarks/curvature.py" in text
+
+
+def test_results_page_has_one_section_and_one_glance_row_per_experiment() -> None:
+    """docs/results.md: every registered experiment has exactly one ``### `NAME``` section and one row in the
+    "At a glance" table linking to it, and nothing else does (a renamed or new experiment must update the page)."""
+    from curvkit.experiments import registry
+
+    names = set(registry.load_all())
+    text = (DOCS / "results.md").read_text()
+    sections = re.findall(r"^### `([\w-]+)`$", text, re.MULTILINE)
+    assert sorted(sections) == sorted(names), "docs/results.md sections differ from `curvkit reproduce --list`"
+    glance = text.split("## At a glance", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| \[`([\w-]+)`\]\(#([\w-]+)\)", glance, re.MULTILINE)
+    assert sorted(name for name, _ in rows) == sorted(names)
+    assert all(name == anchor for name, anchor in rows), "an at-a-glance link points to another section"
