@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "curvkit"
 
 # package (first component under curvkit) -> layer; a module may import its own layer or any lower one
 LAYERS = {
-    "structure": 0, "validation": 0, "checkpoint": 0,
+    "structure": 0, "validation": 0, "checkpoint": 0, "precision": 0,
     "data": 1, "models": 1, "architectures": 1, "likelihoods": 1, "hf": 1,
     "linalg": 2, "distributed": 2, "layerkinds": 2,
     "curvature": 3,
