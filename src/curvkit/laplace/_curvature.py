@@ -86,6 +86,7 @@ class KroneckerSource:
                 est.update((X, y))
                 return None
             with est.capture() as cap, torch.enable_grad():
+                cap.batch = num_samples(X)
                 f = est.model(X)
             est.accumulate(cap, f, y)
         return f.detach()

@@ -46,6 +46,7 @@ from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, Unfold
 from curvkit.layerkinds.attention import AttentionHandler
 from curvkit.layerkinds.conv import ConvHandler
 from curvkit.layerkinds.embedding import EmbeddingHandler
+from curvkit.layerkinds.generic import DENSE_LIMIT, ModuleHandler
 from curvkit.layerkinds.linear import LinearHandler
 from curvkit.layerkinds.norm import NormHandler
 from curvkit.layerkinds.parameter import ParameterHandler
@@ -53,6 +54,7 @@ from curvkit.layerkinds.transposed import LAZY, TransposedLinearHandler
 from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
 
 __all__ = [
+    "DENSE_LIMIT",
     "AttentionHandler",
     "BlockSpec",
     "ConvHandler",
@@ -61,6 +63,7 @@ __all__ = [
     "LayerHandler",
     "LayerPlan",
     "LinearHandler",
+    "ModuleHandler",
     "NormHandler",
     "ParameterHandler",
     "Site",
@@ -182,20 +185,39 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
         handler, _ = handler_for(lay.module)
         params = dict(lay.module.named_parameters(recurse=False))
         attrs = {structure.canonical_name(t): a for a, t in params.items()}
-        if handler is not None or not raw or any(params[attrs[n]].dim() < 2 or params[attrs[n]].shape[0] != 1
-                                                 for n in loose):
+        if handler is not None:  # a registered kind with parameters its handler does not know
             _refuse_unowned(what, lay, loose, raw)
-        for n in loose:
-            ph = ParameterHandler(attrs[n])
-            out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
+        leading_one = all(params[attrs[n]].dim() >= 2 and params[attrs[n]].shape[0] == 1 for n in loose)
+        inner = [lp.label for lp in out if lp.module is not lay.module and _inside(lp.module, lay.module)]
+        if raw and leading_one and inner:  # a class token used around planned layers: substitute copies
+            for n in loose:
+                ph = ParameterHandler(attrs[n])
+                out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
+            continue
+        if inner:
+            _refuse_unowned(what, lay, loose, raw, inner)
+        mh = ModuleHandler([attrs[n] for n in loose])
+        names = {attrs[n]: n for n in loose}
+        out.append(LayerPlan(lay.label, lay.module, mh, mh.blocks(lay.module, lay.label, names, what), lay))
     if not out:
         raise UnsupportedModelError(f"{what}: {type(structure.model).__name__} has no trainable parameters")
     return out
 
 
-def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool) -> None:
+def _inside(child: nn.Module, parent: nn.Module) -> bool:
+    return any(m is child for m in parent.modules())
+
+
+def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool, inner: list[str] | None = None) -> None:
     _, why = handler_for(lay.module)
     params = ", ".join(repr(n) for n in loose)
+    if inner:
+        raise refuse(what, lay.label, lay.module, f"uses its own trainable parameter(s) {params} around layers that "
+                     f"have their own blocks ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}); the "
+                     "per-sample fallback re-runs a module without planned layers inside it, and raw parameters "
+                     "are substituted per sample only with a leading dimension of size 1 (1, ...)",
+                     "move the parameter into a small module of its own (e.g. a layer-scale module "
+                     "computing x * gamma), freeze it (requires_grad_(False)) or use an exact or diagonal curvature")
     if why is not None:
         raise refuse(what, lay.label, lay.module, why, "register a handler for it (curvkit.layerkinds.register), "
                      "freeze its parameters (requires_grad_(False)) or use an exact or diagonal curvature")
