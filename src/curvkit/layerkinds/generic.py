@@ -25,7 +25,9 @@ Batch dimension. Never inferred from a shape coincidence: the module's first ten
 batch in dimension 0 (in dimension 1 for a sequence-first ``nn.RNNBase``, read from ``batch_first``, whose
 hidden states carry it in dimension 1); other tensor arguments are taken per sample when their batch
 dimension has the batch's size, shared otherwise; every tensor of the output carries the batch where the
-input does (dimension 1 for an RNN's hidden states). The equality check above catches a wrong guess.
+input does (dimension 1 for an RNN's hidden states). An output with a batch dimension of size 1 (BART's
+decoder position embedding looks up (1, T) positions) is shared by the samples: it is replaced by its
+per-sample copies (B, ...), which broadcasting gives anyway. The equality check above catches a wrong guess.
 
 Cost: one extra forward and backward of the module per pass (B module calls for the loop), and the (B, P)
 per-sample gradients; this is a fallback, registered kinds stay the fast paths.
@@ -181,6 +183,9 @@ def _check_same(new: Any, old: Any, label: str, mod: nn.Module, what: str) -> No
     for s, t in zip(a, b):
         if not isinstance(t, Tensor):
             continue
+        if isinstance(s, Tensor) and s.shape != t.shape and t.dim() == s.dim() and t.shape[0] == 1 \
+                and t.shape[1:] == s.shape[1:]:
+            t = t.expand(s.shape)  # an output shared by the samples (batch dimension 1): each gets its copy
         if not isinstance(s, Tensor) or s.shape != t.shape:
             ok = False
             break
