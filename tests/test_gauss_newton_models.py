@@ -120,6 +120,8 @@ STEP_CASES = [
     ("lora_gpt", "auto", "factored", {}),
     ("vit", "projection", "factored", {"mc_samples": 2, "distribution": "gaussian"}),
     ("transformer", "projection", "eigen", {"weight_sharing": "reduce"}),
+    ("recognised", "auto", "factored", {}),
+    ("recognised", "kflr", "eigen", {"norm_structure": "diag"}),
 ]
 
 

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from tests.reference import dense_ggn_flat, flat_model
+from tests.tiny_models import tiny_case
 from torch import nn
 from torch.func import jacrev
 
@@ -62,10 +63,13 @@ def _case(name: str):
     if name == "lora":
         m = arch.add_lora(_vit(), rank=2, init_b="normal").eval()
         return m, CrossEntropy(), torch.randn(5, 1, 8, 8, generator=g, dtype=DT), torch.randint(0, 3, (5,), generator=g)
+    if name == "recognised":  # RMSNorm as written, GRU, layer scale, arange(T) positions: the per-sample fallback
+        m, lik, (X, y) = tiny_case("recognised")
+        return m, lik, X, y
     raise KeyError(name)
 
 
-MODELS = ["vit", "resnet", "lm", "tagger", "lora"]
+MODELS = ["vit", "resnet", "lm", "tagger", "lora", "recognised"]
 
 
 def _positions(post: Laplace, model: nn.Module) -> torch.Tensor:

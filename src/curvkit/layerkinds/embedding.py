@@ -14,8 +14,10 @@ ids) gives one output that the model broadcasts over the samples. Where the capt
 ``out.expand(B, ...)`` (the same values; a 1-D lookup gains a leading dimension of size B, which broadcasting
 against the (B, T, D) token embeddings gives anyway), so the gradient of each sample's copy is that sample's
 output rows and the statistics are the per-sample ones of ``B`` identical id rows. A 1-D lookup of exactly B
-ids is read as one id per sample (a label or time-step embedding), never as shared positions: give such
-position ids their batch dimension.
+ids is read as one id per sample (a label or time-step embedding), unless the module was seen looking up
+1-D ids of another length than the batch before (then they are positions: a predictive's last, smaller
+chunk stays right); position ids whose length equals the batch size in the FIRST pass are read per sample,
+so give such ids their batch dimension ((1, T) or (B, T)).
 
 ``padding_idx``: torch never updates that row (its gradient is zero), so positions holding it count as a
 zero input row: the row gets no curvature. Refused: ``max_norm`` (renormalises W in place during the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 
@@ -35,6 +38,9 @@ from curvkit.linalg.kron import transposed_index
 from curvkit.structure import refuse
 
 __all__ = ["EmbeddingHandler"]
+
+#: modules seen looking up 1-D ids of another length than the batch: shared positions from then on
+_SHARED: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
 
 
 class EmbeddingHandler(LayerHandler):
@@ -69,7 +75,9 @@ class EmbeddingHandler(LayerHandler):
             ids = batched_input(mod, label, inputs[0], 1, what, "token ids (batch, ...)").detach()
             B, wide = ids.shape[0], None
             batch = batch_of(emit)
-            if batch is not None and batch > 1 and ids.dim() == 1 and ids.shape[0] != batch:  # arange(T)
+            if ids.dim() == 1 and batch is not None and ids.shape[0] != batch:  # arange(T)
+                _SHARED[mod] = True
+            if batch is not None and ids.dim() == 1 and (ids.shape[0] != batch or _SHARED.get(mod, False)):
                 wide = out.unsqueeze(0).expand(batch, *out.shape)
             elif batch is not None and batch > 1 and ids.dim() >= 2 and ids.shape[0] == 1:  # (1, T) position ids
                 wide = out.expand(batch, *out.shape[1:])
