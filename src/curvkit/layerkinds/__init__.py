@@ -19,20 +19,24 @@ Built in (module -> handler: blocks):
 * GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight stored (in, out)) ->
   :class:`TransposedLinearHandler`: ``G (x) A`` of ``[W^T | b]``, registered when first met (recognised by
   its class's qualified name, :data:`curvkit.layerkinds.transposed.LAZY`; ``transformers`` stays optional);
-* a raw parameter of shape (1, ...) used in a module's own forward -> :class:`ParameterHandler` (not in the
-  registry: :func:`plan` gives it to parameters no handler owns).
+* a raw parameter of shape (1, ...) used in a module's own forward around planned layers ->
+  :class:`ParameterHandler` (not in the registry: :func:`plan` gives it to parameters no handler owns);
+* any other module's own trainable parameters, whatever its class (RMSNorm variants, ``LayerNorm2d``,
+  layer scale, Conv3d, transposed convolutions, LSTM/GRU, subclasses with their own forward) ->
+  :class:`ModuleHandler`, the exact per-sample fallback (:mod:`curvkit.layerkinds.generic`).
 
 Registry. :func:`register` maps a module type to a handler; :func:`handler_for` resolves a module along
 its class's MRO, so a subclass of a registered type gets its parent's handler - unless the subclass
-defines its own ``forward`` (then what it computes is not what the handler knows, and the module is
-refused until a handler is registered for it). A new kind is one module with its handler, a
-``register`` call, and a test (the conformance tests of ``tests/test_layerkinds.py``).
+defines its own ``forward`` (then what it computes is not what the handler knows, and the module gets the
+per-sample fallback unless a handler is registered for it). A new kind is one module with its handler, a
+``register`` call, and one line in the conformance test (``tests/test_layerkinds_conformance.py``).
 
 :func:`plan` reads a model (through :func:`curvkit.structure.read_model`) into :class:`LayerPlan` entries:
 one per module that owns trainable parameters, with its handler and blocks. Frozen parameters get no
-block; a module whose trainable parameters no handler owns, a parameter shared by two modules (weight
-tying), a module registered under two names, random or sample-coupling modules are refused with an
-:class:`~curvkit.structure.UnsupportedModelError` that names the module and says how to fix it.
+block; a parameter shared by two modules (weight tying), a module registered under two names, random or
+sample-coupling modules, and a parameter a module uses around planned layers of its own (not replayable;
+without a leading dimension of size 1) are refused with an :class:`~curvkit.structure.UnsupportedModelError`
+that names the module and says how to fix it.
 """
 
 from __future__ import annotations
@@ -145,7 +149,8 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
     """The blocks of every module that owns trainable parameters (module docstring), or an error naming
     the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
     module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
-    block (one :class:`LayerPlan` per parameter, labelled by its name). A module that couples the samples
+    block (one :class:`LayerPlan` per parameter, labelled by its name); the other parameters no handler owns
+    go to their module's :class:`ModuleHandler` (the per-sample fallback). A module that couples the samples
     (BatchNorm with batch statistics) is refused unless ``batch_statistics='couple'`` (the Kronecker
     estimators' explicit opt-in, :class:`curvkit.curvature.estimators.KroneckerEstimator`); the refusal names
     that option only for callers that take it (``batch_statistics='refuse'``), not for None."""
@@ -185,7 +190,8 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
         handler, _ = handler_for(lay.module)
         params = dict(lay.module.named_parameters(recurse=False))
         attrs = {structure.canonical_name(t): a for a, t in params.items()}
-        if handler is not None:  # a registered kind with parameters its handler does not know
+        if handler is not None or isinstance(lay.module, (nn.ParameterList, nn.ParameterDict)):
+            # a registered kind with parameters its handler does not know; a container never called itself
             _refuse_unowned(what, lay, loose, raw)
         leading_one = all(params[attrs[n]].dim() >= 2 and params[attrs[n]].shape[0] == 1 for n in loose)
         inner = [lp.label for lp in out if lp.module is not lay.module and _inside(lp.module, lay.module)]
