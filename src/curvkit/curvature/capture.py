@@ -294,7 +294,7 @@ class BlockCapture:
         out: dict[str, Tensor] = {}
         self.batch = batch
         for i, lp in enumerate(self.plans):
-            if lp.handler.kind != "parameter":
+            if not lp.handler.per_sample_copies:
                 continue
             name = lp.blocks[0].weight
             p = values[name] if values is not None and name in values else getattr(lp.module, lp.handler.attr)

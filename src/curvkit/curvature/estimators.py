@@ -391,7 +391,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.structure = structure
         self.chain = _kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
-        self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
+        self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
@@ -521,7 +521,7 @@ class KroneckerEstimator(CurvatureEstimator):
         with raw parameters the pass of :meth:`forward`); f's graph is kept for the caller's own backward pass."""
         fed, self._fed = self._fed, None
         if self._raw and fed is not capture:
-            raw = [lp.label for lp in self.plans if lp.handler.kind == "parameter"]
+            raw = [lp.label for lp in self.plans if lp.handler.per_sample_copies]
             raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
                                         "per-sample gradients from the estimator's own forward pass: run the "
                                         "pass with f, _ = est.forward(cap, X), use update((X, y)), or freeze them")
@@ -531,7 +531,7 @@ class KroneckerEstimator(CurvatureEstimator):
         """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
         two samples with independently perturbed copies of p give the outputs of two one-sample passes."""
         x = take_samples(X, slice(0, 2) if num_samples(X) >= 2 else [0, 0])
-        raw = [lp for lp in self.plans if lp.handler.kind == "parameter"]
+        raw = [lp for lp in self.plans if lp.handler.per_sample_copies]
         gen = torch.Generator(device=getattr(raw[0].module, raw[0].handler.attr).device).manual_seed(0)  # type: ignore[attr-defined]
         copies = {}
         for lp in raw:

@@ -147,6 +147,10 @@ class LayerHandler:
 
     #: the kind's name in the support table and in errors
     kind: ClassVar[str] = "layer"
+    #: capability the routes query (never the kind's name): the sites come from the estimator's own
+    #: substitution of per-sample copies ``p.expand(B, ...)`` (:meth:`curvkit.curvature.capture.BlockCapture
+    #: .substitute`), not from hooks, so the estimator must run the forward pass itself
+    per_sample_copies: ClassVar[bool] = False
 
     def owned(self, module: nn.Module) -> tuple[str, ...]:
         """Attribute paths (relative to ``module``) of the parameters this handler owns."""
