@@ -88,7 +88,7 @@ CASES = {
     "layer_scale": (lambda: Head(nn.Sequential(nn.Linear(4, 5), LayerScale(5)), 5), lambda B: _vec(B, 4), 4),
     "offset_embedding": (lambda: Head(OffsetEmbedding(8, 3), 6), lambda B: torch.randint(0, 6, (B, 2)), 4),
     "scaled_embedding": (lambda: Head(ScaledEmbedding(6, 3), 6), lambda B: torch.randint(0, 6, (B, 2)), 4),
-    "conv3d": (lambda: Head(nn.Conv3d(2, 2, 2), 4), lambda B: torch.randn(B, 2, 2, 2, 3), 4),
+    "conv3d": (lambda: Head(nn.Conv3d(2, 3, 2), 3), lambda B: torch.randn(B, 2, 2, 2, 2), 1),
     "conv_transpose1d": (lambda: Head(nn.ConvTranspose1d(2, 4, 2, groups=2), 12), lambda B: torch.randn(B, 2, 2), 4),
     "conv_transpose2d": (lambda: Head(nn.ConvTranspose2d(2, 2, 2, stride=2), 32), lambda B: torch.randn(B, 2, 2, 2), 4),
     "conv_transpose3d": (lambda: Head(nn.ConvTranspose3d(1, 2, 2), 16), lambda B: torch.randn(B, 1, 1, 1, 1), 4),
@@ -142,3 +142,31 @@ def test_every_kind_equals_the_dense_ggn(name):
         ref, got = block(G, model, own), block(D, model, own)
         err = float((got - ref).norm() / ref.norm())
         assert err < 1e-10, (name, b.name, err)
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+def test_conv3d_blocks_equal_those_of_the_equivalent_conv2d(mode):
+    """A Conv3d whose depth kernel spans a depth-1 input is a Conv2d: the same Kronecker blocks (its
+    patches, strides, dilation, padding and groups; kfac's sampled vectors with one seed)."""
+    torch.manual_seed(32)
+    c3 = nn.Conv3d(4, 6, (1, 3, 2), stride=(1, 2, 1), padding=(0, 1, 1), dilation=(1, 1, 2), groups=2).double()
+    c2 = nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2).double()
+    with torch.no_grad():
+        c2.weight.copy_(c3.weight[:, :, 0])
+        c2.bias.copy_(c3.bias)
+
+    class Squeeze(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x[:, :, 0]
+
+    m3 = nn.Sequential(c3, nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    X = torch.randn(3, 4, 1, 5, 4)
+    m3(X)
+    m2 = nn.Sequential(Squeeze(), c2, nn.Tanh(), nn.Flatten(), nn.Linear(m3[3].in_features, 3)).double()
+    m2[4].load_state_dict(m3[3].state_dict())
+    y = torch.randint(0, 3, (3,))
+    a = KroneckerEstimator(m3, CrossEntropy(), "kfac", weight_sharing=mode, seed=4).update((X, y)).operator()
+    b = KroneckerEstimator(m2, CrossEntropy(), "kfac", weight_sharing=mode, seed=4).update((X, y)).operator()
+    assert [x.G.shape for x in a.blocks] == [x.G.shape for x in b.blocks]
+    for x, z in zip(a.blocks, b.blocks):
+        assert torch.allclose(x.G, z.G, atol=1e-12) and torch.allclose(x.A, z.A, atol=1e-12)

@@ -10,7 +10,7 @@ weight-sharing format (B, R, features). The Kronecker estimators
 Built in (module -> handler: blocks):
 
 * ``nn.Linear`` on (B, in) or (B, *S, in) -> :class:`LinearHandler`: ``G (x) A`` of ``[W | b]``;
-* ``nn.Conv1d``, ``nn.Conv2d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
+* ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
 * ``nn.Embedding`` -> :class:`EmbeddingHandler`: ``G (x) diag(token counts)`` of ``W^T``;
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval; training mode with
   ``batch_statistics='couple'``) -> :class:`NormHandler`: the exact (or diagonal) block of (weight, bias) from
@@ -22,7 +22,7 @@ Built in (module -> handler: blocks):
 * a raw parameter of shape (1, ...) used in a module's own forward around planned layers ->
   :class:`ParameterHandler` (not in the registry: :func:`plan` gives it to parameters no handler owns);
 * any other module's own trainable parameters, whatever its class (RMSNorm variants, ``LayerNorm2d``,
-  layer scale, Conv3d, transposed convolutions, LSTM/GRU, subclasses with their own forward) ->
+  layer scale, transposed convolutions, LSTM/GRU, subclasses with their own forward) ->
   :class:`ModuleHandler`, the exact per-sample fallback (:mod:`curvkit.layerkinds.generic`).
 
 Registry. :func:`register` maps a module type to a handler; :func:`handler_for` resolves a module along
@@ -116,6 +116,7 @@ def handler_for(module: nn.Module) -> tuple[LayerHandler | None, str | None]:
 
 
 for _t, _h in ((nn.Linear, LinearHandler()), (nn.Conv1d, ConvHandler()), (nn.Conv2d, ConvHandler()),
+               (nn.Conv3d, ConvHandler()),
                (nn.Embedding, EmbeddingHandler()), (nn.LayerNorm, NormHandler()), (nn.RMSNorm, NormHandler()),
                (nn.GroupNorm, NormHandler()), (nn.modules.batchnorm._BatchNorm, NormHandler()),
                (nn.MultiheadAttention, AttentionHandler())):
