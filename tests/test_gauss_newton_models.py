@@ -120,6 +120,8 @@ STEP_CASES = [
     ("lora_gpt", "auto", "factored", {}),
     ("vit", "projection", "factored", {"mc_samples": 2, "distribution": "gaussian"}),
     ("transformer", "projection", "eigen", {"weight_sharing": "reduce"}),
+    ("recognised", "auto", "factored", {}),
+    ("recognised", "kflr", "eigen", {"norm_structure": "diag"}),
 ]
 
 
@@ -374,8 +376,9 @@ def test_bad_input_is_refused_and_changes_nothing():
                      dtype=torch.float64)
     with pytest.raises(UnsupportedModelError, match=r"weight tying.*tie_weights=False"):
         GaussNewton(tied.parameters(), model=tied, likelihood=CrossEntropy())
-    odd = nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 2))
-    with pytest.raises(UnsupportedModelError, match=r"'1' \(PReLU\)"):
+    lin = nn.Linear(4, 4)  # (an unregistered class such as PReLU is taken: curvkit.layerkinds.generic)
+    odd = nn.Sequential(nn.Linear(3, 4), lin, nn.Tanh(), lin)
+    with pytest.raises(UnsupportedModelError, match=r"'1' \(Linear\) is registered under 2 names"):
         GaussNewton(odd.parameters(), model=odd, likelihood=CrossEntropy())
 
 

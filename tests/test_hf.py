@@ -499,7 +499,7 @@ def test_tied_embeddings_name_both_uses_and_the_fix_and_exact_operators_take_the
 
 def test_errors_inside_the_engine_leave_the_model_as_it_was():
     """Refusals raised while the engine runs the model (a training-mode model with dropout; position ids
-    without the batch dimension met by a Kronecker hook; an option the forward does not take): the model keeps
+    without the batch dimension met by a capture that does not know the batch size; an option the forward does not take): the model keeps
     its parameters, buffers, train/eval flags, requires_grad flags, configuration and hooks."""
     X, y = lm_batch()
     lik = CrossEntropy(ignore_index=-100)
@@ -516,9 +516,15 @@ def test_errors_inside_the_engine_leave_the_model_as_it_was():
     model = gpt2()
     before = state(model)
     no_positions = {k: v for k, v in X.items() if k != "position_ids"}
+    # without position_ids GPT-2 looks up (1, T) positions: every sample gets its rows (the same blocks)
+    est = KroneckerEstimator(HuggingFace(model), lik).update((no_positions, y))
+    ref = KroneckerEstimator(HuggingFace(model), lik).update((X, y))
+    torch.testing.assert_close(est.operator().to_dense(), ref.operator().to_dense(), atol=1e-13, rtol=0)
+    with est.capture() as cap:  # a bare capture does not know the batch size: refused
+        f = HuggingFace(model)(no_positions)
     with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) ran on an input whose "
                                                     r"first dimension \(1\) is not the batch \(3\)"):
-        KroneckerEstimator(HuggingFace(model), lik).update((no_positions, y))
+        est.accumulate(cap, f, y)
     assert_same_state(model, before)
     model = bert()
     before = state(model)

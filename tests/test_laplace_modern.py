@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from tests.reference import dense_ggn_flat, flat_model
+from tests.tiny_models import tiny_case
 from torch import nn
 from torch.func import jacrev
 
@@ -62,10 +63,13 @@ def _case(name: str):
     if name == "lora":
         m = arch.add_lora(_vit(), rank=2, init_b="normal").eval()
         return m, CrossEntropy(), torch.randn(5, 1, 8, 8, generator=g, dtype=DT), torch.randint(0, 3, (5,), generator=g)
+    if name == "recognised":  # RMSNorm as written, GRU, layer scale, arange(T) positions: the per-sample fallback
+        m, lik, (X, y) = tiny_case("recognised")
+        return m, lik, X, y
     raise KeyError(name)
 
 
-MODELS = ["vit", "resnet", "lm", "tagger", "lora"]
+MODELS = ["vit", "resnet", "lm", "tagger", "lora", "recognised"]
 
 
 def _positions(post: Laplace, model: nn.Module) -> torch.Tensor:
@@ -260,12 +264,23 @@ class _GRUClassifier(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-def test_kron_refuses_an_unsupported_layer_by_name_and_leaves_the_model_alone():
+def test_kron_takes_a_recurrent_layer_and_leaves_the_model_alone():
+    """A GRU (no registered kind) gets the per-sample fallback (curvkit.layerkinds.generic): its exact block
+    (KFLR, (B, C) outputs, norm_structure='full', under the dense size limit) plus the prior."""
     model = _GRUClassifier().double()
     X, y = torch.randn(4, 5, 3, dtype=DT), torch.randint(0, 2, (4,))
     before = _state(model)
-    with pytest.raises(Exception, match=r"module 'rnn' \(GRU\) owns trainable parameter"):
-        Laplace(model, CrossEntropy(), "kron").fit((X, y))
+    post = Laplace(model, CrossEntropy(), "kron", "kflr", prior_precision=0.3, prior_form="exact",
+                   norm_structure="full").fit((X, y))
+    G = dense_ggn_flat(model, CrossEntropy("sum"), (X, y))
+    sl, i0 = post.layout.slices(), 0
+    for n, p in model.named_parameters():  # each GRU parameter is its own block (four parameters)
+        if n.startswith("rnn."):
+            i = torch.arange(sl[n].start, sl[n].stop)
+            j = torch.arange(i0, i0 + p.numel())
+            torch.testing.assert_close(post.precision().to_dense()[i][:, i],
+                                       G[j][:, j] + 0.3 * torch.eye(p.numel(), dtype=DT), msg=n)
+        i0 += p.numel()
     _assert_unchanged(model, before)
     # the last layer alone is a Linear: Kronecker Laplace on it works
     post = Laplace(model, CrossEntropy(), "kron", subset=["head"]).fit((X, y))

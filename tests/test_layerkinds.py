@@ -708,9 +708,6 @@ def test_misuse_errors_and_model_untouched():
         def forward(self, x):
             return 2 * super().forward(x)
 
-    with pytest.raises(ValueError, match=r"module '0' \(Scaled\) is a subclass of Linear with its own forward"):
-        KroneckerEstimator(nn.Sequential(Scaled(3, 2)).double(), CrossEntropy())
-
     class Bilinear(nn.Module):
         def __init__(self):
             super().__init__()
@@ -719,12 +716,13 @@ def test_misuse_errors_and_model_untouched():
         def forward(self, x):
             return self.bil(x, x)
 
-    model = Bilinear().double()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"module 'bil' \(Bilinear\) owns trainable parameter\(s\) 'bil.weight', "
-                                         r"'bil.bias' that no layer kind handles"):
-        KroneckerEstimator(model, CrossEntropy())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # a registered class's subclass with its own forward, and an unregistered class: the per-sample fallback
+    for model, label in ((nn.Sequential(Scaled(3, 2)).double(), "0"), (Bilinear().double(), "bil")):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        est = KroneckerEstimator(model, CrossEntropy())
+        assert [lp.handler.kind for lp in est.plans] == ["module"] and est.plans[0].label == label
+        est.update((torch.randn(4, 3), torch.randint(0, 2, (4,))))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # a run-time error inside the capture leaves no hook behind
     seq = nn.Sequential(nn.Conv2d(2, 2, (1, 2)), nn.Flatten(), nn.Linear(4, 2)).double()
     X = torch.randn(2, 1, 5)  # torch reads it as one unbatched (C, H, W) image
@@ -733,22 +731,41 @@ def test_misuse_errors_and_model_untouched():
     assert not seq[0]._forward_hooks and not seq[2]._forward_hooks
 
 
-def test_shared_output_without_batch_dimension_is_refused():
-    """An embedding called on position ids without a batch dimension gives an output shared by every sample:
-    refused (its per-sample statistics do not exist), never silently mixed."""
+def test_ids_without_batch_dimension_are_shared_by_every_sample():
+    """An embedding called on position ids without a batch dimension (``arange(T)``, nanoGPT / GPT-2 / BERT) or
+    with a batch dimension of size 1 gives every sample its own output rows: the blocks equal those of the same
+    model with the ids expanded over the batch; a capture that does not know the batch size refuses."""
 
     class SharedPos(nn.Module):
-        def __init__(self):
+        def __init__(self, expand: str = "none"):
             super().__init__()
             self.tok, self.pos, self.head = nn.Embedding(5, 3), nn.Embedding(4, 3), nn.Linear(3, 5)
+            self.expand = expand
 
         def forward(self, ids):
-            return self.head(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+            pos = torch.arange(ids.shape[1])
+            pos = {"none": pos, "one": pos[None], "batch": pos.expand(ids.shape[0], -1)}[self.expand]
+            return self.head(torch.tanh(self.tok(ids) + self.pos(pos)))
 
-    model = SharedPos().double()
-    with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) ran on an input whose first dimension \(4\) "
-                                         r"is not the batch \(2\)"):
-        KroneckerEstimator(model, CrossEntropy()).update((torch.randint(0, 5, (2, 4)), torch.randint(0, 5, (2, 4))))
+    torch.manual_seed(23)
+    ref = SharedPos("batch").double()
+    X, y = torch.randint(0, 5, (3, 4)), torch.randint(0, 5, (3, 4))
+    G = dense_ggn_positions(ref, CrossEntropy(), X)
+    R = KroneckerEstimator(ref, CrossEntropy(), "kflr").update((X, y)).operator().to_dense()
+    for expand in ("none", "one"):
+        model = SharedPos(expand).double()
+        model.load_state_dict(ref.state_dict())
+        assert torch.allclose(dense_ggn_positions(model, CrossEntropy(), X), G, atol=1e-14)
+        for method in ("kflr", "kfac"):
+            est = KroneckerEstimator(model, CrossEntropy(), method, seed=1)
+            D = est.update((X, y)).operator().to_dense()
+            E = KroneckerEstimator(ref, CrossEntropy(), method, seed=1).update((X, y)).operator().to_dense()
+            assert torch.allclose(D, E, atol=1e-14) and block(R, ref, ["pos.weight"]).abs().max() > 1e-3
+        with est.capture() as cap:  # the batch size is unknown to a bare capture
+            f = model(X)
+        with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) ran on an input whose first dimension "
+                                             r"\(\d\) is not the batch \(3\).*cap.batch = len\(X\)"):
+            est.accumulate(cap, f, y)
 
 
 def test_kfra_refusal_names_the_module_and_points_to_kflr():

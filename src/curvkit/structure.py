@@ -49,6 +49,7 @@ distinct (module, attribute) slot and checks afterwards that every parameter obj
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -720,12 +721,30 @@ def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None
     return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
 
 
+def _patches_3d(conv: nn.Module, x: Tensor) -> Tensor:
+    """Conv3d input (B, C, D, H, W) -> patches (B, T, C*kd*kh*kw) (``F.unfold`` is 2-D only: a strided
+    window view per spatial dimension, dilation by slicing the window)."""
+    c: Any = conv
+    if x.dim() != 5:
+        raise ValueError(f"Conv3d expects a (B, C, D, H, W) input, got shape {tuple(x.shape)}")
+    x, pad = _conv_pad(conv, x)
+    if pad != 0:
+        x = F.pad(x, [p for q in reversed(pad) for p in (q, q)])
+    for i in range(3):
+        k, d, st = c.kernel_size[i], c.dilation[i], c.stride[i]
+        x = x.unfold(2 + i, d * (k - 1) + 1, st)[..., ::d]  # (..., out_i, ..., k_i) appended last
+    B, C = x.shape[:2]
+    return x.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(B, -1, C * math.prod(c.kernel_size))
+
+
 def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
     """Conv2d input (B, C, H, W) or Conv1d input (B, C, L) -> patches (B, T, C*k) in the order of
     ``weight.reshape(out, -1)`` (all groups' channels; any padding mode); T is the number of output
     locations and k the kernel's size."""
     one_d = isinstance(conv, nn.Conv1d)
     c: Any = conv
+    if isinstance(conv, nn.Conv3d):
+        return _patches_3d(conv, x)
     if x.dim() != (3 if one_d else 4):
         layout = "(B, C, L)" if one_d else "(B, C, H, W)"
         raise ValueError(f"{type(conv).__name__} expects a {layout} input, got shape {tuple(x.shape)}")

@@ -239,6 +239,9 @@ class BlockCapture:
         self._handles: list[Any] = []
         self._kernels: Any = None
         self.own = False  # set by an estimator whose own forward pass this was (its graph may be freed)
+        #: the number of samples of the pass, where the caller knows it (the estimators set it): lets a layer
+        #: called without a batch dimension (position ids ``arange(T)``) give every sample its own output rows
+        self.batch: int | None = None
 
     def _emitter(self, layer: int) -> Any:
         first = self._first[layer]
@@ -248,6 +251,7 @@ class BlockCapture:
             self._versions[first + site.block].append(site.output._version)
             if self.take is not None:
                 self.taken[first + site.block] = self.take(first + site.block, site)
+        emit.capture = self  # type: ignore[attr-defined]  # handlers read the batch size (batch_of)
         return emit
 
     def __enter__(self) -> BlockCapture:
@@ -288,8 +292,9 @@ class BlockCapture:
         respect to P is the per-sample gradient); returns {name: P} for the forward pass to use. ``values``
         (canonical name -> tensor) gives p where the pass evaluates the model at other parameters."""
         out: dict[str, Tensor] = {}
+        self.batch = batch
         for i, lp in enumerate(self.plans):
-            if lp.handler.kind != "parameter":
+            if not lp.handler.per_sample_copies:
                 continue
             name = lp.blocks[0].weight
             p = values[name] if values is not None and name in values else getattr(lp.module, lp.handler.attr)

@@ -391,7 +391,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.structure = structure
         self.chain = _kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
-        self._raw = any(lp.handler.kind == "parameter" for lp in self.plans)
+        self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
@@ -485,6 +485,7 @@ class KroneckerEstimator(CurvatureEstimator):
         if self._raw and not self._raw_checked:
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad(), kept_running_statistics(self.model):
+            cap.batch = num_samples(X)
             if self.compute_dtype is not None:  # on an upcast copy of the model's state (curvkit.precision)
                 dt = self.compute_dtype
                 params = precision.upcast_state(dict(self.model.named_parameters()), dt, grad=True)
@@ -505,6 +506,7 @@ class KroneckerEstimator(CurvatureEstimator):
         ``model(X)``, or with raw parameters (a ViT's class token) a functional call on per-sample copies
         ``P = p.expand(B, ...)`` (checked once to act per sample). Returns (f, {canonical name: P}); the
         gradient of a loss with respect to such a p is that with respect to P summed over its first dimension."""
+        capture.batch = num_samples(X)
         if not self._raw:
             return self.model(X), {}
         if not self._raw_checked:
@@ -519,7 +521,7 @@ class KroneckerEstimator(CurvatureEstimator):
         with raw parameters the pass of :meth:`forward`); f's graph is kept for the caller's own backward pass."""
         fed, self._fed = self._fed, None
         if self._raw and fed is not capture:
-            raw = [lp.label for lp in self.plans if lp.handler.kind == "parameter"]
+            raw = [lp.label for lp in self.plans if lp.handler.per_sample_copies]
             raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
                                         "per-sample gradients from the estimator's own forward pass: run the "
                                         "pass with f, _ = est.forward(cap, X), use update((X, y)), or freeze them")
@@ -529,7 +531,7 @@ class KroneckerEstimator(CurvatureEstimator):
         """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
         two samples with independently perturbed copies of p give the outputs of two one-sample passes."""
         x = take_samples(X, slice(0, 2) if num_samples(X) >= 2 else [0, 0])
-        raw = [lp for lp in self.plans if lp.handler.kind == "parameter"]
+        raw = [lp for lp in self.plans if lp.handler.per_sample_copies]
         gen = torch.Generator(device=getattr(raw[0].module, raw[0].handler.attr).device).manual_seed(0)  # type: ignore[attr-defined]
         copies = {}
         for lp in raw:
@@ -571,8 +573,9 @@ class KroneckerEstimator(CurvatureEstimator):
                 raise UnsupportedModelError(
                     f"{self.method}: module {lp.label!r} ({type(lp.module).__name__}) ran on an input whose first "
                     f"dimension ({site.inputs.shape[0]}) is not the batch ({B}), e.g. position ids without a batch "
-                    "dimension, so its output is shared by every sample and has no per-sample statistics; give its "
-                    "input the batch dimension (ids.expand(batch, -1)) or freeze it")
+                    "dimension, so its output is shared by every sample; a capture that knows the batch size "
+                    "(update((X, y)), f, _ = est.forward(cap, X), or cap.batch = len(X)) gives every sample its "
+                    "own rows; or give its input the batch dimension (ids.expand(batch, -1)) or freeze it")
         A: list[Tensor | None]
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]
@@ -809,7 +812,11 @@ class KroneckerEstimator(CurvatureEstimator):
         return True
 
     def _grad_structure(self, spec: BlockSpec) -> NormStructure:
-        return self.parameter_structure if spec.roles == ("raw",) else self.norm_structure
+        if spec.roles == ("raw",):
+            return self.parameter_structure
+        if spec.roles[:1] == ("module",) and spec.in_features > layerkinds.DENSE_LIMIT:  # the generic fallback
+            return "diag"
+        return self.norm_structure
 
     def _output_term(self, spec: BlockSpec, r: Tensor, low_rank: bool = False) -> Tensor | GramRows:
         r = r.to(self.statistics_dtype)  # products of the rounded rows, summed in float32 or wider

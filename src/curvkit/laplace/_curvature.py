@@ -74,7 +74,7 @@ class KroneckerSource:
                                                 mc_samples=mc_samples, seed=seed, option_words=_WORDS,
                                                 **(options or {}))
         # raw parameters need per-sample copies, an upcast copy of the model its own pass: the estimator's pass
-        self.own_pass = (any(lp.handler.kind == "parameter" for lp in self.estimator.plans)
+        self.own_pass = (any(lp.handler.per_sample_copies for lp in self.estimator.plans)
                          or self.estimator.compute_dtype is not None)
 
     def update(self, X: Inputs, y: Tensor) -> Tensor | None:
@@ -86,6 +86,7 @@ class KroneckerSource:
                 est.update((X, y))
                 return None
             with est.capture() as cap, torch.enable_grad():
+                cap.batch = num_samples(X)
                 f = est.model(X)
             est.accumulate(cap, f, y)
         return f.detach()

@@ -125,7 +125,7 @@ def engine_variance(structure: ModelStructure, plans: Sequence[Any], terms: Sequ
                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(f, variances) at ``params`` for the blocks of ``plans`` (:func:`curvkit.layerkinds.plan`), one term
     per block in plan order: variances (B, P*C) of every entry, or (B, P, C, C) per position."""
-    names = {n for lp in plans if lp.handler.kind != "parameter" for spec in lp.blocks for n in spec.names}
+    names = {n for lp in plans if not lp.handler.per_sample_copies for spec in lp.blocks for n in spec.names}
     leaves = {n: t.detach().requires_grad_(n in names) for n, t in params.items()}
     cap = BlockCapture(plans, "Laplace GLM predictive")
     result: dict[str, Tensor] = {}

@@ -216,7 +216,7 @@ def _glm_setup(post: Any) -> dict[str, Any]:
         setup["terms"] = [by_key[(spec.weight, spec.label if spec.index is not None else None)]
                           for lp in plans for spec in lp.blocks]
         return setup
-    plans = [lp for lp in plans if lp.handler.kind != "parameter"]  # raw parameters: Jacobian rows
+    plans = [lp for lp in plans if not lp.handler.per_sample_copies]  # raw parameters: Jacobian rows
     covered = {n for lp in plans for spec in lp.blocks for n in spec.names}
     variances = torch.empty(post.layout.dim, dtype=post.dtype, device=post.device)
     for b, idx in zip(post.blocks, post._block_index):

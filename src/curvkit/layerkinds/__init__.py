@@ -10,7 +10,7 @@ weight-sharing format (B, R, features). The Kronecker estimators
 Built in (module -> handler: blocks):
 
 * ``nn.Linear`` on (B, in) or (B, *S, in) -> :class:`LinearHandler`: ``G (x) A`` of ``[W | b]``;
-* ``nn.Conv1d``, ``nn.Conv2d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
+* ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups) -> :class:`ConvHandler`: one ``G (x) A`` per group;
 * ``nn.Embedding`` -> :class:`EmbeddingHandler`: ``G (x) diag(token counts)`` of ``W^T``;
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, BatchNorm (eval; training mode with
   ``batch_statistics='couple'``) -> :class:`NormHandler`: the exact (or diagonal) block of (weight, bias) from
@@ -19,20 +19,24 @@ Built in (module -> handler: blocks):
 * GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight stored (in, out)) ->
   :class:`TransposedLinearHandler`: ``G (x) A`` of ``[W^T | b]``, registered when first met (recognised by
   its class's qualified name, :data:`curvkit.layerkinds.transposed.LAZY`; ``transformers`` stays optional);
-* a raw parameter of shape (1, ...) used in a module's own forward -> :class:`ParameterHandler` (not in the
-  registry: :func:`plan` gives it to parameters no handler owns).
+* a raw parameter of shape (1, ...) used in a module's own forward around planned layers ->
+  :class:`ParameterHandler` (not in the registry: :func:`plan` gives it to parameters no handler owns);
+* any other module's own trainable parameters, whatever its class (RMSNorm variants, ``LayerNorm2d``,
+  layer scale, transposed convolutions, LSTM/GRU, subclasses with their own forward) ->
+  :class:`ModuleHandler`, the exact per-sample fallback (:mod:`curvkit.layerkinds.generic`).
 
 Registry. :func:`register` maps a module type to a handler; :func:`handler_for` resolves a module along
 its class's MRO, so a subclass of a registered type gets its parent's handler - unless the subclass
-defines its own ``forward`` (then what it computes is not what the handler knows, and the module is
-refused until a handler is registered for it). A new kind is one module with its handler, a
-``register`` call, and a test (the conformance tests of ``tests/test_layerkinds.py``).
+defines its own ``forward`` (then what it computes is not what the handler knows, and the module gets the
+per-sample fallback unless a handler is registered for it). A new kind is one module with its handler, a
+``register`` call, and one line in the conformance test (``tests/test_layerkinds_conformance.py``).
 
 :func:`plan` reads a model (through :func:`curvkit.structure.read_model`) into :class:`LayerPlan` entries:
 one per module that owns trainable parameters, with its handler and blocks. Frozen parameters get no
-block; a module whose trainable parameters no handler owns, a parameter shared by two modules (weight
-tying), a module registered under two names, random or sample-coupling modules are refused with an
-:class:`~curvkit.structure.UnsupportedModelError` that names the module and says how to fix it.
+block; a parameter shared by two modules (weight tying), a module registered under two names, random or
+sample-coupling modules, and a parameter a module uses around planned layers of its own (not replayable;
+without a leading dimension of size 1) are refused with an :class:`~curvkit.structure.UnsupportedModelError`
+that names the module and says how to fix it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, Unfold
 from curvkit.layerkinds.attention import AttentionHandler
 from curvkit.layerkinds.conv import ConvHandler
 from curvkit.layerkinds.embedding import EmbeddingHandler
+from curvkit.layerkinds.generic import DENSE_LIMIT, ModuleHandler
 from curvkit.layerkinds.linear import LinearHandler
 from curvkit.layerkinds.norm import NormHandler
 from curvkit.layerkinds.parameter import ParameterHandler
@@ -53,6 +58,7 @@ from curvkit.layerkinds.transposed import LAZY, TransposedLinearHandler
 from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
 
 __all__ = [
+    "DENSE_LIMIT",
     "AttentionHandler",
     "BlockSpec",
     "ConvHandler",
@@ -61,6 +67,7 @@ __all__ = [
     "LayerHandler",
     "LayerPlan",
     "LinearHandler",
+    "ModuleHandler",
     "NormHandler",
     "ParameterHandler",
     "Site",
@@ -109,6 +116,7 @@ def handler_for(module: nn.Module) -> tuple[LayerHandler | None, str | None]:
 
 
 for _t, _h in ((nn.Linear, LinearHandler()), (nn.Conv1d, ConvHandler()), (nn.Conv2d, ConvHandler()),
+               (nn.Conv3d, ConvHandler()),
                (nn.Embedding, EmbeddingHandler()), (nn.LayerNorm, NormHandler()), (nn.RMSNorm, NormHandler()),
                (nn.GroupNorm, NormHandler()), (nn.modules.batchnorm._BatchNorm, NormHandler()),
                (nn.MultiheadAttention, AttentionHandler())):
@@ -142,7 +150,8 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
     """The blocks of every module that owns trainable parameters (module docstring), or an error naming
     the first module that cannot be taken. With ``raw``, a trainable parameter of shape (1, ...) that a
     module without a handler uses in its own forward (a ViT's class token) gets a :class:`ParameterHandler`
-    block (one :class:`LayerPlan` per parameter, labelled by its name). A module that couples the samples
+    block (one :class:`LayerPlan` per parameter, labelled by its name); the other parameters no handler owns
+    go to their module's :class:`ModuleHandler` (the per-sample fallback). A module that couples the samples
     (BatchNorm with batch statistics) is refused unless ``batch_statistics='couple'`` (the Kronecker
     estimators' explicit opt-in, :class:`curvkit.curvature.estimators.KroneckerEstimator`); the refusal names
     that option only for callers that take it (``batch_statistics='refuse'``), not for None."""
@@ -182,20 +191,40 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
         handler, _ = handler_for(lay.module)
         params = dict(lay.module.named_parameters(recurse=False))
         attrs = {structure.canonical_name(t): a for a, t in params.items()}
-        if handler is not None or not raw or any(params[attrs[n]].dim() < 2 or params[attrs[n]].shape[0] != 1
-                                                 for n in loose):
+        if handler is not None or isinstance(lay.module, (nn.ParameterList, nn.ParameterDict)):
+            # a registered kind with parameters its handler does not know; a container never called itself
             _refuse_unowned(what, lay, loose, raw)
-        for n in loose:
-            ph = ParameterHandler(attrs[n])
-            out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
+        leading_one = all(params[attrs[n]].dim() >= 2 and params[attrs[n]].shape[0] == 1 for n in loose)
+        inner = [lp.label for lp in out if lp.module is not lay.module and _inside(lp.module, lay.module)]
+        if raw and leading_one and inner:  # a class token used around planned layers: substitute copies
+            for n in loose:
+                ph = ParameterHandler(attrs[n])
+                out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
+            continue
+        if inner:
+            _refuse_unowned(what, lay, loose, raw, inner)
+        mh = ModuleHandler([attrs[n] for n in loose])
+        names = {attrs[n]: n for n in loose}
+        out.append(LayerPlan(lay.label, lay.module, mh, mh.blocks(lay.module, lay.label, names, what), lay))
     if not out:
         raise UnsupportedModelError(f"{what}: {type(structure.model).__name__} has no trainable parameters")
     return out
 
 
-def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool) -> None:
+def _inside(child: nn.Module, parent: nn.Module) -> bool:
+    return any(m is child for m in parent.modules())
+
+
+def _refuse_unowned(what: str, lay: LayerInfo, loose: list[str], raw: bool, inner: list[str] | None = None) -> None:
     _, why = handler_for(lay.module)
     params = ", ".join(repr(n) for n in loose)
+    if inner:
+        raise refuse(what, lay.label, lay.module, f"uses its own trainable parameter(s) {params} around layers that "
+                     f"have their own blocks ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}); the "
+                     "per-sample fallback re-runs a module without planned layers inside it, and raw parameters "
+                     "are substituted per sample only with a leading dimension of size 1 (1, ...)",
+                     "move the parameter into a small module of its own (e.g. a layer-scale module "
+                     "computing x * gamma), freeze it (requires_grad_(False)) or use an exact or diagonal curvature")
     if why is not None:
         raise refuse(what, lay.label, lay.module, why, "register a handler for it (curvkit.layerkinds.register), "
                      "freeze its parameters (requires_grad_(False)) or use an exact or diagonal curvature")

@@ -21,7 +21,8 @@ once in :mod:`curvkit.curvature.estimators` and has no layer kinds in it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -31,7 +32,8 @@ from torch import Tensor, nn
 from curvkit.linalg.kron import Index
 from curvkit.structure import UnsupportedModelError, refuse
 
-__all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "UnfoldedSite", "recording"]
+__all__ = ["BlockSpec", "Emit", "LayerHandler", "Site", "UnfoldedSite", "batch_of", "recording", "replay",
+           "replaying"]
 
 Form = Literal["kron", "grad"]
 
@@ -145,6 +147,10 @@ class LayerHandler:
 
     #: the kind's name in the support table and in errors
     kind: ClassVar[str] = "layer"
+    #: capability the routes query (never the kind's name): the sites come from the estimator's own
+    #: substitution of per-sample copies ``p.expand(B, ...)`` (:meth:`curvkit.curvature.capture.BlockCapture
+    #: .substitute`), not from hooks, so the estimator must run the forward pass itself
+    per_sample_copies: ClassVar[bool] = False
 
     def owned(self, module: nn.Module) -> tuple[str, ...]:
         """Attribute paths (relative to ``module``) of the parameters this handler owns."""
@@ -183,6 +189,30 @@ def batched_input(module: nn.Module, label: str, x: Any, least: int, what: str, 
     return x
 
 
+def batch_of(emit: Emit) -> int | None:
+    """The number of samples of the pass ``emit`` records, where its capture knows it."""
+    return getattr(getattr(emit, "capture", None), "batch", None)
+
+
+_REPLAY = [0]  # > 0 while a handler re-runs a module sample by sample (curvkit.layerkinds.generic)
+
+
+@contextmanager
+def replay() -> Iterator[None]:
+    """Mark a handler's own re-run of a module: the hooks inside record nothing (their sites belong to the
+    pass that is being replaced)."""
+    _REPLAY[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAY[0] -= 1
+
+
+def replaying() -> bool:
+    """Whether a handler is re-running a module (:func:`replay`)."""
+    return _REPLAY[0] > 0
+
+
 def recording(out: Any) -> bool:
-    """Whether a forward pass is one to record: autograd on and the output on the graph."""
-    return torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad
+    """Whether a forward pass is one to record: autograd on, the output on the graph, not a replay."""
+    return torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad and not replaying()

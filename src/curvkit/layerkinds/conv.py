@@ -1,4 +1,4 @@
-"""Convolutions (``nn.Conv1d``, ``nn.Conv2d``; any padding mode, stride, dilation; grouped and depthwise).
+"""Convolutions (``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d``; any padding mode, stride, dilation; grouped and depthwise).
 
 The T output locations share the weight. Input rows are the unfolded patches (B, T, C*k) in the order of
 ``weight.reshape(out, -1)`` (:func:`curvkit.structure.conv_patches`), output rows the gradient at the
@@ -37,7 +37,7 @@ __all__ = ["ConvHandler"]
 
 
 class ConvHandler(LayerHandler):
-    """``nn.Conv1d`` / ``nn.Conv2d`` with any ``groups`` (module docstring)."""
+    """``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` with any ``groups`` (module docstring)."""
 
     kind = "conv"
 
@@ -57,8 +57,9 @@ class ConvHandler(LayerHandler):
     def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:
         mod: Any = module
         g, out = int(mod.groups), int(mod.out_channels)
-        spatial = 1 if isinstance(module, nn.Conv1d) else 2
-        expect = "an input (batch, channels, length)" if spatial == 1 else "an input (batch, channels, height, width)"
+        spatial = 1 if isinstance(module, nn.Conv1d) else 3 if isinstance(module, nn.Conv3d) else 2
+        expect = {1: "an input (batch, channels, length)", 2: "an input (batch, channels, height, width)",
+                  3: "an input (batch, channels, depth, height, width)"}[spatial]
         ck = int(math.prod(mod.weight.shape[1:]))  # C/g * k: one patch's entries per group
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], y: Tensor) -> None:

@@ -7,6 +7,18 @@ stored as a V-vector (never a V x V matrix: GPT-2's V is 50,257). Positions alwa
 reduce the input factor would be a dense V x V matrix of count products (ASDL's choice), so an
 embedding ignores ``weight_sharing='reduce'`` (documented in docs/architecture.md).
 
+Ids shared by the batch. A lookup of ids without a batch dimension (``wpe(torch.arange(T))``, as nanoGPT,
+GPT-2 and BERT write their position embeddings) or with a batch dimension of size 1 (``(1, T)`` position
+ids) gives one output that the model broadcasts over the samples. Where the capture knows the batch size B
+(the estimators' own passes set it), the layer's output is replaced by its copy expanded over the batch,
+``out.expand(B, ...)`` (the same values; a 1-D lookup gains a leading dimension of size B, which broadcasting
+against the (B, T, D) token embeddings gives anyway), so the gradient of each sample's copy is that sample's
+output rows and the statistics are the per-sample ones of ``B`` identical id rows. A 1-D lookup of exactly B
+ids is read as one id per sample (a label or time-step embedding), unless the module was seen looking up
+1-D ids of another length than the batch before (then they are positions: a predictive's last, smaller
+chunk stays right); position ids whose length equals the batch size in the FIRST pass are read per sample,
+so give such ids their batch dimension ((1, T) or (B, T)).
+
 ``padding_idx``: torch never updates that row (its gradient is zero), so positions holding it count as a
 zero input row: the row gets no curvature. Refused: ``max_norm`` (renormalises W in place during the
 forward pass, so the function changes while it is evaluated), ``scale_grad_by_freq`` and ``sparse`` (the
@@ -17,14 +29,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 
-from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batched_input, recording
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batch_of, batched_input, recording
 from curvkit.linalg.kron import transposed_index
 from curvkit.structure import refuse
 
 __all__ = ["EmbeddingHandler"]
+
+#: modules seen looking up 1-D ids of another length than the batch: shared positions from then on
+_SHARED: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
 
 
 class EmbeddingHandler(LayerHandler):
@@ -53,14 +69,25 @@ class EmbeddingHandler(LayerHandler):
         m: Any = module
         D, pad = int(m.embedding_dim), m.padding_idx
 
-        def hook(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> Tensor | None:
             if not recording(out):
-                return
-            ids = batched_input(mod, label, inputs[0], 1, what, "token ids (batch, ...)")
-            B = ids.shape[0]
-            ids = ids.detach().reshape(B, -1).long()
+                return None
+            ids = batched_input(mod, label, inputs[0], 1, what, "token ids (batch, ...)").detach()
+            B, wide = ids.shape[0], None
+            batch = batch_of(emit)
+            if ids.dim() == 1 and batch is not None and ids.shape[0] != batch:  # arange(T)
+                _SHARED[mod] = True
+            if batch is not None and ids.dim() == 1 and (ids.shape[0] != batch or _SHARED.get(mod, False)):
+                wide = out.unsqueeze(0).expand(batch, *out.shape)
+            elif batch is not None and batch > 1 and ids.dim() >= 2 and ids.shape[0] == 1:  # (1, T) position ids
+                wide = out.expand(batch, *out.shape[1:])
+            if wide is not None:  # ids shared by every sample: each sample gets its own copy of the output
+                B, out = batch, wide  # type: ignore[assignment]
+                ids = ids.reshape(1, -1).expand(B, -1)
+            ids = ids.reshape(B, -1).long()
             if pad is not None:
                 ids = ids.masked_fill(ids == pad, -1)
             emit(Site(0, ids, out, lambda g: g.reshape(B, -1, D)))
+            return wide
 
         return [module.register_forward_hook(hook)]

@@ -34,6 +34,7 @@ class ParameterHandler(LayerHandler):
     """One raw parameter (module docstring); its sites are emitted by the estimator's substitution."""
 
     kind = "parameter"
+    per_sample_copies = True
 
     def __init__(self, attr: str):
         self.attr = attr
