@@ -516,8 +516,8 @@ def test_errors_inside_the_engine_leave_the_model_as_it_was():
     model = gpt2()
     before = state(model)
     no_positions = {k: v for k, v in X.items() if k != "position_ids"}
-    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) ran on an input whose "
-                                                    r"first dimension \(1\) is not the batch \(3\)"):
+    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) does not run on its inputs "
+                                                    r"with the samples first; its first dimension \(1\) is not the batch \(3\)"):
         KroneckerEstimator(HuggingFace(model), lik).update((no_positions, y))
     assert_same_state(model, before)
     model = bert()

@@ -746,8 +746,8 @@ def test_shared_output_without_batch_dimension_is_refused():
             return self.head(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
 
     model = SharedPos().double()
-    with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) ran on an input whose first dimension \(4\) "
-                                         r"is not the batch \(2\)"):
+    with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) does not run on its inputs with the samples "
+                                         r"first; its first dimension \(4\) is not the batch \(2\)"):
         KroneckerEstimator(model, CrossEntropy()).update((torch.randint(0, 5, (2, 4)), torch.randint(0, 5, (2, 4))))
 
 
