@@ -42,6 +42,11 @@ the estimators refuse it with an error naming the module. Pass them with the bat
 (``batch["position_ids"] = torch.arange(T).expand(B, T)``, what those models compute by default without a
 cache) or freeze the position embedding.
 
+``peft`` models. ``HuggingFace(get_peft_model(model, config))`` works with or without ``task_type``: a peft
+wrapper passes its ``*args``/``**kwargs`` on to ``get_base_model()``, so the keys it takes are its own named
+parameters plus those of the wrapped model's forward (``position_ids`` included). An unwrapped peft model is
+refused by curvkit with the same fix as an unwrapped ``transformers`` model.
+
 Activation checkpointing (``gradient_checkpointing_enable()``) is bypassed by every curvature pass
 (:func:`curvkit.structure.without_checkpointing`); during such a pass the adapter also suspends the forward
 hooks that ``enable_input_require_grads`` (called by ``gradient_checkpointing_enable``) put on the input
