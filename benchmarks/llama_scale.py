@@ -8,7 +8,8 @@ Batch: 2 sequences of 128 random tokens (``--quick``: 2 x 32), next-token target
 batch dimension. Loss: softmax cross-entropy, mean over the tokens.
 
 Rows, all in ONE process, each timed as a ratio to a gradient pass measured in the same process just before
-(process CPU time, ``time.process_time``; peak memory: the increase of the resident set during the call):
+(median process CPU time of 3 calls, 5 for the gradient, ``time.process_time``, with
+``OMP_WAIT_POLICY=PASSIVE`` unless set; peak memory: the increase of the resident set during the call):
 
 * ``gradient``: loss + gradient of every parameter (math attention, as the curvature passes run);
 * ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(method="kfac")`` ``update`` + ``operator()`` on
@@ -30,11 +31,15 @@ Run: ``flock /tmp/curvkit-bench.lock env OMP_NUM_THREADS=2 .venv/bin/python benc
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # threads waiting for a descheduled sibling do not spin
 
 import torch
 
@@ -101,18 +106,20 @@ def gradient(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor) -> Any:
     return torch.autograd.grad(loss, params)
 
 
-def measure(fn: Any) -> tuple[float, float | None]:
-    """(process CPU seconds, peak resident-set increase in MiB) of one call."""
-    box: dict[str, float] = {}
+def measure(fn: Any, repeats: int = 3) -> tuple[float, float | None]:
+    """(median process CPU seconds of ``repeats`` calls, peak resident-set increase in MiB of the first)."""
+    times: list[float] = []
 
     def timed() -> Any:
         t0 = time.process_time()
         out = fn()
-        box["s"] = time.process_time() - t0
+        times.append(time.process_time() - t0)
         return out
 
     mem = peak_rss_delta(timed)
-    return box["s"], mem["peak_delta_mib"]
+    for _ in range(repeats - 1):
+        timed()
+    return statistics.median(times), mem["peak_delta_mib"]
 
 
 def coverage(hf: Any) -> float:
@@ -130,7 +137,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
     def unit(name: str) -> tuple[float, float | None]:
         gradient(hf, batch, y)  # warm-up
-        s, mib = measure(lambda: gradient(hf, batch, y))
+        s, mib = measure(lambda: gradient(hf, batch, y), 5)
         rows.append({"row": name, "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0, "coverage": coverage(hf)})
         return s, mib
 
@@ -227,7 +234,7 @@ def lora_rows(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: li
 
 def unit_for(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]]) -> Any:
     gradient(hf, batch, y)
-    s, mib = measure(lambda: gradient(hf, batch, y))
+    s, mib = measure(lambda: gradient(hf, batch, y), 5)
     rows.append({"row": "LoRA gradient (adapters)", "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0,
                  "coverage": sum(p.numel() for p in hf.parameters() if p.requires_grad)
                  / sum(p.numel() for p in hf.parameters())})
