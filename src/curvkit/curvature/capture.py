@@ -365,9 +365,8 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
 
 def _not_samples_first(what: str, lp: Any, site: Any, B: int, g: Tensor | None) -> UnsupportedModelError:
     shape = tuple(site.output.shape)
-    where = ""
     if g is not None:  # the dimensions along which sample B-1's gradient sits at one index only
-        nz = g.detach().abs().reshape(g.shape) > 0
+        nz = g.detach() != 0
         dims = [d for d in range(g.dim()) if g.shape[d] == B and int(nz.movedim(d, 0)[:B - 1].sum()) == 0]
         where = (f"; the samples are along dimension {dims[0]} of its output (shape {shape})" if len(dims) == 1
                  else f"; its output (shape {shape}) has no single sample dimension")
