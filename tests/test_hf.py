@@ -522,8 +522,9 @@ def test_errors_inside_the_engine_leave_the_model_as_it_was():
     torch.testing.assert_close(est.operator().to_dense(), ref.operator().to_dense(), atol=1e-13, rtol=0)
     with est.capture() as cap:  # a bare capture does not know the batch size: refused
         f = HuggingFace(model)(no_positions)
-    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) ran on an input whose "
-                                                    r"first dimension \(1\) is not the batch \(3\)"):
+    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wpe' \(Embedding\) does not run on its "
+                                                    r"inputs with the samples first; its first dimension \(1\) is "
+                                                    r"not the batch \(3\)"):
         est.accumulate(cap, f, y)
     assert_same_state(model, before)
     model = bert()

@@ -763,8 +763,9 @@ def test_ids_without_batch_dimension_are_shared_by_every_sample():
             assert torch.allclose(D, E, atol=1e-14) and block(R, ref, ["pos.weight"]).abs().max() > 1e-3
         with est.capture() as cap:  # the batch size is unknown to a bare capture
             f = model(X)
-        with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) ran on an input whose first dimension "
-                                             r"\(\d\) is not the batch \(3\).*cap.batch = len\(X\)"):
+        with pytest.raises(ValueError, match=r"module 'pos' \(Embedding\) does not run on its inputs with the samples "
+                                             r"first; its first dimension \(\d\) is not the batch \(3\).*"
+                                             r"cap.batch = len\(X\)"):
             est.accumulate(cap, f, y)
 
 

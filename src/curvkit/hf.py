@@ -42,6 +42,11 @@ the estimators refuse it with an error naming the module. Pass them with the bat
 (``batch["position_ids"] = torch.arange(T).expand(B, T)``, what those models compute by default without a
 cache) or freeze the position embedding.
 
+``peft`` models. ``HuggingFace(get_peft_model(model, config))`` works with or without ``task_type``: a peft
+wrapper passes its ``*args``/``**kwargs`` on to ``get_base_model()``, so the keys it takes are its own named
+parameters plus those of the wrapped model's forward (``position_ids`` included). An unwrapped peft model is
+refused by curvkit with the same fix as an unwrapped ``transformers`` model.
+
 Activation checkpointing (``gradient_checkpointing_enable()``) is bypassed by every curvature pass
 (:func:`curvkit.structure.without_checkpointing`); during such a pass the adapter also suspends the forward
 hooks that ``enable_input_require_grads`` (called by ``gradient_checkpointing_enable``) put on the input
@@ -66,22 +71,41 @@ from torch import Tensor, nn
 from curvkit.structure import checkpointing_bypassed, uncompiled
 from curvkit.validation import describe_inputs
 
-__all__ = ["HuggingFace", "is_transformers_model", "require_wrapped"]
+__all__ = ["HuggingFace", "is_transformers_model", "peft_base", "require_wrapped"]
+
+
+def _defined_in(model: Any, package: str) -> bool:
+    forward = getattr(type(model), "forward", None)
+    return isinstance(model, nn.Module) and str(getattr(forward, "__module__", "")).split(".")[0] == package
+
+
+def peft_base(model: Any) -> nn.Module | None:
+    """The model a ``peft`` wrapper passes its calls on to (``PeftModel``, ``PeftModelForCausalLM``, ... from
+    ``get_peft_model``: ``model.get_base_model()``, the user's model with the adapters injected), or None for
+    anything else. Recognised without importing ``peft``."""
+    get = getattr(model, "get_base_model", None)
+    if not _defined_in(model, "peft") or not callable(get):
+        return None
+    base = get()
+    return base if isinstance(base, nn.Module) and base is not model else None
 
 
 def is_transformers_model(model: Any) -> bool:
     """Whether ``model`` is a ``transformers`` model called as such: its ``forward`` is defined in the
-    ``transformers`` package (keyword tensors in, a ``ModelOutput`` out). Recognised without importing
-    ``transformers``; a user's subclass with its own ``forward`` is not one."""
-    forward = getattr(type(model), "forward", None)
-    return isinstance(model, nn.Module) and str(getattr(forward, "__module__", "")).split(".")[0] == "transformers"
+    ``transformers`` package (keyword tensors in, a ``ModelOutput`` out), or it is a ``peft`` wrapper of one
+    (:func:`peft_base`). Recognised without importing either package; a user's subclass with its own
+    ``forward`` is not one."""
+    base = peft_base(model)
+    return _defined_in(model, "transformers") or (base is not None and is_transformers_model(base))
 
 
 def require_wrapped(model: Any, what: str) -> None:
     """Raise a TypeError naming the fix when ``model`` is an unwrapped ``transformers`` model: curvkit calls
     ``model(X)`` and needs one tensor back (module docstring)."""
     if is_transformers_model(model):
-        raise TypeError(f"{what}: {type(model).__name__} is a Hugging Face transformers model, whose forward takes "
+        kind = "a peft-wrapped Hugging Face transformers model" if peft_base(model) is not None else \
+            "a Hugging Face transformers model"
+        raise TypeError(f"{what}: {type(model).__name__} is {kind}, whose forward takes "
                         "keyword tensors and returns a ModelOutput; wrap it so that it takes the batch and returns "
                         "the logits tensor: curvkit.hf.HuggingFace(model) (the model is not copied or changed)")
 
@@ -128,6 +152,22 @@ def _suspended(handles: list[Any]) -> Iterator[None]:
             hooks.update(items[cut:])
 
 
+def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    """The parameters a call of ``model`` takes, read from its forward's signature. A ``peft`` wrapper
+    (:func:`peft_base`) passes its ``*args``/``**kwargs`` on to the model it wraps: its own named parameters
+    (``PeftModelForCausalLM``'s ``input_ids``, ``attention_mask``, ...) come first, then those of the wrapped
+    model's forward (``position_ids``, ``use_cache``, ...), and its ``**kwargs`` are the wrapped model's (open
+    or typed). Without this a ``PeftModel`` (no ``task_type``) would seem to take nothing."""
+    own = dict(inspect.signature(model.forward).parameters)
+    base = peft_base(model)
+    if base is None:
+        return own
+    inner = _forward_parameters(base)
+    named = {n: p for n, p in own.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named.update({n: p for n, p in inner.items() if n not in named and p.kind is not p.VAR_POSITIONAL})
+    return named
+
+
 class HuggingFace(nn.Module):
     """A ``transformers`` model as curvkit calls a model: ``hf(X)`` returns the ``output`` tensor (module
     docstring).
@@ -158,7 +198,7 @@ class HuggingFace(nn.Module):
                              f"{output!r}")
         model = self.model = uncompiled(model)  # a compiled transformers model: the model it compiles
         self.output = output
-        params = inspect.signature(model.forward).parameters
+        params = _forward_parameters(model)
         self._named = tuple(n for n, p in params.items()
                             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         var = [p for p in params.values() if p.kind is p.VAR_KEYWORD]

@@ -37,7 +37,8 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "input_rows", "output_rows", "with_bias_column"]
+__all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "check_sample_rows", "input_rows", "output_rows",
+           "with_bias_column"]
 
 
 def input_rows(layer: LayerInfo, x: Tensor, positions: bool = False) -> tuple[Tensor, int]:
@@ -320,6 +321,71 @@ class BlockCapture:
                     + _IN_PLACE)
             out.append(sites[0])
         return out
+
+
+def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f: Tensor, what: str,
+                      coupled: bool = False) -> None:
+    """Verify that the first dimension of every block's rows is the SAMPLE, by what it depends on, not by its size.
+
+    The handlers read a layer's input and output gradient as rows (B, R, ...) with the sample first. A
+    sequence-first layout ((T, B, E): ``nn.TransformerEncoderLayer(batch_first=False)``, PyTorch's default,
+    in a model that transposes internally) or an input without a batch dimension (position ids
+    ``torch.arange(T)``) puts positions there; when T happens to equal the batch size B the shapes agree and
+    the statistics would be silently wrong (positions summed as samples). So the dependence is traced: one
+    backward pass of ``s = <w, f[n]>`` (the outputs of the LAST sample n = B - 1 only, random weights w)
+    gives each block's gradient rows; samples are independent, so with samples first every row other than
+    row n is exactly zero and row n is not (unless the block does not reach sample n at all, e.g. a dead
+    path: then nothing is concluded). Anything else is refused naming the module, the dimension of its output
+    where the samples are (found from the same gradient) and the fix. Costs one backward pass of the batch
+    (callers run it once per layout: batch size and site shapes). A batch of one sample has nothing to tell
+    apart and is only checked by shape.
+
+    ``blocks``: (layer plan, block spec) per site, for the messages; ``f``: the model output (B, ...) on the
+    graph of the sites' outputs; ``coupled``: the samples are coupled on purpose (batch statistics with
+    ``batch_statistics='couple'``), so only the shapes are checked."""
+    B = int(f.shape[0])
+    for (lp, _), site in zip(blocks, sites):
+        if site.inputs.shape[0] != B:
+            raise _not_samples_first(what, lp, site, B, None)
+    if B < 2 or coupled or not f.requires_grad:
+        return
+    outs: list[Tensor] = []
+    for site in sites:
+        if site.output.requires_grad and all(site.output is not o for o in outs):
+            outs.append(site.output)
+    n = B - 1
+    gen = torch.Generator(device=f.device).manual_seed(0)
+    w = torch.randn(f.shape[1:], generator=gen, device=f.device, dtype=f.dtype)
+    grads = torch.autograd.grad((f[n] * w).sum(), outs, retain_graph=True, allow_unused=True)
+    by_id = {id(o): g for o, g in zip(outs, grads)}
+    for (lp, _), site in zip(blocks, sites):
+        g = by_id.get(id(site.output))
+        if g is None:
+            continue
+        with torch.no_grad():
+            rows = site.read(g).reshape(B, -1).abs().sum(1)
+        if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
+            raise _not_samples_first(what, lp, site, B, g)
+
+
+def _not_samples_first(what: str, lp: Any, site: Any, B: int, g: Tensor | None) -> UnsupportedModelError:
+    shape = tuple(site.output.shape)
+    if g is not None:  # the dimensions along which sample B-1's gradient sits at one index only
+        nz = g.detach() != 0
+        dims = [d for d in range(g.dim()) if g.shape[d] == B and int(nz.movedim(d, 0)[:B - 1].sum()) == 0]
+        where = (f"; the samples are along dimension {dims[0]} of its output (shape {shape})" if len(dims) == 1
+                 else f"; its output (shape {shape}) has no single sample dimension")
+    else:
+        where = (f"; its first dimension ({site.inputs.shape[0]}) is not the batch ({B}) (a capture that knows the "
+                 "batch size gives ids without a batch dimension one copy per sample: update((X, y)), "
+                 "f, _ = est.forward(cap, X), or cap.batch = len(X))")
+    return UnsupportedModelError(
+        f"{what}: module {lp.label!r} ({type(lp.module).__name__}) does not run on its inputs with the samples "
+        f"first{where}. A sequence-first layout (e.g. nn.TransformerEncoderLayer/nn.Transformer with "
+        "batch_first=False, PyTorch's default, in a model that transposes (B, T) to (T, B) inside) or an input "
+        "without a batch dimension (position ids torch.arange(T), shared by every sample) has no per-sample rows "
+        "to factorise; build the layers with batch_first=True, give such inputs the batch dimension "
+        "(ids.expand(batch, -1)), or freeze the module (requires_grad_(False))")
 
 
 _IN_PLACE = (" (an in-place activation: nn.ReLU(inplace=True), x.tanh_(), F.silu(x, inplace=True), x.mul_(...)), so "

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
-from curvkit.curvature.capture import BlockCapture
+from curvkit.curvature.capture import BlockCapture, check_sample_rows
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
@@ -393,6 +393,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
         self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
+        self._layouts: set[Any] = set()  # layouts whose rows were traced to be samples first
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
@@ -568,14 +569,10 @@ class KroneckerEstimator(CurvatureEstimator):
         self.likelihood.check(f.detach(), y)
         sites = cap.sites()
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
-        for (lp, _), site in zip(self.blocks, sites):
-            if site.inputs.shape[0] != B:
-                raise UnsupportedModelError(
-                    f"{self.method}: module {lp.label!r} ({type(lp.module).__name__}) ran on an input whose first "
-                    f"dimension ({site.inputs.shape[0]}) is not the batch ({B}), e.g. position ids without a batch "
-                    "dimension, so its output is shared by every sample; a capture that knows the batch size "
-                    "(update((X, y)), f, _ = est.forward(cap, X), or cap.batch = len(X)) gives every sample its "
-                    "own rows; or give its input the batch dimension (ids.expand(batch, -1)) or freeze it")
+        layout = (B, tuple(tuple(site.output.shape) for site in sites))
+        if layout not in self._layouts:  # samples first, traced once per layout (check_sample_rows)
+            check_sample_rows(self.blocks, sites, f, self.method, coupled=self.batch_statistics == "couple")
+            self._layouts.add(layout)
         A: list[Tensor | None]
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.func import jacrev, vmap
 
-from curvkit.curvature.capture import BlockCapture
+from curvkit.curvature.capture import BlockCapture, check_sample_rows
 from curvkit.laplace._glm import GLMTerm
 from curvkit.structure import ModelStructure
 from curvkit.validation import Inputs, map_inputs, num_samples, take_samples
@@ -148,6 +148,7 @@ def engine_variance(structure: ModelStructure, plans: Sequence[Any], terms: Sequ
 def _from_sites(cap: BlockCapture, f: Tensor, terms: Sequence[GLMTerm], diagonal: bool,
                 dtype: torch.dtype) -> Tensor:
     sites = cap.sites()
+    check_sample_rows(cap.specs, sites, f, "Laplace GLM predictive")
     specs = [spec for _, spec in cap.specs]
     B, C = f.shape[0], f.shape[-1]
     var = new_variance(f, dtype, diagonal)

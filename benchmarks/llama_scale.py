@@ -1,0 +1,276 @@
+"""Curvature of a Llama-architecture LLM on one CPU (issue 30, section 5).
+
+Model: ``transformers.LlamaForCausalLM`` with the TinyLlama-1.1B architecture (``LlamaConfig``: hidden 2048,
+intermediate 5632, 22 layers, 32 heads, 4 key-value heads, vocabulary 32,000; 1.1 B parameters), random
+weights (seed 0), float32, eval mode, wrapped by ``curvkit.hf.HuggingFace``; ``--quick``: the same
+architecture shrunk (hidden 256, intermediate 704, 2 layers, 8 heads, 2 key-value heads, vocabulary 2,000).
+Batch: 2 sequences of 128 random tokens (``--quick``: 2 x 32), next-token targets, ``position_ids`` with the
+batch dimension. Loss: softmax cross-entropy, mean over the tokens.
+
+Rows, all in ONE process, each timed as a ratio to a gradient pass measured in the same process just before
+(median process CPU time of 3 calls, 5 for the gradient, ``time.process_time``, with
+``OMP_WAIT_POLICY=PASSIVE`` unless set; peak memory: the increase of the resident set during the call):
+
+* ``gradient``: loss + gradient of every parameter (math attention, as the curvature passes run);
+* ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(method="kfac")`` ``update`` + ``operator()`` on
+  EVERY parameter (norms and the 32k head included); where the engine refuses a module (today: LlamaRMSNorm,
+  issue 30 §1), the row records the refusal and the next row runs with those parameters frozen, with its
+  coverage;
+* ``curvlinops KFAC``: ``KFACLinearOperator`` (MC, expand) on the parameters it takes (``nn.Linear``; in the
+  full configuration without ``lm_head``, whose dense 32,000^2 output factor is 4 GB), its coverage;
+* ``LoRA gradient``: peft LoRA, rank 8 on ``q_proj`` and ``v_proj``, everything else frozen: the unit of the
+  LoRA rows; ``LoRA Kronecker Laplace``: ``Laplace(structure="kron", curvature="kfac")`` fit + log marginal
+  likelihood; ``LoRA GLM predictive``: its linearised predictive at every token over the whole vocabulary
+  (``link="mc"``, 10 draws by forward-mode products); ``LoRA GaussNewton``: one step (KFAC, alpha*, rho);
+* ``GaussNewton all parameters``: one step on every parameter (``--quick`` only; refused today as KFAC is).
+
+Run: ``flock /tmp/curvkit-bench.lock env OMP_NUM_THREADS=2 .venv/bin/python benchmarks/llama_scale.py
+[--quick] [--out table.md]``. Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # threads waiting for a descheduled sibling do not spin
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import peak_rss_delta
+
+FULL = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "vocab_size": 32000}
+QUICK = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 2000}
+LORA_RANK = 8
+GLM_SAMPLES = 10
+
+
+def build(quick: bool) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from curvkit.hf import HuggingFace
+
+    cfg = LlamaConfig(**(QUICK if quick else FULL), max_position_embeddings=2048, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    B, T = 2, 32 if quick else 128
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids[:, :-1].contiguous(), "position_ids": torch.arange(T).expand(B, T).contiguous()}
+    return HuggingFace(model), batch, ids[:, 1:].contiguous()
+
+
+class Ids(torch.nn.Module):
+    """(B, T) token ids -> (B, T, V) logits, position ids 0..T-1 with the batch dimension: for Laplace and
+    GaussNewton, which take a tensor batch."""
+
+    def __init__(self, hf: torch.nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.hf({"input_ids": ids, "position_ids": torch.arange(ids.shape[-1]).expand(ids.shape)})
+        return out
+
+
+class Flat(torch.nn.Module):
+    """curvlinops' view: ids in, logits (B, V, T) out (CrossEntropyLoss reads classes second)."""
+
+    def __init__(self, hf: torch.nn.Module):
+        super().__init__()
+        self.net = Ids(hf)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from curvkit.structure import curvature_kernels
+
+        with curvature_kernels():
+            return self.net(ids).transpose(1, 2)
+
+
+def gradient(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor) -> Any:
+    from curvkit.structure import curvature_kernels
+
+    params = [p for p in hf.parameters() if p.requires_grad]
+    with curvature_kernels():
+        logits = hf(batch)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return torch.autograd.grad(loss, params)
+
+
+def measure(fn: Any, repeats: int = 3) -> tuple[float, float | None]:
+    """(median process CPU seconds of ``repeats`` calls, peak resident-set increase in MiB of the first)."""
+    times: list[float] = []
+
+    def timed() -> Any:
+        t0 = time.process_time()
+        out = fn()
+        times.append(time.process_time() - t0)
+        return out
+
+    mem = peak_rss_delta(timed)
+    for _ in range(repeats - 1):
+        timed()
+    return statistics.median(times), mem["peak_delta_mib"]
+
+
+def coverage(hf: Any) -> float:
+    return sum(p.numel() for p in hf.parameters() if p.requires_grad) / sum(p.numel() for p in hf.parameters())
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    from curvkit.curvature import KroneckerEstimator
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.structure import UnsupportedModelError
+
+    hf, batch, y = build(quick)
+    rows: list[dict[str, Any]] = []
+    n_all = sum(p.numel() for p in hf.parameters())
+
+    def unit(name: str) -> tuple[float, float | None]:
+        gradient(hf, batch, y)  # warm-up
+        s, mib = measure(lambda: gradient(hf, batch, y), 5)
+        rows.append({"row": name, "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0, "coverage": coverage(hf)})
+        return s, mib
+
+    def row(name: str, fn: Any, base: tuple[float, float | None], note: str = "") -> bool:
+        try:
+            s, mib = measure(fn)
+        except UnsupportedModelError as err:
+            rows.append({"row": name, "note": "refused: " + str(err).split(";")[0][:160], "coverage": coverage(hf)})
+            return False
+        rows.append({"row": name, "s": s, "ratio": s / base[0], "mib": mib, "coverage": coverage(hf), "note": note,
+                     "mib_ratio": mib / base[1] if mib is not None and base[1] else None})
+        return True
+
+    def kfac(sharing: str) -> Any:
+        est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0)
+        return est.update((batch, y)).operator()
+
+    base = unit("gradient (every parameter)")
+    ok = row("curvkit KFAC expand, every parameter", lambda: kfac("expand"), base)
+    if not ok:  # freeze what the engine refuses (today the RMSNorm scales) and measure the rest
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.requires_grad_(False)
+        base = unit("gradient (norms frozen)")
+    row("curvkit KFAC expand", lambda: kfac("expand"), base)
+    row("curvkit KFAC reduce", lambda: kfac("reduce"), base)
+    if quick:
+        from curvkit.optim import GaussNewton
+
+        net = Ids(hf)
+        gn = GaussNewton([p for p in hf.parameters() if p.requires_grad], model=net, likelihood=CrossEntropy("mean"))
+        row("GaussNewton step, " + ("every parameter" if ok else "norms frozen"),
+            lambda: gn.step(batch=(batch["input_ids"], y)), base)
+    try:
+        import curvlinops as cl
+
+        lin = [m for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and (quick or "lm_head" not in n)]
+        params = [p for m in lin for p in m.parameters()]
+        keep = {id(p) for p in params}
+        for p in hf.parameters():
+            p.requires_grad_(id(p) in keep)
+
+        def curvlinops_kfac() -> Any:
+            op = cl.KFACLinearOperator(Flat(hf), torch.nn.CrossEntropyLoss(), params, [(batch["input_ids"], y)],
+                                       kfac_approx="expand", check_deterministic=False,
+                                       num_per_example_loss_terms=y.shape[1], num_data=y.shape[0])
+            op.compute_kronecker_factors()
+            return op
+
+        base_cl = unit("gradient (curvlinops' parameters)")
+        row("curvlinops KFAC expand", curvlinops_kfac, base_cl, "" if quick else "lm_head excluded")
+    except ImportError:
+        rows.append({"row": "curvlinops KFAC expand", "note": "curvlinops not installed"})
+    lora_rows(hf, batch, y, rows, unit, row)
+    for r in rows:
+        r["params"] = n_all
+    return rows
+
+
+def lora_rows(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]], unit: Any,
+              row: Any) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from curvkit.hf import HuggingFace
+    from curvkit.laplace import Laplace
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.optim import GaussNewton
+
+    base_model = hf.model
+    for p in base_model.parameters():
+        p.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = get_peft_model(base_model, LoraConfig(r=LORA_RANK, target_modules=["q_proj", "v_proj"],
+                                                     init_lora_weights="gaussian"))
+    hf_l = HuggingFace(lora)
+    net = Ids(hf_l)
+    base = unit_for(hf_l, batch, y, rows)
+    fitted: dict[str, Any] = {}
+
+    def fit() -> Any:
+        fitted["la"] = Laplace(net, CrossEntropy("mean"), structure="kron", curvature="kfac").fit(
+            [(batch["input_ids"], y)])
+        return fitted["la"].log_marginal_likelihood().detach()
+
+    row("LoRA Kronecker Laplace (fit + log marginal likelihood)", fit, base)
+    if "la" in fitted:
+        row("LoRA GLM predictive over the vocabulary", lambda: fitted["la"].predict(
+            batch["input_ids"], link="mc", num_samples=GLM_SAMPLES, generator=torch.Generator().manual_seed(4)),
+            base, f"{GLM_SAMPLES} linearised draws")
+    gn = GaussNewton([p for p in hf_l.parameters() if p.requires_grad], model=net, likelihood=CrossEntropy("mean"))
+    row("LoRA GaussNewton step", lambda: gn.step(batch=(batch["input_ids"], y)), base)
+
+
+def unit_for(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]]) -> Any:
+    gradient(hf, batch, y)
+    s, mib = measure(lambda: gradient(hf, batch, y), 5)
+    rows.append({"row": "LoRA gradient (adapters)", "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0,
+                 "coverage": sum(p.numel() for p in hf.parameters() if p.requires_grad)
+                 / sum(p.numel() for p in hf.parameters())})
+    return s, mib
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    out = ["| row | trainable share | CPU s | x gradient | peak MiB | x gradient | note |",
+           "|---|---|---|---|---|---|---|"]
+    def cell(r: dict[str, Any], k: str, fmt: str) -> str:
+        return format(r[k], fmt) if r.get(k) is not None else "-"
+
+    for r in rows:
+        def f(k: str, fmt: str, r: dict[str, Any] = r) -> str:
+            return cell(r, k, fmt)
+        out.append(f"| {r['row']} | {f('coverage', '.2%')} | {f('s', '.2f')} | {f('ratio', '.2f')} | "
+                   f"{f('mib', '.0f')} | {f('mib_ratio', '.2f')} | {r.get('note', '')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the shrunk configuration (minutes instead of an hour)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = run(args.quick)
+    table = render(rows)
+    head = (f"llama_scale ({'quick' if args.quick else 'TinyLlama-1.1B'} configuration, {rows[0]['params']:,} "
+            f"parameters, {args.threads} threads)")
+    print(head + "\n\n" + table)
+    if args.out:
+        args.out.write_text(head + "\n\n" + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Issue 30 §4: the Kronecker routes find the SAMPLE dimension of every layer by what it depends on
+(:func:`curvkit.curvature.capture.check_sample_rows`), never by a shape coincidence. A sequence-first
+transformer (nn.TransformerEncoderLayer(batch_first=False) in a model that transposes inside) with T == B once
+gave LayerNorm blocks 18-27 % wrong, silently; it is refused now for T == B and T != B alike, with a message
+about the layout, and its batch-first twin (same weights) gives the exact blocks. Float64, tolerance 1e-12."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from curvkit.curvature import KroneckerEstimator, kfac, kflr
+from curvkit.laplace import Laplace
+from curvkit.likelihoods import CrossEntropy
+from curvkit.structure import UnsupportedModelError, curvature_kernels
+from test_layerkinds import block, dense_ggn_positions
+
+D64 = torch.float64
+
+
+class Tagger(nn.Module):
+    """(B, T, 3) -> (B, T, 4) through one encoder layer, written sequence-first (PyTorch's default) or not."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Linear(3, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h if self.batch_first else h.transpose(0, 1)
+        h = self.enc(h)
+        return self.head(h if self.batch_first else h.transpose(0, 1))
+
+
+def _twins():
+    torch.manual_seed(0)
+    seq = Tagger(False).double().eval()
+    bat = Tagger(True).double().eval()
+    bat.load_state_dict(seq.state_dict())
+    return seq, bat
+
+
+def _data(B, T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 3, generator=g, dtype=D64), torch.randint(0, 4, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("T", [5, 4])
+@pytest.mark.parametrize("method", [kfac, kflr])
+def test_sequence_first_is_refused_for_every_length(method, T):
+    seq, _ = _twins()
+    X, y = _data(5, T)
+    match = "dimension 1 of its output" if T == 5 else "first dimension \\(4\\) is not the batch \\(5\\)"
+    with pytest.raises(UnsupportedModelError, match=match) as err:
+        method(seq, CrossEntropy("sum"), (X, y))
+    assert "batch_first=True" in str(err.value) and "enc." in str(err.value)
+
+
+def test_sequence_first_laplace_is_refused():
+    seq, _ = _twins()
+    X, y = _data(5, 5)
+    with pytest.raises(UnsupportedModelError, match="batch_first=True"):
+        Laplace(seq, CrossEntropy("sum"), structure="kron").fit((X, y))
+
+
+def test_batch_first_twin_has_the_exact_blocks_with_t_equal_b():
+    """Same weights, batch-first, T == B: each LayerNorm block of KFLR is sum_n sum_c u_nc u_nc^T with
+    u_nc = sum_t J_nt^T S_nt[:, c] (test_layerkinds.test_norm_block_relation_with_positions), from per-sample
+    Jacobians; with one position, every block (Linear, attention, LayerNorm) is the exact GGN block."""
+    _, bat = _twins()
+    lik = CrossEntropy("sum")
+    X, y = _data(5, 5)
+    op = KroneckerEstimator(bat, lik, "kflr").update((X, y)).operator().to_dense()
+    params = {n: p.detach() for n, p in bat.named_parameters()}
+    f = bat(X).detach()
+    S = lik.output_hessian_sqrt(f)  # (B, T, C, R)
+    for ln in ("enc.norm1", "enc.norm2"):
+        names = [f"{ln}.weight", f"{ln}.bias"]
+        with curvature_kernels():
+            J = jacrev(lambda ps: functional_call(bat, {**params, **ps}, (X,)))({n: params[n] for n in names})
+        Jf = torch.cat([J[n].reshape(*f.shape, -1) for n in names], -1)  # (B, T, C, P)
+        u = torch.einsum("btcp,btcr->brp", Jf, S)
+        torch.testing.assert_close(block(op, bat, names), torch.einsum("brp,brq->pq", u, u), atol=1e-12, rtol=0)
+    X1, y1 = X[:1, :1], y[:1, :1]
+    one = KroneckerEstimator(bat, lik, "kflr").update((X1, y1)).operator()
+    G = dense_ggn_positions(bat, lik, X1)
+    for b in one.blocks:
+        names = [b.weight_name] + ([b.bias_name] if getattr(b, "bias_name", None) else [])
+        if b.weight_name.startswith("enc.self_attn.in_proj"):
+            continue  # q/k/v rows of the packed weight: compared through the whole operator below
+        torch.testing.assert_close(block(one.to_dense(), bat, names), block(G, bat, names), atol=1e-12, rtol=0)
+
+
+class PositionTable(nn.Module):
+    """A learned position table looked up without a batch dimension (nanoGPT's wpe(torch.arange(T)))."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.tok, self.pos, self.head = nn.Embedding(7, 6), nn.Embedding(8, 6), nn.Linear(6, 7)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tok(ids) + self.pos(torch.arange(ids.shape[1]))))
+
+
+def test_position_table_without_batch_dimension_with_t_equal_b_is_refused():
+    """With T == B the ids (T,) of the table look like a batch on the first pass; they are traced and refused."""
+    model = PositionTable().double()
+    ids = torch.randint(0, 7, (4, 4), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(UnsupportedModelError, match="'pos'") as err:
+        kfac(model, CrossEntropy("sum"), (ids, ids))
+    assert "ids.expand(batch, -1)" in str(err.value)
+    model.pos.requires_grad_(False)
+    kfac(model, CrossEntropy("sum"), (ids, ids))  # the rest is fine
+
+
+def test_position_table_without_batch_dimension_gets_one_copy_per_sample():
+    """With T != B the ids (T,) cannot be samples: every sample gets its own output rows, so the blocks equal
+    those of the same model with the ids expanded over the batch (float64, 1e-13)."""
+
+    class Expanded(PositionTable):
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            return self.head(torch.tanh(self.tok(ids) + self.pos(pos)))
+
+    model, ref = PositionTable().double(), Expanded().double()
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 7, (4, 3), generator=torch.Generator().manual_seed(3))
+    for method in ("kfac", "kflr"):
+        got = KroneckerEstimator(model, CrossEntropy("sum"), method, seed=0).update((ids, ids)).operator()
+        want = KroneckerEstimator(ref, CrossEntropy("sum"), method, seed=0).update((ids, ids)).operator()
+        torch.testing.assert_close(got.to_dense(), want.to_dense(), atol=1e-13, rtol=0)
