@@ -171,3 +171,32 @@ def test_bf16_gpt2_with_float32_lora_adapters():
 
     assert bool(torch.isfinite(mesu.step(closure)))
     assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if not p.requires_grad)
+
+
+def test_vit_kronecker_compute_dtype():
+    """compute_dtype on a model with attention, LayerNorm and raw parameters (class token, position table):
+    KFLR of a bf16 ViT equals float64's at the rounded weights to 1e-5 (relative max error)."""
+    from curvkit.architectures import vit
+
+    m = vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=8, num_classes=3, seed=0).eval().to(BF16)
+    m64 = vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=8, num_classes=3, seed=0).eval().double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(6, 1, 8, 8, generator=g).to(BF16), torch.randint(0, 3, (6,), generator=g)
+    lik = CrossEntropy()
+    ref = KroneckerEstimator(m64, lik, "kflr").update((X.double(), y)).operator().to_dense()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    up = KroneckerEstimator(m, lik, "kflr", compute_dtype=torch.float32).update((X, y)).operator().to_dense()
+    assert up.dtype == torch.float32 and _rel(up, ref) < 1e-5
+    assert all(torch.equal(v, before[k]) and v.dtype == BF16 for k, v in m.state_dict().items())
+    assert _rel(KroneckerEstimator(m, lik, "kflr").update((X, y)).operator().to_dense(), ref) < 5e-2
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_laplace_fp16_model(structure):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).half()
+    X, y = torch.randn(8, 4).half(), torch.randint(0, 3, (8,))
+    post = Laplace(m, CrossEntropy(), structure).fit((X, y))
+    assert post.dtype == torch.float32 and bool(torch.isfinite(post.log_marginal_likelihood()))
+    assert post.predict(X).dtype == torch.float32
