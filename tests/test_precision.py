@@ -200,3 +200,17 @@ def test_laplace_fp16_model(structure):
     post = Laplace(m, CrossEntropy(), structure).fit((X, y))
     assert post.dtype == torch.float32 and bool(torch.isfinite(post.log_marginal_likelihood()))
     assert post.predict(X).dtype == torch.float32
+
+
+def test_ekfac_bf16_model():
+    """EKFAC of a bf16 model: the eigenbasis and its scalings in float32 (the per-sample rows cast to the
+    basis's dtype), near float64's at the rounded weights (bf16 passes: 5e-2 relative)."""
+    from curvkit.curvature.ekfac import EKFACEstimator
+
+    m, m64 = _models()
+    b, b64 = _batches(2)
+    lik = CrossEntropy()
+    op = EKFACEstimator(m, lik).update(b).operator()
+    ref = EKFACEstimator(m64, lik).update(b64).operator()
+    assert op.dtype == torch.float32
+    assert _rel(op.to_dense(), ref.to_dense()) < 5e-2
