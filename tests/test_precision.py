@@ -214,3 +214,24 @@ def test_ekfac_bf16_model():
     ref = EKFACEstimator(m64, lik).update(b64).operator()
     assert op.dtype == torch.float32
     assert _rel(op.to_dense(), ref.to_dense()) < 5e-2
+
+
+@pytest.mark.parametrize("curvature", ["kron", "diag"])
+def test_continual_laplace_penalty_bf16_model(curvature):
+    """The continual Laplace penalty of a bf16 model: float32 curvature and value, gradients in the
+    parameters' dtype, autograd's equal to the analytic one (to bf16 rounding)."""
+    from curvkit.continual.laplace import LaplacePenalty
+
+    m, _ = _models()
+    b, _ = _batches(1)
+    pen = LaplacePenalty(curvature=curvature, task_size=16)
+    pen.on_task_end(m, b[0])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05)
+    loss = pen.loss(m)
+    assert loss.dtype == torch.float32 and float(loss) > 0
+    auto = torch.autograd.grad(loss, list(m.parameters()))
+    for a, g in zip(auto, pen.gradient(m)):
+        assert a.dtype == g.dtype == BF16
+        assert torch.allclose(a.float(), g.float(), rtol=2e-2, atol=1e-3 * float(g.abs().max()))
