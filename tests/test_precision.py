@@ -171,3 +171,67 @@ def test_bf16_gpt2_with_float32_lora_adapters():
 
     assert bool(torch.isfinite(mesu.step(closure)))
     assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if not p.requires_grad)
+
+
+def test_vit_kronecker_compute_dtype():
+    """compute_dtype on a model with attention, LayerNorm and raw parameters (class token, position table):
+    KFLR of a bf16 ViT equals float64's at the rounded weights to 1e-5 (relative max error)."""
+    from curvkit.architectures import vit
+
+    m = vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=8, num_classes=3, seed=0).eval().to(BF16)
+    m64 = vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=8, num_classes=3, seed=0).eval().double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(6, 1, 8, 8, generator=g).to(BF16), torch.randint(0, 3, (6,), generator=g)
+    lik = CrossEntropy()
+    ref = KroneckerEstimator(m64, lik, "kflr").update((X.double(), y)).operator().to_dense()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    up = KroneckerEstimator(m, lik, "kflr", compute_dtype=torch.float32).update((X, y)).operator().to_dense()
+    assert up.dtype == torch.float32 and _rel(up, ref) < 1e-5
+    assert all(torch.equal(v, before[k]) and v.dtype == BF16 for k, v in m.state_dict().items())
+    assert _rel(KroneckerEstimator(m, lik, "kflr").update((X, y)).operator().to_dense(), ref) < 5e-2
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_laplace_fp16_model(structure):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).half()
+    X, y = torch.randn(8, 4).half(), torch.randint(0, 3, (8,))
+    post = Laplace(m, CrossEntropy(), structure).fit((X, y))
+    assert post.dtype == torch.float32 and bool(torch.isfinite(post.log_marginal_likelihood()))
+    assert post.predict(X).dtype == torch.float32
+
+
+def test_ekfac_bf16_model():
+    """EKFAC of a bf16 model: the eigenbasis and its scalings in float32 (the per-sample rows cast to the
+    basis's dtype), near float64's at the rounded weights (bf16 passes: 5e-2 relative)."""
+    from curvkit.curvature.ekfac import EKFACEstimator
+
+    m, m64 = _models()
+    b, b64 = _batches(2)
+    lik = CrossEntropy()
+    op = EKFACEstimator(m, lik).update(b).operator()
+    ref = EKFACEstimator(m64, lik).update(b64).operator()
+    assert op.dtype == torch.float32
+    assert _rel(op.to_dense(), ref.to_dense()) < 5e-2
+
+
+@pytest.mark.parametrize("curvature", ["kron", "diag"])
+def test_continual_laplace_penalty_bf16_model(curvature):
+    """The continual Laplace penalty of a bf16 model: float32 curvature and value, gradients in the
+    parameters' dtype, autograd's equal to the analytic one (to bf16 rounding)."""
+    from curvkit.continual.laplace import LaplacePenalty
+
+    m, _ = _models()
+    b, _ = _batches(1)
+    pen = LaplacePenalty(curvature=curvature, task_size=16)
+    pen.on_task_end(m, b[0])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05)
+    loss = pen.loss(m)
+    assert loss.dtype == torch.float32 and float(loss) > 0
+    auto = torch.autograd.grad(loss, list(m.parameters()))
+    for a, g in zip(auto, pen.gradient(m)):
+        assert a.dtype == g.dtype == BF16
+        assert torch.allclose(a.float(), g.float(), rtol=2e-2, atol=1e-3 * float(g.abs().max()))

@@ -60,7 +60,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from curvkit import layerkinds
+from curvkit import layerkinds, precision
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator, OptionWords, wide_blocks
@@ -114,18 +114,21 @@ class _KroneckerQuadratic(torch.autograd.Function):
                 prior_anchor: Tensor, rows: bool) -> Tensor:
         grad, value = _kron_grad_value(W, G, A, coef, anchors, lam0, prior_anchor, rows)
         ctx.save_for_backward(grad)
+        ctx.dtype = W.dtype
         return value
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
-        return g * grad, None, None, None, None, None, None, None
+        return (g * grad).to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
                      prior_anchor: Tensor, rows: bool = False) -> tuple[Tensor, Tensor]:
     """G (T, o, o), or with ``rows`` the rows R (T, r, o) of a low-rank ``G = R^T R`` (a vocabulary-sized
     output: never an (o, o) matrix); A (T, i, i) or (T, i) (a diagonal input factor)."""
+    dt = G.dtype  # the statistics' (float32 or wider for a bf16/fp16 model: curvkit.precision)
+    W, anchors, prior_anchor = W.to(dt), anchors.to(dt), prior_anchor.to(dt)
     D = W - anchors  # (o, i) for one shared anchor, (T, o, i) per task
     GD = torch.matmul(G.transpose(-1, -2), torch.matmul(G, D)) if rows else torch.matmul(G, D)
     M = GD * A[:, None, :] if A.dim() == 2 else torch.matmul(GD, A)  # (T, o, i)
@@ -289,7 +292,7 @@ class LaplacePenalty(Penalty):
         model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         named = dict(model.named_parameters())
         p0 = named[self._names(model)[0]]
-        total = torch.zeros((), dtype=p0.dtype, device=p0.device)
+        total = torch.zeros((), dtype=precision.statistics_dtype(p0.dtype), device=p0.device)
         if self.curvature == "kron":
             for lay in self.layers(model):
                 W = block_matrix(lay, named)
@@ -340,7 +343,7 @@ class LaplacePenalty(Penalty):
                     continue
                 cF = s["F"] * s["coef"].reshape(-1, *[1] * p.dim())
                 out[n] = (cF * (p - s["anchor"])).sum(0) + self.lam0 * (p - self._prior_anchor(s["anchor"], p))
-        return [out[n] * self._scale() for n in self._names(model)]
+        return [(out[n] * self._scale()).to(named[n].dtype) for n in self._names(model)]
 
     # ------------------------------------------------------------------ consolidation
     def on_task_end(self, model: nn.Module, data: Any) -> None:

@@ -127,7 +127,11 @@ def _projected_squares(ps: PerSample, e: KroneckerEigh) -> Tensor:
     ``ps.inputs`` (B, R, in_aug) input rows, (B, R) token ids (QA is the identity: a one-hot row selects a
     column) or None (``ps.vectors`` are then the per-sample gradients (V, B, P) of a (1, P) block);
     ``ps.vectors`` (V, B, R, out) the output rows of each vector."""
-    QG, QA, w = e.G_eigvecs, e.A_eigvecs, ps.weights
+    QG, QA = e.G_eigvecs, e.A_eigvecs
+    dt = e.G_eigvals.dtype  # the basis's: the statistics dtype of a bf16/fp16 model's rows (curvkit.precision)
+    inputs = ps.inputs.to(dt) if ps.inputs is not None and ps.inputs.is_floating_point() else ps.inputs
+    ps = PerSample(inputs, ps.vectors.to(dt), ps.weights.to(dt))
+    w = ps.weights
     if ps.inputs is None:  # dW = u (1, P); QG is (1, 1) with entry +-1
         pu = ps.vectors if QA is None else ps.vectors @ QA
         return torch.einsum("v,vbp->p", w, pu.square())[None, :]

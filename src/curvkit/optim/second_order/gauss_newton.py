@@ -213,7 +213,9 @@ def _check_ema(ema: Any) -> float | str | None:
 
 
 def _dot(a: list[Tensor], b: list[Tensor]) -> float:
-    return float(sum((x * y).sum() for x, y in zip(a, b)))
+    """sum_i <a_i, b_i>, summed in float32 for bf16/fp16 tensors (curvkit.precision)."""
+    return float(sum((x * y).sum(dtype=torch.float32 if x.dtype in precision.LOW_PRECISION else None)
+                     for x, y in zip(a, b)))
 
 
 class GaussNewton(CurvatureOptimizer):
@@ -790,7 +792,8 @@ class GaussNewton(CurvatureOptimizer):
             if any(u is None for u in prev):
                 prev = None
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
-        M = output_gram(self._shard_likelihood, f, y, JV)
+        sd = self.statistics_dtype  # the quadratic model of a bf16/fp16 model's tangents in float32 or wider
+        M = output_gram(self._shard_likelihood, f.to(sd), y, JV.to(sd))
         if self.distributed is not None:  # d_i^T G d_j summed over the shard's counted terms: the union's
             from curvkit.optim.second_order._distributed import reduce_sums
 
