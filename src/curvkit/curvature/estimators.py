@@ -61,6 +61,14 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
 from curvkit.curvature.capture import BlockCapture
+from curvkit.curvature.config import (
+    BatchStatistics,
+    CurvatureConfig,
+    Distribution,
+    NormStructure,
+    OutputFactor,
+    WeightSharing,
+)
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
@@ -85,10 +93,6 @@ __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "Opt
 Data = tuple[Inputs, Tensor] | Iterable[tuple[Inputs, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
-WeightSharing = Literal["expand", "reduce"]
-NormStructure = Literal["full", "diag"]
-OutputFactor = Literal["auto", "dense", "low_rank"]
-BatchStatistics = Literal["refuse", "couple"]
 
 LOW_RANK_OUTPUTS = 8192
 """``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
@@ -132,6 +136,22 @@ def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor
     n = max(1, 2**22 // (C * C))
     total = sum(lik.output_hessian(f[i:i + n], None if y is None else y[i:i + n]).sum(0) for i in range(0, B, n))
     return total / B  # type: ignore[return-value]
+
+
+def resolve_config(config: CurvatureConfig | None, given: dict[str, Any], what: str) -> CurvatureConfig:
+    """The :class:`CurvatureConfig` of an entry point: ``config`` when given (then every keyword option in
+    ``given`` must be at its default or equal to the config's: two different values would be a guess), else
+    the configuration of the keyword options (validated there)."""
+    if config is None:
+        return CurvatureConfig(**given)
+    if not isinstance(config, CurvatureConfig):
+        raise TypeError(f"{what}: config must be a curvkit.curvature.CurvatureConfig, got {type(config).__name__}")
+    defaults = CurvatureConfig.defaults()
+    clash = [f"{k}={v!r}" for k, v in given.items() if v != defaults[k] and v != getattr(config, k)]
+    if clash:
+        raise ValueError(f"{what}: {', '.join(clash)} differ from config={config}; pass the options either as "
+                         "keywords or in config")
+    return config
 
 
 def _check_likelihood(likelihood: Any) -> Likelihood:
@@ -349,40 +369,35 @@ class KroneckerEstimator(CurvatureEstimator):
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
-                 parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
-                 ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
-                 keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto",
-                 batch_statistics: BatchStatistics = "refuse", statistics_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None, option_words: OptionWords = OptionWords()):
+                 parameter_structure: NormStructure = "diag", mc_samples: int = 1,
+                 distribution: Distribution = "rademacher", ema: float | None = None, seed: int = 0,
+                 generator: torch.Generator | None = None, keep_per_sample: bool = False, distributed: Any = None,
+                 output_factor: OutputFactor = "auto", batch_statistics: BatchStatistics = "refuse",
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 option_words: OptionWords = OptionWords(), config: CurvatureConfig | None = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
-        if distribution not in ("rademacher", "gaussian"):
-            raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
-        if weight_sharing not in ("expand", "reduce"):
-            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
-        if norm_structure not in ("full", "diag"):
-            raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
-        if parameter_structure not in ("full", "diag"):
-            raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
-        if output_factor not in ("auto", "dense", "low_rank"):
-            raise ValueError(f"output_factor must be 'auto', 'dense' or 'low_rank', got {output_factor!r}")
-        if batch_statistics not in ("refuse", "couple"):
-            raise ValueError(f"batch_statistics must be 'refuse' or 'couple', got {batch_statistics!r}")
-        if batch_statistics == "couple" and distributed is not None:
+        given = dict(weight_sharing=weight_sharing, norm_structure=norm_structure,
+                     parameter_structure=parameter_structure, mc_samples=mc_samples, distribution=distribution,
+                     output_factor=output_factor, batch_statistics=batch_statistics)
+        cfg = resolve_config(config, given, "KroneckerEstimator")
+        self.config = cfg
+        if cfg.batch_statistics == "couple" and distributed is not None:
             raise ValueError("KroneckerEstimator: batch_statistics='couple' cannot be used with distributed=: each "
                              "rank's BatchNorm normalises with its own shard's statistics, so the ranks' factors are "
                              "not those of one coupled batch; use one process, or model.eval() (running statistics)")
+        batch_statistics, output_factor = cfg.batch_statistics, cfg.output_factor
         self.batch_statistics: BatchStatistics = batch_statistics
         self.output_factor: OutputFactor = output_factor
         self._words = option_words
         require_wrapped(model, "KroneckerEstimator")
         self.method = method
-        self.weight_sharing: WeightSharing = weight_sharing
-        self.norm_structure: NormStructure = norm_structure
-        self.parameter_structure: NormStructure = parameter_structure
-        self.mc_samples = integer("mc_samples", mc_samples)
-        self.distribution = distribution
+        self.weight_sharing: WeightSharing = cfg.weight_sharing
+        self.norm_structure: NormStructure = cfg.norm_structure
+        self.parameter_structure: NormStructure = cfg.parameter_structure
+        self.mc_samples = cfg.mc_samples
+        self.distribution = cfg.distribution
         self.seed = int(seed) if distributed is None else distributed.seed(int(seed))
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
