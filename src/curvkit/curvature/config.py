@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from curvkit.validation import integer
 
-__all__ = ["CurvatureConfig"]
+__all__ = ["CurvatureConfig", "resolve_config"]
 
 WeightSharing = Literal["expand", "reduce"]
 BlockStructure = Literal["full", "diag"]
@@ -93,3 +93,19 @@ class CurvatureConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def resolve_config(config: CurvatureConfig | None, given: dict[str, Any], what: str) -> CurvatureConfig:
+    """The :class:`CurvatureConfig` of an entry point: ``config`` when given (then every keyword option in
+    ``given`` must be at its default or equal to the config's: two different values would be a guess), else
+    the configuration of the keyword options (validated there)."""
+    if config is None:
+        return CurvatureConfig(**given)
+    if not isinstance(config, CurvatureConfig):
+        raise TypeError(f"{what}: config must be a curvkit.curvature.CurvatureConfig, got {type(config).__name__}")
+    defaults = CurvatureConfig.defaults()
+    clash = [f"{k}={v!r}" for k, v in given.items() if v != defaults[k] and v != getattr(config, k)]
+    if clash:
+        raise ValueError(f"{what}: {', '.join(clash)} differ from config={config}; pass the options either as "
+                         "keywords or in config")
+    return config

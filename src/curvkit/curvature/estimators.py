@@ -68,6 +68,7 @@ from curvkit.curvature.config import (
     NormStructure,
     OutputFactor,
     WeightSharing,
+    resolve_config,
 )
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
@@ -136,22 +137,6 @@ def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor
     n = max(1, 2**22 // (C * C))
     total = sum(lik.output_hessian(f[i:i + n], None if y is None else y[i:i + n]).sum(0) for i in range(0, B, n))
     return total / B  # type: ignore[return-value]
-
-
-def resolve_config(config: CurvatureConfig | None, given: dict[str, Any], what: str) -> CurvatureConfig:
-    """The :class:`CurvatureConfig` of an entry point: ``config`` when given (then every keyword option in
-    ``given`` must be at its default or equal to the config's: two different values would be a guess), else
-    the configuration of the keyword options (validated there)."""
-    if config is None:
-        return CurvatureConfig(**given)
-    if not isinstance(config, CurvatureConfig):
-        raise TypeError(f"{what}: config must be a curvkit.curvature.CurvatureConfig, got {type(config).__name__}")
-    defaults = CurvatureConfig.defaults()
-    clash = [f"{k}={v!r}" for k, v in given.items() if v != defaults[k] and v != getattr(config, k)]
-    if clash:
-        raise ValueError(f"{what}: {', '.join(clash)} differ from config={config}; pass the options either as "
-                         "keywords or in config")
-    return config
 
 
 def _check_likelihood(likelihood: Any) -> Likelihood:
@@ -329,6 +314,9 @@ class KroneckerEstimator(CurvatureEstimator):
             ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
             (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
             rank and costs one backward pass per output), as do ``keep_per_sample`` and ``distributed``.
+        config: a :class:`~curvkit.curvature.CurvatureConfig` holding the options above (``weight_sharing``,
+            ``norm_structure``, ``parameter_structure``, ``mc_samples``, ``distribution``, ``output_factor``,
+            ``batch_statistics``) instead of the keywords; a keyword that differs from it is refused.
         keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (block label ->
             :class:`PerSample`) for estimators built on top (e.g. eigenbasis corrections).
         batch_statistics: ``refuse`` (default) | ``couple``: a model with a module that normalises with the
