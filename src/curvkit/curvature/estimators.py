@@ -73,7 +73,7 @@ from curvkit.curvature.config import (
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
@@ -121,22 +121,6 @@ def wide_blocks(plans: Sequence[Any]) -> list[str]:
 
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
-
-
-def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
-    """(C, C) batch mean of H_L (KFRA's G_L, Eq. 4.7) without a (B, C, C) tensor for the diagonal heads
-    (BCE and Gaussian: an autoencoder's C = 784 would need B * 784^2 entries) and in chunks otherwise;
-    padded samples of y (the likelihood's ``ignore_index``/``ignore_value``) contribute zero, as in every
-    curvature, and still count in the mean over the B samples (the estimator's scale divides by the
-    counted terms)."""
-    if getattr(lik, "hessian_needs_target", False):
-        return lik.output_hessian(f, y).mean(0)  # type: ignore[call-arg]
-    if isinstance(lik, (BernoulliBCE, Gaussian)):
-        return torch.diag(lik.output_hessian_diagonal(f, y).mean(0))
-    B, C = f.shape
-    n = max(1, 2**22 // (C * C))
-    total = sum(lik.output_hessian(f[i:i + n], None if y is None else y[i:i + n]).sum(0) for i in range(0, B, n))
-    return total / B  # type: ignore[return-value]
 
 
 def _check_likelihood(likelihood: Any) -> Likelihood:
@@ -766,7 +750,7 @@ class KroneckerEstimator(CurvatureEstimator):
             for h in handles:
                 h.remove()
         if closed:  # KFLR at the output layer: sum_c s_c s_c^T = H_L per position, in closed form
-            H = _output_hessian_sum(self.likelihood, f.detach().to(self.statistics_dtype), y)
+            H = self.likelihood.output_hessian_sum(f.detach().to(self.statistics_dtype), y)
             R = math.prod(f.shape[1:-1])
             for j in closed:
                 fired[j] = True
@@ -836,7 +820,9 @@ class KroneckerEstimator(CurvatureEstimator):
     def _kfra(self, sites: list[Site], f: Tensor, y: Tensor | None) -> list[Tensor]:
         assert self.chain is not None
         B = f.shape[0]
-        G = _mean_output_hessian(self.likelihood, f.detach(), y)
+        # KFRA's G_L (Eq. 4.7): the batch mean of H_L; padded samples contribute zero and still count in the mean
+        # (the estimator's scale divides by the counted terms)
+        G = self.likelihood.output_hessian_sum(f.detach(), y) / f.shape[0]
         chain, L, first = self.chain, len(self.chain.linears), self._chain_pos[0]
         h = {l: site.output.detach() for l, site in zip(self._chain_pos, sites)}
         grams = {}
@@ -927,28 +913,6 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
-
-
-def _output_hessian_sum(lik: Any, f: Tensor, y: Tensor | None) -> Tensor:
-    """``sum over samples and positions of H_L`` (C, C) from O(C) output-space products, a few positions at a
-    time (never (B, C, C)); padded positions count zero."""
-    C = f.shape[-1]
-    ff = f.reshape(-1, C)
-    if isinstance(lik, CrossEntropy):  # sum_n diag(p_n) - p_n p_n^T: one (C, N) x (N, C) product
-        P = ff.softmax(-1)
-        keep = lik.mask(y) if y is not None else None
-        if keep is not None:
-            P = P * keep.reshape(-1, 1).to(P.dtype)
-        return torch.diag(P.sum(0)) - P.T @ P
-    yy = None if y is None else y.reshape(ff.shape[0], *y.shape[f.dim() - 1:])
-    eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    out = f.new_zeros(C, C)
-    step = max(1, _BUDGET // (C * C))
-    for s in range(0, ff.shape[0], step):
-        fs = ff[s:s + step]
-        V = eye[:, None, :].expand(C, fs.shape[0], C)
-        out += lik.output_hessian_matvec(fs, V, None if yy is None else yy[s:s + step]).sum(1)
-    return 0.5 * (out + out.T)
 
 
 def _hook(consume: Any, j: int) -> Any:
