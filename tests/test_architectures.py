@@ -29,7 +29,7 @@ def test_builders_are_seeded_without_touching_the_global_rng(build, inputs, shap
 def test_builders_refuse_bad_arguments():
     with pytest.raises(ValueError, match="multiple of patch_size"):
         vit(image_size=28, patch_size=5)
-    with pytest.raises(ValueError, match="depth must be a positive integer"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1"):
         vit(depth=0)
     with pytest.raises(ValueError, match="integer token ids"):
         causal_lm()(torch.randn(2, 3))

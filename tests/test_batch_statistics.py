@@ -316,7 +316,7 @@ def test_users_without_the_option_refuse_without_naming_it():
     model = _net()
     X, y = _data()
     for refused in (lambda: KFNatGrad(model.parameters(), model=model),
-                    lambda: LaplacePenalty(curvature="kron", task_size=5).consolidate(model, [(X, y)])):
+                    lambda: LaplacePenalty(structure="kron", task_size=5).consolidate(model, [(X, y)])):
         with pytest.raises(UnsupportedModelError, match="batch statistics") as err:
             refused()
         assert "batch_statistics" not in str(err.value) and "model.eval()" in str(err.value)

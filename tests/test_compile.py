@@ -154,7 +154,7 @@ def test_continual_laplace_penalty_takes_the_compiled_model(curvature):
     for compile_it in (False, True):
         model = mlp()
         run = torch.compile(model, backend="eager") if compile_it else model
-        penalty = LaplacePenalty(curvature=curvature, task_size=8)
+        penalty = LaplacePenalty(structure=curvature, task_size=8)
         penalty.on_task_end(run, batch)
         with torch.no_grad():
             for p in model.parameters():
@@ -167,7 +167,7 @@ def test_continual_laplace_penalty_takes_the_compiled_model(curvature):
 
 def test_llc_hessian_trace_and_mesu_take_the_compiled_model():
     from curvkit.optim import MESU
-    from curvkit.slt.hessian import hessian_trace
+    from curvkit.slt.hessian import hessian_trace_estimate as hessian_trace
     from curvkit.slt.llc import estimate_llc
 
     batch, out = data(), []

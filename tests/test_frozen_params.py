@@ -284,8 +284,8 @@ def test_continual_learners_and_penalties_leave_frozen_parameters_alone():
     layers = ["0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"]
     for penalty, covered in ((EWC(lam=10.0), shapes), (EWC(lam=10.0, fisher="true", online=True, gamma=0.9), shapes),
                              (SynapticIntelligence(c=0.5), shapes),
-                             (LaplacePenalty(curvature="kron", lam=1.0, task_size=32), layers),
-                             (LaplacePenalty(curvature="diag", lam=1.0, task_size=32), sorted(names))):
+                             (LaplacePenalty(structure="kron", lam=1.0, task_size=32), layers),
+                             (LaplacePenalty(structure="diag", lam=1.0, task_size=32), sorted(names))):
         model = module_lora()
         snap = frozen_snapshot(model)
         learner = TorchLearner(model, torch.optim.SGD(model.parameters(), lr=0.1), penalty)
@@ -309,10 +309,10 @@ def test_continual_learners_and_penalties_leave_frozen_parameters_alone():
 def test_laplace_penalty_covers_only_trainable_parameters_and_refuses_frozen_names():
     model = module_lora()
     X, y = _batches(1, B=16)[0]
-    pen = LaplacePenalty(curvature="diag", lam=1.0, reduction="sum")
+    pen = LaplacePenalty(structure="diag", lam=1.0, reduction="sum")
     pen.on_task_end(model, (X, y))
     assert set(pen.store) == {n for n, p in model.named_parameters() if p.requires_grad}
-    bad = LaplacePenalty(curvature="diag", lam=1.0, reduction="sum", params=["0.base.weight", "0.lora_A.weight"])
+    bad = LaplacePenalty(structure="diag", lam=1.0, reduction="sum", params=["0.base.weight", "0.lora_A.weight"])
     with pytest.raises(ValueError, match=r"\['0.base.weight'\] are frozen"):
         bad.on_task_end(model, (X, y))
     assert math.isfinite(float(pen.loss(model).detach()))

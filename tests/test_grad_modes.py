@@ -159,7 +159,7 @@ def test_other_entry_points_equal_normal_mode(mode):
     from curvkit.continual.penalties import EWC
     from curvkit.curvature.ekfac import EKFACEstimator
     from curvkit.optim import MESU
-    from curvkit.slt.hessian import hessian_trace
+    from curvkit.slt.hessian import hessian_trace_estimate as hessian_trace
     from curvkit.slt.llc import estimate_llc
 
     (X, y), lik = data(), CrossEntropy("mean")
@@ -175,7 +175,7 @@ def test_other_entry_points_equal_normal_mode(mode):
             out["mesu"] = torch.cat([p.detach().reshape(-1) for p in trained.parameters()])
             out["hessian_trace"] = torch.as_tensor(hessian_trace(m, lik, (X, y)).value)
             out["llc"] = torch.as_tensor(estimate_llc(m, (X, y), batch_size=8, seed=0).llc_mean)
-            for name, penalty in (("laplace", LaplacePenalty(curvature="kron", task_size=8)), ("ewc", EWC(1.0))):
+            for name, penalty in (("laplace", LaplacePenalty(structure="kron", task_size=8)), ("ewc", EWC(1.0))):
                 penalty.on_task_end(m, (X, y))
                 out[name] = penalty.loss(other).detach()
         return out

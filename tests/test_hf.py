@@ -896,3 +896,26 @@ def test_lora_adapters_on_gpt2_conv1d():
     for n, p in hf.named_parameters():
         if n in base:
             assert torch.equal(p, base[n]), n
+
+
+def test_llc_of_a_transformers_model_on_mapping_batches_equals_the_llc_on_tensors():
+    """estimate_llc of a tiny BERT classifier on Hugging Face style batches ({"input_ids", "attention_mask"},
+    labels as the pair's y) is the LLC of the same model on the token-id tensor (the adapter's main input; a mask
+    of ones is the default), same seed, to rounding; padding in the mapping changes it (the mask takes part)."""
+    from curvkit.slt import SGLDConfig, estimate_llc
+
+    hf = HuggingFace(bert())
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(1, 13, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+    mask = torch.ones_like(ids)
+    cfg = SGLDConfig(num_chains=2, num_draws=5, epsilon=1e-3)
+    batches = [({"input_ids": ids[:4], "attention_mask": mask[:4]}, y[:4]),
+               ({"input_ids": ids[4:], "attention_mask": mask[4:]}, y[4:])]
+    a = estimate_llc(hf, batches, batch_size=4, config=cfg, seed=1)
+    b = estimate_llc(hf, (ids, y), batch_size=4, config=cfg, seed=1)
+    torch.testing.assert_close(a.loss_trace, b.loss_trace, atol=1e-10, rtol=1e-10)
+    assert a.llc_mean == pytest.approx(b.llc_mean, rel=1e-8)
+    padded = mask.clone()
+    padded[:, -2:] = 0
+    c = estimate_llc(hf, ({"input_ids": ids, "attention_mask": padded}, y), batch_size=4, config=cfg, seed=1)
+    assert not torch.allclose(c.loss_trace, b.loss_trace)

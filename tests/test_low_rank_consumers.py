@@ -176,7 +176,7 @@ def test_laplace_default_curvature_takes_kfac_for_a_wide_head(monkeypatch: pytes
 def test_continual_kronecker_penalty_equals_the_dense_factor(monkeypatch: pytest.MonkeyPatch, which: str,
                                                              memory: str) -> None:
     def run(model: nn.Module, X: Any, y: Any) -> list[Any]:
-        pen = LaplacePenalty(curvature="kron", method="kfac", memory=memory, task_size=6, prior_precision=0.1)  # type: ignore[arg-type]
+        pen = LaplacePenalty(structure="kron", curvature="kfac", memory=memory, task_size=6, prior_precision=0.1)  # type: ignore[arg-type]
         pen.consolidate(model, [(X, y)])
         with torch.no_grad():
             for p in model.parameters():
@@ -223,7 +223,7 @@ REFUSED = {  # what a caller writes with KFLR/KFRA on a wide head, and whose key
     "GaussNewton": (lambda m, X, y: GaussNewton(m.parameters(), model=m, likelihood=CrossEntropy(),
                                                 curvature="kflr"), GaussNewton),
     "Laplace": (lambda m, X, y: Laplace(m, CrossEntropy(), "kron", "kflr"), Laplace),
-    "LaplacePenalty": (lambda m, X, y: LaplacePenalty(curvature="kron", method="kflr", task_size=6).consolidate(
+    "LaplacePenalty": (lambda m, X, y: LaplacePenalty(structure="kron", curvature="kflr", task_size=6).consolidate(
         m, [(X, y)]), LaplacePenalty),
     "EKFACEstimator": (lambda m, X, y: EKFACEstimator(m, CrossEntropy(), "kfac"), EKFACEstimator),
     "EKFACEstimator(kflr)": (lambda m, X, y: EKFACEstimator(m, CrossEntropy(), "kflr"), EKFACEstimator),
@@ -264,7 +264,7 @@ def test_a_head_above_the_real_threshold_runs_through_every_consumer() -> None:
     probs = post.predict(X)
     assert probs.shape == (6, wide) and torch.isfinite(probs).all()
     assert torch.isfinite(post.sample(2)).all()
-    pen = LaplacePenalty(curvature="kron", task_size=6)
+    pen = LaplacePenalty(structure="kron", task_size=6)
     pen.consolidate(model, [(X, y)])
     assert torch.isfinite(pen.loss(model))
     m = copy.deepcopy(model)

@@ -56,7 +56,7 @@ def _w_hat_flat(net):
 @pytest.mark.parametrize("curvature", ["kron", "diag"])
 def test_penalty_and_gradient_equal_the_dense_formula(mode, curvature):
     net = mlp([4, 5, 3], "tanh", dtype=DT, seed=0)
-    pen = LaplacePenalty(curvature=curvature, mode=mode, lam=3.0, prior_precision=0.1, task_size=30)
+    pen = LaplacePenalty(structure=curvature, mode=mode, lam=3.0, prior_precision=0.1, task_size=30)
     stored = []  # (per-layer factors or diagonals, coefficient, anchors)
     for i, (X, y) in enumerate(_tasks()):
         _perturb(net, 0.3, i)
@@ -128,7 +128,7 @@ def test_online_laplace_with_lam_one_is_the_joint_posterior_of_linear_gaussian_t
     tasks = _linear_gaussian_tasks(same_inputs=same)
     lik, lam0 = Gaussian("sum", sigma=0.3), 0.5
     model = nn.Linear(3, 1).to(DT)
-    pen = LaplacePenalty(curvature="kron", mode="online", lam=1.0, prior_precision=lam0, memory=memory,
+    pen = LaplacePenalty(structure="kron", mode="online", lam=1.0, prior_precision=lam0, memory=memory,
                          likelihood=lik, reduction="sum")
     for X, y in tasks:
         _map(model, pen, X, y, lik)
@@ -196,7 +196,7 @@ def _perm_tasks(n=120, d=12, M=3):
 def _runner_learner():
     model = mlp([12, 16, 3], seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    pen = LaplacePenalty(curvature="kron", mode="online", lam=3.0, task_size=120)
+    pen = LaplacePenalty(structure="kron", mode="online", lam=3.0, task_size=120)
     return LRDecayLearner(model, opt, pen, k=1.0)
 
 
@@ -224,7 +224,7 @@ def test_sequence_trainer_resumes_to_the_same_results_single_head(tmp_path):
     tasks = _perm_tasks()
     def run(out, max_tasks=None):
         model = mlp([12, 16, 3], seed=0)
-        pen = LaplacePenalty(curvature="kron", lam=3.0, task_size=1)
+        pen = LaplacePenalty(structure="kron", lam=3.0, task_size=1)
         return train_task_sequence(model, tasks, pen, _cfg(), out, max_tasks=max_tasks), pen
 
     full, _ = run(tmp_path / "a")
@@ -241,7 +241,7 @@ def test_multi_head_trainer_penalises_the_trunk_and_keeps_each_head(tmp_path, ma
     data = make_linear_tasks(n_train=80, n_test=20, uniform=True)
     torch.manual_seed(0)
     model = MultiHead(nn.Sequential(nn.Linear(8, 10), nn.ReLU()), [nn.Linear(10, 3) for _ in range(2)])
-    pen = LaplacePenalty(curvature="diag", lam=10.0, task_size=1, params=model.shared_parameters())
+    pen = LaplacePenalty(structure="diag", lam=10.0, task_size=1, params=model.shared_parameters())
     res = train_task_sequence(model, DatasetSequence(data), pen, _cfg(multi_head=True), tmp_path)
     assert np.isnan(res.acc[0][1]) and not np.isnan(res.acc[1][0])
     assert set(pen.store) == {"trunk.0.weight", "trunk.0.bias"}
@@ -274,7 +274,7 @@ def test_a_task_ending_with_a_dead_network_raises_and_keeps_the_finished_tasks(t
 @pytest.mark.parametrize("curvature", ["kron", "diag"])
 def test_curvature_bound_bounds_the_penalty_hessian(curvature):
     net = mlp([4, 5, 3], "tanh", dtype=DT, seed=0)
-    pen = LaplacePenalty(curvature=curvature, lam=2.0, prior_precision=0.3, task_size=7)
+    pen = LaplacePenalty(structure=curvature, lam=2.0, prior_precision=0.3, task_size=7)
     for i, task in enumerate(_tasks(3)):
         _perturb(net, 0.3, i)
         pen.consolidate(net, task)

@@ -59,8 +59,8 @@ def test_penalty_and_gradients_equal_the_dense_formula(name, curvature, mode):
     model, lik, (X, y) = tiny_case(name)
     model.eval()
     lam, lam0, size = 2.0, 0.1, 7
-    pen = LaplacePenalty(curvature=curvature, mode=mode, lam=lam, prior_precision=lam0, task_size=size,
-                         likelihood=lik, method="kflr" if curvature == "kron" else "ggn")
+    pen = LaplacePenalty(structure=curvature, mode=mode, lam=lam, prior_precision=lam0, task_size=size,
+                         likelihood=lik, curvature="kflr" if curvature == "kron" else "ggn")
     stored = []
     for i, (Xi, yi) in enumerate(_tasks(X, y)):
         _perturb(model, 0.2, i)
@@ -94,7 +94,7 @@ def test_non_online_and_summed_memory_on_a_vit(memory):
     factors per block, (sum c_i) (sum w_i G_i) (x) (sum w_i A_i) with w_i = c_i / sum c_j."""
     model, lik, (X, y) = tiny_case("vit")
     tasks = _tasks(X, y)
-    pen = LaplacePenalty(curvature="kron", mode="non_online", lam=1.5, prior_precision=0.2, task_size=5,
+    pen = LaplacePenalty(structure="kron", mode="non_online", lam=1.5, prior_precision=0.2, task_size=5,
                          likelihood=lik, memory=memory, task_data=lambda j: tasks[j])
     for i, task in enumerate(tasks):
         _perturb(model, 0.2, i)
@@ -123,14 +123,14 @@ def test_state_dict_round_trip_and_lora_subset():
     """A LoRA-adapted GPT: only the adapters are penalised (the frozen base has no blocks); the state_dict
     restores the same penalty in a fresh object."""
     model, lik, (ids, y) = tiny_case("lora_gpt")
-    pen = LaplacePenalty(curvature="kron", lam=1.0, task_size=9, likelihood=lik)
+    pen = LaplacePenalty(structure="kron", lam=1.0, task_size=9, likelihood=lik)
     pen.consolidate(model, (ids, y))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     layout = ParamLayout.from_module(model)
     assert set(layout.names) == trainable and all("lora_" in n for n in trainable)
     assert {k for k in pen.store} == {b.label for b in pen.layers(model)}
     _perturb(model, 0.1, 3)
-    fresh = LaplacePenalty(curvature="kron", lam=1.0, task_size=9, likelihood=lik)
+    fresh = LaplacePenalty(structure="kron", lam=1.0, task_size=9, likelihood=lik)
     fresh.load_state_dict(pen.state_dict())
     torch.testing.assert_close(fresh.loss(model), pen.loss(model))
 
@@ -189,7 +189,7 @@ def test_bad_input_is_refused_and_changes_nothing(curvature):
     ]
     for model, likelihood, data, err, match in cases:
         before = _snapshot(model)
-        pen = LaplacePenalty(curvature=curvature, task_size=5, likelihood=likelihood)
+        pen = LaplacePenalty(structure=curvature, task_size=5, likelihood=likelihood)
         with pytest.raises(err, match=match):
             pen.on_task_end(model, data)
         after = _snapshot(model)

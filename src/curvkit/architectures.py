@@ -33,6 +33,8 @@ from typing import Literal, TypeVar
 import torch
 from torch import Tensor, nn
 
+from curvkit.validation import integer
+
 __all__ = ["LoRALinear", "add_lora", "causal_lm", "conv1d_tagger", "resnet", "vit"]
 
 M = TypeVar("M", bound=nn.Module)
@@ -47,9 +49,10 @@ def _seeded(build: Callable[[], M], seed: int, dtype: torch.dtype | None) -> M:
 
 
 def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    """A size: an ``int`` >= 1 (:func:`curvkit.validation.integer`; floats such as 2.0 are refused too)."""
+    if not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return integer(name, value)
 
 
 # ---------------------------------------------------------------------------------------------- ViT

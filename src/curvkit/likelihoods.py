@@ -151,6 +151,34 @@ class Likelihood:
         f (..., C); zero at padded positions of y (if given)."""
         return self._masked_last(self._hessian_matvec(f, V), f, y)
 
+    #: H_L is diagonal per position (the sum :meth:`output_hessian_sum` then comes from the diagonals)
+    diagonal_hessian = False
+
+    def output_hessian_sum(self, f: Tensor, y: Tensor | None = None) -> Tensor:
+        """(C, C) sum of H_L over every sample and position of f (B, [*P,] C); zero at padded positions of y.
+
+        Never a (B, C, C) tensor: a head whose H_L needs the label from dense blocks a few positions at a time,
+        a diagonal H_L (``diagonal_hessian``) from the diagonals, otherwise from O(C) products
+        (:meth:`output_hessian_matvec`) a few positions at a time; subclasses override it with closed forms
+        (softmax: ``diag(sum p) - P^T P``). KFLR's output factor of the output layer and KFRA's G_L use it."""
+        C = f.shape[-1]
+        ff = f.reshape(-1, C)
+        yy = None if y is None else y.reshape(ff.shape[0], *y.shape[f.dim() - 1:])
+        if self.diagonal_hessian:
+            return torch.diag(self.output_hessian_diagonal(ff, yy).sum(0))
+        step = max(1, 2**22 // (C * C))
+        out = f.new_zeros(C, C)
+        if self.hessian_needs_target:
+            for s in range(0, ff.shape[0], step):
+                out += self.output_hessian(ff[s:s + step], None if yy is None else yy[s:s + step]).sum(0)
+            return out
+        eye = torch.eye(C, dtype=f.dtype, device=f.device)
+        for s in range(0, ff.shape[0], step):
+            fs = ff[s:s + step]
+            V = eye[:, None, :].expand(C, fs.shape[0], C)
+            out += self.output_hessian_matvec(fs, V, None if yy is None else yy[s:s + step]).sum(1)
+        return 0.5 * (out + out.T)
+
     def output_hessian_sqrt(self, f: Tensor, y: Tensor | None = None) -> Tensor:
         """(..., C, R) with S S^T = H_L per position (R = C for the built-in heads); zero at padded positions.
 
@@ -341,6 +369,14 @@ class CrossEntropy(Likelihood):
         flat = f.reshape(-1, f.shape[-1]).softmax(-1)
         return torch.multinomial(flat, 1, generator=generator)[:, 0].reshape(f.shape[:-1])
 
+    def output_hessian_sum(self, f: Tensor, y: Tensor | None = None) -> Tensor:
+        """``sum_n diag(p_n) - p_n p_n^T`` over the unpadded positions: one (C, N) x (N, C) product."""
+        P = f.reshape(-1, f.shape[-1]).softmax(-1)
+        keep = self.mask(y) if y is not None else None
+        if keep is not None:
+            P = P * keep.reshape(-1, 1).to(P.dtype)
+        return torch.diag(P.sum(0)) - P.T @ P
+
     def __repr__(self) -> str:
         extra = "" if self.ignore_index is None else f", ignore_index={self.ignore_index}"
         return f"CrossEntropy(reduction={self.reduction!r}{extra})"
@@ -351,6 +387,8 @@ class BernoulliBCE(_ValuePadding, Likelihood):
     H_L = diag(s(1-s)). ``ignore_value``: a position whose C targets all equal it is padding."""
 
     name = "sigmoid binary cross-entropy"
+
+    diagonal_hessian = True
 
     def __init__(self, reduction: Reduction = "mean", ignore_value: float | None = None):
         super().__init__(reduction)
@@ -391,6 +429,8 @@ class Gaussian(_ValuePadding, Likelihood):
     """
 
     name = "Gaussian"
+
+    diagonal_hessian = True
 
     def __init__(self, reduction: Reduction = "mean", sigma: float = 1.0, include_normaliser: bool = False,
                  ignore_value: float | None = None):

@@ -1,6 +1,7 @@
 """Continual-learning harness: task streams and schedules, learners (MESU/BGD adapters, fine-tuning, EWC,
-online EWC, SI), evaluation on all tasks, checkpoint/resume (MESU paper Fig. 3; issue 3 section 3)."""
+online EWC, SI), the online/EWC/non-online Laplace penalties (``LaplacePenalty``), evaluation on all tasks, checkpoint/resume (MESU paper Fig. 3; issue 3 section 3)."""
 
+from curvkit.continual.laplace import LaplacePenalty, MultiHead
 from curvkit.continual.learners import Learner, MeanFieldLearner, TorchLearner
 from curvkit.continual.penalties import EWC, Penalty, SynapticIntelligence, diagonal_fisher
 from curvkit.continual.runner import ContinualRunner, RunnerConfig, RunResult
@@ -24,8 +25,10 @@ __all__ = [
     "ContinualRunner",
     "ContinuousSchedule",
     "DatasetSequence",
+    "LaplacePenalty",
     "Learner",
     "MeanFieldLearner",
+    "MultiHead",
     "Penalty",
     "PermutedTasks",
     "RunResult",

@@ -9,8 +9,8 @@ is trained on ``-log p(D_{t+1} | theta) + (1/2) (theta - mu_t)^T Lambda_t (theta
 
 where ``G_i`` is the curvature of task i's SUMMED log-likelihood, ``N_i`` times its per-datum mean
 (stored as per-datum factors and the coefficient ``lam * N_i``), either Kronecker-factored per block
-(``curvature='kron'``, Eq. 5.14's ``G_{i,l} (x) A_{i,l}`` in PyTorch's output-first layout) or diagonal
-(``curvature='diag'``). The penalty's gradient for a Kronecker block is
+(``structure='kron'``, Eq. 5.14's ``G_{i,l} (x) A_{i,l}`` in PyTorch's output-first layout) or diagonal
+(``structure='diag'``). The penalty's gradient for a Kronecker block is
 
     sum_i lam N_i G_i (W_hat - M_i) A_i + lam_0 (W_hat - M_0)
 
@@ -53,6 +53,7 @@ curvature.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -63,6 +64,7 @@ from torch import Tensor, nn
 from curvkit import layerkinds, precision
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
+from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
 from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
@@ -155,7 +157,7 @@ def _pad_rows(R: Tensor, r: int) -> Tensor:
 
 
 #: the estimator's refusals in the penalty's words (``method=``; no ``output_factor``)
-_WORDS = OptionWords(sampled="method='kfac' or 'empirical'", dense=None)
+_WORDS = OptionWords(sampled="curvature='kfac' or 'empirical'", dense=None)
 
 
 @dataclass(frozen=True)
@@ -182,16 +184,18 @@ class LaplacePenalty(Penalty):
     """Online / Non-Online / EWC Laplace penalty (module docstring) for the continual harness.
 
     Args:
-        curvature: ``'kron'`` (every layer kind of :mod:`curvkit.layerkinds`; module docstring) | ``'diag'``
-            (any differentiable model).
+        structure: ``'kron'`` (every layer kind of :mod:`curvkit.layerkinds`; module docstring) | ``'diag'``
+            (any differentiable model). (Before curvkit 0.3 this was ``curvature=``; that meaning is kept for
+            one release with a ``DeprecationWarning``.)
         mode: ``'online'`` (Eq. 5.25) | ``'non_online'`` (Eq. 5.24) | ``'ewc'`` (Eq. 5.26).
         lam: the curvature multiplier lambda (one value for all tasks).
         prior_precision: lam_0, on the summed-loss scale.
         memory: ``'per_task'`` | ``'summed'`` (kron only; see the module docstring).
-        method: curvature source: ``kflr`` (default; ``kfac`` for a model with a block of more than
-            :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` outputs, whose output factor is then kept as
-            the rows of its exact low-rank form) / ``kfac`` / ... for kron, ``ggn`` (default) /
-            ``mc_fisher`` / ``empirical`` for diag.
+        curvature: the curvature source, as in :class:`curvkit.laplace.Laplace`: ``kflr`` (default; ``kfac`` for
+            a model with a block of more than :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` outputs,
+            whose output factor is then kept as the rows of its exact low-rank form) / ``kfac`` / ... for kron,
+            ``ggn`` (default) / ``mc_fisher`` / ``empirical`` for diag (``method=``: its former name, one release
+            with a ``DeprecationWarning``).
         mc_samples: sampled labels per datum (kfac, mc_fisher).
         likelihood: the task likelihood (default softmax cross-entropy).
         batch_size: batch size of the curvature pass when the data is one (X, y) pair.
@@ -204,15 +208,38 @@ class LaplacePenalty(Penalty):
             together).
         task_data: ``task_data(i) -> (X, y) or batches`` of task i, required by ``'non_online'``.
         seed: seed of sampled labels.
+        weight_sharing, norm_structure, parameter_structure: the Kronecker statistics' options (kron only;
+            :class:`curvkit.curvature.CurvatureConfig`, same names and defaults as every entry point).
     """
 
-    def __init__(self, *, curvature: Literal["kron", "diag"] = "kron", mode: Mode = "online", lam: float = 1.0,
+    def __init__(self, *, structure: Literal["kron", "diag"] = "kron", curvature: str | None = None,
+                 mode: Mode = "online", lam: float = 1.0,
                  prior_precision: float = 1e-2, memory: Literal["per_task", "summed"] = "per_task",
                  method: str | None = None, mc_samples: int = 1, likelihood: Likelihood | None = None,
                  batch_size: int = 250, reduction: Literal["mean", "sum"] = "mean", task_size: int | None = None,
-                 params: Sequence[str] | None = None, task_data: TaskData | None = None, seed: int = 0):
-        if curvature not in ("kron", "diag"):
-            raise ValueError(f"curvature must be 'kron' or 'diag', got {curvature!r}")
+                 params: Sequence[str] | None = None, task_data: TaskData | None = None, seed: int = 0,
+                 weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
+                 parameter_structure: NormStructure = "diag"):
+        #: the Kronecker statistics' options (:class:`curvkit.curvature.CurvatureConfig`, validated there)
+        self.config = CurvatureConfig(weight_sharing=weight_sharing, norm_structure=norm_structure,
+                                      parameter_structure=parameter_structure, mc_samples=mc_samples)
+        if curvature in ("kron", "diag"):  # the former meaning of curvature= (one release)
+            warnings.warn(f"LaplacePenalty(curvature={curvature!r}) named the structure: pass structure={curvature!r} "
+                          "(curvature= is the curvature source, 'kflr', 'ggn', ..., as in Laplace); the old meaning "
+                          "goes in the next release", DeprecationWarning, stacklevel=2)
+            if structure not in ("kron", curvature):
+                raise ValueError(f"LaplacePenalty: structure={structure!r} and curvature={curvature!r} (its former "
+                                 "name) disagree; pass structure only")
+            structure, curvature = curvature, None  # type: ignore[assignment]
+        if method is not None:
+            warnings.warn("LaplacePenalty(method=...) is renamed curvature=... (as in Laplace); the old name goes in "
+                          "the next release", DeprecationWarning, stacklevel=2)
+            if curvature is not None and curvature != method:
+                raise ValueError(f"LaplacePenalty: curvature={curvature!r} and method={method!r} name one option; "
+                                 "pass curvature only")
+            curvature = method
+        if structure not in ("kron", "diag"):
+            raise ValueError(f"structure must be 'kron' or 'diag', got {structure!r}")
         if mode not in ("online", "non_online", "ewc"):
             raise ValueError(f"mode must be 'online', 'non_online' or 'ewc', got {mode!r}")
         if memory not in ("per_task", "summed"):
@@ -226,13 +253,14 @@ class LaplacePenalty(Penalty):
                              "task_size (and call set_task_size when it changes)")
         if mode == "non_online" and task_data is None:
             raise ValueError("Non-Online Laplace recomputes every earlier task's curvature: pass task_data")
-        self.curvature, self.mode, self.memory = curvature, mode, memory
+        self.structure, self.mode, self.memory = structure, mode, memory
         self.lam, self.lam0 = positive("lam", lam), nonnegative("prior_precision", prior_precision)
-        default = "kflr" if curvature == "kron" else "ggn"
-        self.method = default if method is None else method
+        default = "kflr" if structure == "kron" else "ggn"
+        #: the curvature source (``method`` is its former name)
+        self.curvature = self.method = default if curvature is None else curvature
         #: the default kflr becomes kfac for a model with a vocabulary-sized output (its output factor stays thin)
-        self._default_method = method is None
-        self.mc_samples, self.batch_size = integer("mc_samples", mc_samples), integer("batch_size", batch_size)
+        self._default_method = curvature is None
+        self.mc_samples, self.batch_size = self.config.mc_samples, integer("batch_size", batch_size)
         self.likelihood = likelihood if likelihood is not None else CrossEntropy()
         self.reduction = reduction
         self.task_size = None if task_size is None else integer("task_size", task_size)
@@ -273,7 +301,7 @@ class LaplacePenalty(Penalty):
             names = self._names(model)
             with only_trainable(model, names):
                 structure = read_model(model)
-                if self.curvature == "kron":
+                if self.structure == "kron":
                     plans = layerkinds.plan(structure, "Kronecker Laplace penalty")
                     self._layers = [PenaltyBlock(spec.label, spec.weight, spec.bias, spec.index)
                                     for lp in plans for spec in lp.blocks]
@@ -293,7 +321,7 @@ class LaplacePenalty(Penalty):
         named = dict(model.named_parameters())
         p0 = named[self._names(model)[0]]
         total = torch.zeros((), dtype=precision.statistics_dtype(p0.dtype), device=p0.device)
-        if self.curvature == "kron":
+        if self.structure == "kron":
             for lay in self.layers(model):
                 W = block_matrix(lay, named)
                 s = self.store.get(lay.label)
@@ -326,7 +354,7 @@ class LaplacePenalty(Penalty):
         model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         named = {n: p.detach() for n, p in model.named_parameters()}
         out: dict[str, Tensor] = {}
-        if self.curvature == "kron":
+        if self.structure == "kron":
             out = {n: torch.zeros_like(named[n], memory_format=torch.contiguous_format) for n in self._names(model)}
             for lay in self.layers(model):
                 W = block_matrix(lay, named)
@@ -386,12 +414,12 @@ class LaplacePenalty(Penalty):
         try:
             with only_trainable(model, names):
                 est: Any
-                if self.curvature == "kron":
+                if self.structure == "kron":
                     self.layers(model)  # refuses what the penalty cannot take, in its own words
                     if self._default_method and self.method == "kflr" and wide_blocks(
                             layerkinds.plan(read_model(model), "Kronecker Laplace penalty")):
-                        self.method = "kfac"  # a vocabulary-sized output: KFAC's output factor is exactly low rank
-                    est = KroneckerEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
+                        self.curvature = self.method = "kfac"  # a vocabulary-sized output: exactly low-rank G
+                    est = KroneckerEstimator(model, lik, self.method, config=self.config,  # type: ignore[arg-type]
                                              seed=self.seed + 7919 * task, option_words=_WORDS)
                 else:
                     est = DiagonalEstimator(model, lik, self.method, mc_samples=self.mc_samples,  # type: ignore[arg-type]
@@ -410,7 +438,7 @@ class LaplacePenalty(Penalty):
         finally:
             if callable(select) and previous is not None:
                 select(previous)
-        if self.curvature == "kron":
+        if self.structure == "kron":
             stats = {spec.label: (b.G, b.A) for (_, spec), b in zip(est.blocks, op.blocks)}
         else:
             stats = dict(zip(op.layout.names, op.tensors))
@@ -439,7 +467,7 @@ class LaplacePenalty(Penalty):
 
     def _add(self, model: nn.Module, stats: dict[str, Any], c: float, anchor: dict[str, Tensor]) -> None:
         per_task_anchor = self.mode == "ewc"
-        if self.curvature == "kron":
+        if self.structure == "kron":
             for lay in self.layers(model):
                 G, A = stats[lay.label]
                 a = block_matrix(lay, anchor)

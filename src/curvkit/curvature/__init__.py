@@ -7,10 +7,13 @@
   :mod:`curvkit.curvature.ekfac`: eigenvalue-corrected Kronecker), the
   one-shot Kronecker factors (:mod:`curvkit.curvature.kronecker`) and the block-diagonal recursions
   (:mod:`curvkit.curvature.recursion`).
+* :class:`CurvatureConfig` (:mod:`curvkit.curvature.config`): the options of the Kronecker statistics, one
+  name and one default shared by every entry point.
 * Metrics comparing an estimate with a reference (:mod:`curvkit.curvature.compare`).
 """
 
-from curvkit.curvature.ekfac import EKFACEstimator
+from curvkit.curvature.config import CurvatureConfig
+from curvkit.curvature.ekfac import EKFACEstimator, FirstBatchBasisWarning
 from curvkit.curvature.estimators import CurvatureEstimator, DiagonalEstimator, KroneckerEstimator
 from curvkit.curvature.exact import (
     EmpiricalFisherOperator,
@@ -34,11 +37,13 @@ from curvkit.curvature.recursion import BlockDiagonalCurvature, blockdiag_ggn, b
 
 __all__ = [
     "BlockDiagonalCurvature",
+    "CurvatureConfig",
     "CurvatureEstimator",
     "DiagonalEstimator",
     "EKFACEstimator",
     "EmpiricalFisherOperator",
     "ExactCurvatureOperator",
+    "FirstBatchBasisWarning",
     "FisherOperator",
     "GGNOperator",
     "HessianOperator",

@@ -32,14 +32,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature.config import CurvatureConfig, Distribution, NormStructure, WeightSharing
 from curvkit.curvature.estimators import (
     CurvatureEstimator,
     KroneckerEstimator,
     KroneckerMethod,
-    NormStructure,
     OptionWords,
     PerSample,
-    WeightSharing,
 )
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator
@@ -63,19 +62,25 @@ class EKFACEstimator(CurvatureEstimator):
         method: the output-space vectors, ``kflr`` (default, exact for the GGN) | ``kfac`` | ``projection`` |
             ``empirical`` (``kfra`` has no per-sample vectors).
         basis: the Kronecker operator whose factors' eigenvectors are used (None: the first batch's factors).
-        ema, mc_samples, seed: as the Kronecker estimator.
+        ema, seed, and the options of :class:`~curvkit.curvature.CurvatureConfig` (``mc_samples``,
+            ``weight_sharing``, ``norm_structure``, ...; or ``config``): as the Kronecker estimator.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood,
                  method: Literal["kflr", "kfac", "projection", "empirical"] = "kflr", *,
                  basis: KroneckerOperator | None = None, ema: float | None = None, mc_samples: int = 1,
-                 seed: int = 0, weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full"):
+                 seed: int = 0, weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
+                 parameter_structure: NormStructure = "diag", distribution: Distribution = "rademacher",
+                 config: CurvatureConfig | None = None):
         if method == "kfra":
             raise ValueError("EKFAC needs per-sample output vectors; kfra propagates batch means only: use "
                              "'kflr', 'kfac', 'projection' or 'empirical'")
         self.vectors = KroneckerEstimator(model, likelihood, method, mc_samples=mc_samples, seed=seed,  # type: ignore[arg-type]
                                           keep_per_sample=True, weight_sharing=weight_sharing,
-                                          norm_structure=norm_structure, option_words=OptionWords(dense=None))
+                                          norm_structure=norm_structure, parameter_structure=parameter_structure,
+                                          distribution=distribution, config=config,
+                                          option_words=OptionWords(dense=None))
+        self.config = self.vectors.config
         if basis is not None and not isinstance(basis, KroneckerOperator):
             raise TypeError(f"basis must be a KroneckerOperator, got {type(basis).__name__}")
         self.basis = basis

@@ -61,10 +61,19 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
 from curvkit.curvature.capture import BlockCapture, check_sample_rows
+from curvkit.curvature.config import (
+    BatchStatistics,
+    CurvatureConfig,
+    Distribution,
+    NormStructure,
+    OutputFactor,
+    WeightSharing,
+    resolve_config,
+)
 from curvkit.curvature.recursion import activation_derivatives
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
@@ -85,10 +94,6 @@ __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "Opt
 Data = tuple[Inputs, Tensor] | Iterable[tuple[Inputs, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
 DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
-WeightSharing = Literal["expand", "reduce"]
-NormStructure = Literal["full", "diag"]
-OutputFactor = Literal["auto", "dense", "low_rank"]
-BatchStatistics = Literal["refuse", "couple"]
 
 LOW_RANK_OUTPUTS = 8192
 """``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
@@ -116,22 +121,6 @@ def wide_blocks(plans: Sequence[Any]) -> list[str]:
 
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
-
-
-def _mean_output_hessian(lik: Likelihood, f: Tensor, y: Tensor | None) -> Tensor:
-    """(C, C) batch mean of H_L (KFRA's G_L, Eq. 4.7) without a (B, C, C) tensor for the diagonal heads
-    (BCE and Gaussian: an autoencoder's C = 784 would need B * 784^2 entries) and in chunks otherwise;
-    padded samples of y (the likelihood's ``ignore_index``/``ignore_value``) contribute zero, as in every
-    curvature, and still count in the mean over the B samples (the estimator's scale divides by the
-    counted terms)."""
-    if getattr(lik, "hessian_needs_target", False):
-        return lik.output_hessian(f, y).mean(0)  # type: ignore[call-arg]
-    if isinstance(lik, (BernoulliBCE, Gaussian)):
-        return torch.diag(lik.output_hessian_diagonal(f, y).mean(0))
-    B, C = f.shape
-    n = max(1, 2**22 // (C * C))
-    total = sum(lik.output_hessian(f[i:i + n], None if y is None else y[i:i + n]).sum(0) for i in range(0, B, n))
-    return total / B  # type: ignore[return-value]
 
 
 def _check_likelihood(likelihood: Any) -> Likelihood:
@@ -309,6 +298,9 @@ class KroneckerEstimator(CurvatureEstimator):
             ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
             (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
             rank and costs one backward pass per output), as do ``keep_per_sample`` and ``distributed``.
+        config: a :class:`~curvkit.curvature.CurvatureConfig` holding the options above (``weight_sharing``,
+            ``norm_structure``, ``parameter_structure``, ``mc_samples``, ``distribution``, ``output_factor``,
+            ``batch_statistics``) instead of the keywords; a keyword that differs from it is refused.
         keep_per_sample: keep the last batch's per-sample rows in :attr:`per_sample` (block label ->
             :class:`PerSample`) for estimators built on top (e.g. eigenbasis corrections).
         batch_statistics: ``refuse`` (default) | ``couple``: a model with a module that normalises with the
@@ -349,40 +341,35 @@ class KroneckerEstimator(CurvatureEstimator):
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
-                 parameter_structure: NormStructure = "diag", mc_samples: int = 1, distribution: Literal["rademacher", "gaussian"] = "rademacher",
-                 ema: float | None = None, seed: int = 0, generator: torch.Generator | None = None,
-                 keep_per_sample: bool = False, distributed: Any = None, output_factor: OutputFactor = "auto",
-                 batch_statistics: BatchStatistics = "refuse", statistics_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None, option_words: OptionWords = OptionWords()):
+                 parameter_structure: NormStructure = "diag", mc_samples: int = 1,
+                 distribution: Distribution = "rademacher", ema: float | None = None, seed: int = 0,
+                 generator: torch.Generator | None = None, keep_per_sample: bool = False, distributed: Any = None,
+                 output_factor: OutputFactor = "auto", batch_statistics: BatchStatistics = "refuse",
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 option_words: OptionWords = OptionWords(), config: CurvatureConfig | None = None):
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
-        if distribution not in ("rademacher", "gaussian"):
-            raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
-        if weight_sharing not in ("expand", "reduce"):
-            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
-        if norm_structure not in ("full", "diag"):
-            raise ValueError(f"norm_structure must be 'full' or 'diag', got {norm_structure!r}")
-        if parameter_structure not in ("full", "diag"):
-            raise ValueError(f"parameter_structure must be 'full' or 'diag', got {parameter_structure!r}")
-        if output_factor not in ("auto", "dense", "low_rank"):
-            raise ValueError(f"output_factor must be 'auto', 'dense' or 'low_rank', got {output_factor!r}")
-        if batch_statistics not in ("refuse", "couple"):
-            raise ValueError(f"batch_statistics must be 'refuse' or 'couple', got {batch_statistics!r}")
-        if batch_statistics == "couple" and distributed is not None:
+        given = dict(weight_sharing=weight_sharing, norm_structure=norm_structure,
+                     parameter_structure=parameter_structure, mc_samples=mc_samples, distribution=distribution,
+                     output_factor=output_factor, batch_statistics=batch_statistics)
+        cfg = resolve_config(config, given, "KroneckerEstimator")
+        self.config = cfg
+        if cfg.batch_statistics == "couple" and distributed is not None:
             raise ValueError("KroneckerEstimator: batch_statistics='couple' cannot be used with distributed=: each "
                              "rank's BatchNorm normalises with its own shard's statistics, so the ranks' factors are "
                              "not those of one coupled batch; use one process, or model.eval() (running statistics)")
+        batch_statistics, output_factor = cfg.batch_statistics, cfg.output_factor
         self.batch_statistics: BatchStatistics = batch_statistics
         self.output_factor: OutputFactor = output_factor
         self._words = option_words
         require_wrapped(model, "KroneckerEstimator")
         self.method = method
-        self.weight_sharing: WeightSharing = weight_sharing
-        self.norm_structure: NormStructure = norm_structure
-        self.parameter_structure: NormStructure = parameter_structure
-        self.mc_samples = integer("mc_samples", mc_samples)
-        self.distribution = distribution
+        self.weight_sharing: WeightSharing = cfg.weight_sharing
+        self.norm_structure: NormStructure = cfg.norm_structure
+        self.parameter_structure: NormStructure = cfg.parameter_structure
+        self.mc_samples = cfg.mc_samples
+        self.distribution = cfg.distribution
         self.seed = int(seed) if distributed is None else distributed.seed(int(seed))
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
@@ -763,7 +750,7 @@ class KroneckerEstimator(CurvatureEstimator):
             for h in handles:
                 h.remove()
         if closed:  # KFLR at the output layer: sum_c s_c s_c^T = H_L per position, in closed form
-            H = _output_hessian_sum(self.likelihood, f.detach().to(self.statistics_dtype), y)
+            H = self.likelihood.output_hessian_sum(f.detach().to(self.statistics_dtype), y)
             R = math.prod(f.shape[1:-1])
             for j in closed:
                 fired[j] = True
@@ -837,7 +824,9 @@ class KroneckerEstimator(CurvatureEstimator):
     def _kfra(self, sites: list[Site], f: Tensor, y: Tensor | None) -> list[Tensor]:
         assert self.chain is not None
         B = f.shape[0]
-        G = _mean_output_hessian(self.likelihood, f.detach(), y)
+        # KFRA's G_L (Eq. 4.7): the batch mean of H_L; padded samples contribute zero and still count in the mean
+        # (the estimator's scale divides by the counted terms)
+        G = self.likelihood.output_hessian_sum(f.detach(), y) / f.shape[0]
         chain, L, first = self.chain, len(self.chain.linears), self._chain_pos[0]
         h = {l: site.output.detach() for l, site in zip(self._chain_pos, sites)}
         grams = {}
@@ -928,28 +917,6 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
-
-
-def _output_hessian_sum(lik: Any, f: Tensor, y: Tensor | None) -> Tensor:
-    """``sum over samples and positions of H_L`` (C, C) from O(C) output-space products, a few positions at a
-    time (never (B, C, C)); padded positions count zero."""
-    C = f.shape[-1]
-    ff = f.reshape(-1, C)
-    if isinstance(lik, CrossEntropy):  # sum_n diag(p_n) - p_n p_n^T: one (C, N) x (N, C) product
-        P = ff.softmax(-1)
-        keep = lik.mask(y) if y is not None else None
-        if keep is not None:
-            P = P * keep.reshape(-1, 1).to(P.dtype)
-        return torch.diag(P.sum(0)) - P.T @ P
-    yy = None if y is None else y.reshape(ff.shape[0], *y.shape[f.dim() - 1:])
-    eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    out = f.new_zeros(C, C)
-    step = max(1, _BUDGET // (C * C))
-    for s in range(0, ff.shape[0], step):
-        fs = ff[s:s + step]
-        V = eye[:, None, :].expand(C, fs.shape[0], C)
-        out += lik.output_hessian_matvec(fs, V, None if yy is None else yy[s:s + step]).sum(1)
-    return 0.5 * (out + out.T)
 
 
 def _hook(consume: Any, j: int) -> Any:

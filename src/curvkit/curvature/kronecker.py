@@ -35,7 +35,9 @@ MLP chain. Outputs may have positions ((B, T, C) logits): the weight-sharing con
 cross-position terms of KFLR are in ``docs/architecture.md`` ("Weight sharing", "Outputs with positions").
 
 These functions are one-shot conveniences over :class:`curvkit.curvature.estimators.KroneckerEstimator`
-(which also updates batch by batch, keeps a moving average and feeds optimisers and posteriors).
+(which also updates batch by batch, keeps a moving average and feeds optimisers and posteriors), and take its
+keyword options (``kflr(model, lik, data, weight_sharing="reduce")``: :class:`curvkit.curvature.CurvatureConfig`'s
+options or ``config=``, ``seed``, ...) with the same names and defaults.
 
 Weight sharing (KFC, Grosse & Martens 2016; Eschenhagen et al. 2023). With T positions sharing a weight
 (convolution locations, tokens, patches), rows ``a_hat_{n,t}`` (then 1 for the bias) and pre-activation
@@ -51,6 +53,8 @@ summed gradient of each sample (:class:`~curvkit.curvature.estimators.KroneckerE
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from curvkit.curvature.estimators import Data, KroneckerEstimator
@@ -60,7 +64,7 @@ from curvkit.linalg.kron import KroneckerOperator
 __all__ = ["empirical_kfac", "kfac", "kflr", "kfra"]
 
 
-def kflr(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOperator:
+def kflr(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
     """KFLR (thesis Sec. 4.3.1): back-propagate the R columns of ``likelihood.output_hessian_sqrt(f)``.
 
     ``G_l = s/N sum_n sum_r g_r^n g_r^{nT}`` is the exact data-mean of the pre-activation GGNs (Eq. 4.6);
@@ -68,11 +72,11 @@ def kflr(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOpera
     square root, every position at once; for a vocabulary of 50,000 use :func:`kfac`). Weight-shared layers
     use the convention of the module docstring (then the block is no longer exact for one datum).
     """
-    return KroneckerEstimator(model, likelihood, "kflr").update(data).operator()
+    return KroneckerEstimator(model, likelihood, "kflr", **options).update(data).operator()
 
 
 def kfac(model: nn.Module, likelihood: Likelihood, data: Data, mc_samples: int = 1,
-         seed: int = 0) -> KroneckerOperator:
+         seed: int = 0, **options: Any) -> KroneckerOperator:
     """KFAC (thesis Sec. 4.3.3, Eqs. 4.8-4.9): Monte Carlo type-2 Fisher with labels sampled from the model.
 
     For each data batch and each of ``mc_samples`` draws, ``y_hat ~ likelihood.sample(f, generator)`` and
@@ -84,19 +88,20 @@ def kfac(model: nn.Module, likelihood: Likelihood, data: Data, mc_samples: int =
     output dimension C, the C columns of a square root of each datum's sampled output Fisher
     ``(1/S) sum_s c_s c_s^T`` are back-propagated instead of the S vectors (same G, fewer passes).
     """
-    return KroneckerEstimator(model, likelihood, "kfac", mc_samples=mc_samples, seed=seed).update(data).operator()
+    return KroneckerEstimator(model, likelihood, "kfac", mc_samples=mc_samples, seed=seed,
+                              **options).update(data).operator()
 
 
-def empirical_kfac(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOperator:
+def empirical_kfac(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
     """Kronecker-factored EMPIRICAL Fisher: ``c = likelihood.output_grad(f, y)`` at the data labels.
 
     Not an estimator of the GGN/Fisher (it is biased: the thesis's Fisher, Eq. 3.35, samples the labels from
     the model); for comparisons only.
     """
-    return KroneckerEstimator(model, likelihood, "empirical").update(data).operator()
+    return KroneckerEstimator(model, likelihood, "empirical", **options).update(data).operator()
 
 
-def kfra(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOperator:
+def kfra(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
     """KFRA (thesis Sec. 4.3.2, Eq. 4.7 / Algorithm 1 with the Phi = phi'(h) erratum fixed).
 
     Per batch of size B: ``G_L = (1/B) sum_n H_L^n``, then ``G_l = (W_{l+1}^T G_{l+1} W_{l+1}) o
@@ -105,4 +110,4 @@ def kfra(model: nn.Module, likelihood: Likelihood, data: Data) -> KroneckerOpera
     all N points. Exact for B = 1 and under the assumptions of Lemma 4.1; biased otherwise (nested
     expectation). Needs an MLP chain (:meth:`curvkit.structure.ModelStructure.mlp_chain`); scale as KFLR.
     """
-    return KroneckerEstimator(model, likelihood, "kfra").update(data).operator()
+    return KroneckerEstimator(model, likelihood, "kfra", **options).update(data).operator()

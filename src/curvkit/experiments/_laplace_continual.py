@@ -52,7 +52,7 @@ def make_penalty(m: Method, tasks: TaskSet, cfg: SequenceConfig, params: list[st
     if m.family == "non_online":
         def provider(j: int) -> Any:
             return task_batches(tasks, j, cfg.curvature_batch, cfg.val_size)
-    return LaplacePenalty(curvature=m.curvature, mode=m.family, lam=m.hyper,  # type: ignore[arg-type]
+    return LaplacePenalty(structure=m.curvature, mode=m.family, lam=m.hyper,  # type: ignore[arg-type]
                           prior_precision=prior_precision, memory=m.memory, task_size=1,  # type: ignore[arg-type]
                           params=params, task_data=provider, seed=seed)
 

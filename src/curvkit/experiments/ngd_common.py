@@ -28,7 +28,7 @@ from curvkit import checkpoint
 from curvkit.likelihoods import CrossEntropy
 from curvkit.models import mlp
 from curvkit.optim.kaldi_ngd import KaldiNGD
-from curvkit.slt import SGLDConfig, estimate_llc, hessian_trace
+from curvkit.slt import SGLDConfig, estimate_llc, hessian_trace_estimate
 
 SMOKE_NOTE = ("**Smoke scale is a plumbing check** (CI-sized: synthetic blobs, tiny networks, short chains); "
               "its numbers test that the pipeline runs end to end, not the paper's claims.")
@@ -135,7 +135,7 @@ def measure_epoch(model: nn.Module, data: Data, spec: RunSpec, measure: Measure,
     if measure.trace_epochs is None or epoch in measure.trace_epochs:
         g = torch.Generator().manual_seed(spec.seed)
         idx = torch.randperm(data.X.shape[0], generator=g)[: measure.trace_points]
-        est = hessian_trace(model, CrossEntropy(), (data.X[idx], data.y[idx]), num_probes=measure.trace_probes,
+        est = hessian_trace_estimate(model, CrossEntropy(), (data.X[idx], data.y[idx]), num_probes=measure.trace_probes,
                             generator=torch.Generator().manual_seed(epoch))
         rec.update(trace_h=est.value, trace_h_stderr=est.stderr)
     return rec

@@ -70,9 +70,11 @@ class KroneckerSource:
             self.method = method
             # 'sum': the operator is the curvature of the summed loss (every position of every sample), which
             # factors() divides by the number of samples: the per-datum curvature of thesis Eq. 5.7
+            options = dict(options or {})
+            if "config" not in options:
+                options["mc_samples"] = mc_samples
             self.estimator = KroneckerEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
-                                                mc_samples=mc_samples, seed=seed, option_words=_WORDS,
-                                                **(options or {}))
+                                                seed=seed, option_words=_WORDS, **options)
         # raw parameters need per-sample copies, an upcast copy of the model its own pass: the estimator's pass
         self.own_pass = (any(lp.handler.per_sample_copies for lp in self.estimator.plans)
                          or self.estimator.compute_dtype is not None)

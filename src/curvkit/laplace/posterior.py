@@ -81,6 +81,7 @@ from torch import Tensor, nn
 
 from curvkit import precision
 from curvkit.curvature._graph import warn_unused
+from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
 from curvkit.laplace._curvature import (
     ELEMENT_METHODS,
@@ -265,8 +266,11 @@ class Laplace:
         seed: seed of the curvature's sampled labels (predictions take their own generator).
         prior_form: ``'factored'`` (Eq. 5.14) | ``'exact'`` (kron only).
         trace_balance: split the prior term by the trace-norm ratio (factored kron only).
-        norm_structure: ``'diag'`` | ``'full'`` per normalisation layer (kron only).
-        weight_sharing: ``'expand'`` | ``'reduce'`` (kron only; :class:`~curvkit.curvature.estimators.KroneckerEstimator`).
+        norm_structure: ``'full'`` (default, the exact per-layer block) | ``'diag'`` per normalisation layer
+            (kron only; the default was ``'diag'`` before curvkit 0.3: it is now
+            :class:`~curvkit.curvature.CurvatureConfig`'s, so the precision is ``N x`` the estimator's
+            per-datum curvature plus the prior).
+        weight_sharing: ``'expand'`` | ``'reduce'`` (kron only; :class:`~curvkit.curvature.CurvatureConfig`).
         parameter_structure: ``'diag'`` | ``'full'`` per raw parameter (kron only).
         statistics_dtype: the dtype of the curvature statistics and of everything built from them (precision,
             covariance, log-determinants, samples, predictive variances): None (float32 for a bf16/fp16
@@ -278,8 +282,9 @@ class Laplace:
     def __init__(self, model: nn.Module, likelihood: Likelihood, structure: StructureName = "kron",
                  curvature: str | None = None, *, subset: Any = "all", prior_precision: Any = 1.0,
                  mc_samples: int = 1, seed: int = 0, prior_form: str = "factored", trace_balance: bool = False,
-                 norm_structure: str = "diag", weight_sharing: str = "expand", parameter_structure: str = "diag",
-                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+                 norm_structure: NormStructure = "full", weight_sharing: WeightSharing = "expand",
+                 parameter_structure: NormStructure = "diag", statistics_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
@@ -300,17 +305,15 @@ class Laplace:
                              f"{allowed} ({hint})")
         if prior_form not in ("factored", "exact"):
             raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {prior_form!r}")
-        if norm_structure not in ("diag", "full"):
-            raise ValueError(f"norm_structure must be 'diag' or 'full', got {norm_structure!r}")
-        if parameter_structure not in ("diag", "full"):
-            raise ValueError(f"parameter_structure must be 'diag' or 'full', got {parameter_structure!r}")
-        if weight_sharing not in ("expand", "reduce"):
-            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {weight_sharing!r}")
+        #: the Kronecker statistics' options (:class:`curvkit.curvature.CurvatureConfig`, validated there)
+        self.config = CurvatureConfig(weight_sharing=weight_sharing, norm_structure=norm_structure,
+                                      parameter_structure=parameter_structure, mc_samples=mc_samples)
         self.model, self.likelihood = model, likelihood
         self.structure, self.curvature = structure, curvature
-        self.mc_samples, self.seed = integer("mc_samples", mc_samples), int(seed)
-        self.prior_form, self.trace_balance, self.norm_structure = prior_form, bool(trace_balance), norm_structure
-        self.weight_sharing, self.parameter_structure = weight_sharing, parameter_structure
+        self.mc_samples, self.seed = self.config.mc_samples, int(seed)
+        self.prior_form, self.trace_balance = prior_form, bool(trace_balance)
+        self.norm_structure, self.weight_sharing = self.config.norm_structure, self.config.weight_sharing
+        self.parameter_structure = self.config.parameter_structure
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
@@ -524,9 +527,7 @@ class Laplace:
 
     def _kron_source(self, names: Sequence[str]) -> KroneckerSource:
         """The Kronecker statistics of ``names`` (the estimator refuses a layer the engine cannot take, naming it)."""
-        options = {"weight_sharing": self.weight_sharing, "parameter_structure": self.parameter_structure,
-                   "norm_structure": self.norm_structure, "statistics_dtype": self.dtype,
-                   "compute_dtype": self.compute_dtype}
+        options = {"config": self.config, "statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype}
         source = KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed,
                                  options, default=self._default_curvature)
         self.curvature = source.method
@@ -739,12 +740,17 @@ class Laplace:
         if not isinstance(state, Mapping) or state.get("version") not in (1, 2):
             raise ValueError("not a Laplace state_dict (version 1 or 2)")
         defaults = {"weight_sharing": "expand", "parameter_structure": "diag"}
+        keys = ["structure", "curvature", "prior_form", "trace_balance"]
+        if self.structure == "kron":  # the Kronecker statistics' options (CurvatureConfig)
+            keys += ["norm_structure", "weight_sharing", "parameter_structure"]
         if self._selection is None:  # subset='last_layer' before any fit: the layer the saved posterior found
             self._select(resolve_subset(self.model, list(state["names"])))
-        for key in ("structure", "curvature", "prior_form", "trace_balance", "norm_structure", "weight_sharing",
-                    "parameter_structure"):
+        for key in keys:
             if state.get(key, defaults.get(key)) != getattr(self, key):
-                raise ValueError(f"state_dict has {key}={state.get(key, defaults.get(key))!r}, this posterior {getattr(self, key)!r}")
+                hint = (" (Laplace's norm_structure default was 'diag' before curvkit 0.3; pass norm_structure='diag' "
+                        "to load it)") if key == "norm_structure" else ""
+                raise ValueError(f"state_dict has {key}={state.get(key, defaults.get(key))!r}, this posterior "
+                                 f"{getattr(self, key)!r}{hint}")
         if list(state["names"]) != list(self.names) or list(state["layer_names"]) != list(self.layer_names):
             raise ValueError("state_dict covers other parameters/layers than this posterior")
         own = dict(self.model.named_parameters())

@@ -58,6 +58,7 @@ from curvkit.layerkinds.transposed import LAZY, TransposedLinearHandler
 from curvkit.structure import LayerInfo, ModelStructure, UnsupportedModelError, refuse
 
 __all__ = [
+    "BATCH_STATISTICS_HINT",
     "DENSE_LIMIT",
     "AttentionHandler",
     "BlockSpec",
@@ -141,6 +142,8 @@ def _get(module: nn.Module, path: str) -> Any:
     return obj
 
 
+#: The fix every refusal of batch statistics (BatchNorm in training mode) by the Kronecker engine appends; public
+#: so that consumers that re-check the mode (GaussNewton) word it the same way.
 BATCH_STATISTICS_HINT = (", or pass batch_statistics='couple' (KroneckerEstimator, GaussNewton) for Kronecker "
                          "factors from the coupled backward pass of the batch (an approximation beyond per-sample "
                          "curvature, docs/architecture.md)")

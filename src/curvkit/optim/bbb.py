@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import DiagonalOperator
-from curvkit.optim.meanfield import MeanFieldOptimizer, _positive
+from curvkit.optim.meanfield import MeanFieldOptimizer
 from curvkit.posterior.sampling import LossFn
 
 
@@ -25,6 +25,8 @@ class BBBSGD(MeanFieldOptimizer):
     """Plain SGD on (mu, sigma) of a mean-field Gaussian (Eq. 2): ``BBBSGD(model.parameters(), model=model,
     lr=...)``. ``lr`` is required (the paper gives no value); ``sigma_init`` defaults to 0.04. Other
     arguments as in :class:`curvkit.optim.MESU`."""
+
+    POSITIVE = ("lr",)
 
     def __init__(
         self,
@@ -42,13 +44,9 @@ class BBBSGD(MeanFieldOptimizer):
         chunk_size: int | None = None,
         distributed: Any = None,
     ):
-        _positive("lr", lr)
         defaults = dict(lr=lr, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
         super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size, distributed=distributed)
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _positive("lr", group["lr"])
 
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         return -group["lr"] * g_mu, sigma - group["lr"] * g_sigma

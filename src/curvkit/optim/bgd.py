@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.likelihoods import Likelihood
-from curvkit.optim.meanfield import MeanFieldOptimizer, _positive
+from curvkit.optim.meanfield import MeanFieldOptimizer
 from curvkit.posterior.sampling import LossFn
 
 
@@ -35,6 +35,8 @@ class BGD(MeanFieldOptimizer):
     ``eta``, ``sigma_init``, ``sigma_min``, ``max_ratio``. See :class:`curvkit.optim.MESU` for the arguments
     shared by all mean-field optimisers (the loss must be SUMMED over the minibatch) and the module
     docstring for the rule."""
+
+    POSITIVE = ("eta",)
 
     def __init__(
         self,
@@ -52,13 +54,9 @@ class BGD(MeanFieldOptimizer):
         chunk_size: int | None = None,
         distributed: Any = None,
     ):
-        _positive("eta", eta)
         defaults = dict(eta=eta, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
         super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size, distributed=distributed)
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _positive("eta", group["eta"])
 
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         d_mu = -group["eta"] * sigma * sigma * g_mu

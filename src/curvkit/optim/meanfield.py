@@ -92,12 +92,6 @@ _DIAG_KEYS = (
 )
 
 
-def _positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    positive(name, value)
-
-
 class MeanReductionWarning(UserWarning):
     """The loss given to a mean-field optimiser averages over the batch; these rules assume a sum."""
 
@@ -223,15 +217,21 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             if not p.is_floating_point():
                 raise ValueError(f"parameter {self._names[id(p)]!r} is not floating point")
         self._check_group(group)
-        _positive("sigma_init", group["sigma_init"])
-        _positive("sigma_min", group["sigma_min"], allow_none=True)
-        _positive("max_ratio", group["max_ratio"], allow_none=True)
+        for name in (*self.POSITIVE, "sigma_init"):
+            positive(name, group[name])
+        for name in ("sigma_min", "max_ratio"):  # optional
+            if group[name] is not None:
+                positive(name, group[name])
         if hasattr(self, "_step"):  # groups added after construction get their sigma now
             for p in group["params"]:
                 self.state[p]["sigma"] = torch.full_like(p, float(group["sigma_init"]))
 
+    #: the rule's own hyperparameters that must be finite numbers > 0, checked in every param group (with the
+    #: shared ``sigma_init``, ``sigma_min``, ``max_ratio``) by :meth:`add_param_group`
+    POSITIVE: tuple[str, ...] = ()
+
     def _check_group(self, group: dict[str, Any]) -> None:
-        """Raise ValueError for invalid subclass hyperparameters (may fill in derived defaults)."""
+        """Fill in derived defaults of a param group (before :attr:`POSITIVE` is checked)."""
 
     # -- accessors ------------------------------------------------------------------------------------
     @property

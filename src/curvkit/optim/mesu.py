@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.likelihoods import Likelihood
-from curvkit.optim.meanfield import MeanFieldOptimizer, _positive
+from curvkit.optim.meanfield import MeanFieldOptimizer
 from curvkit.posterior.sampling import LossFn
 
 
@@ -98,8 +98,6 @@ class MESU(MeanFieldOptimizer):
         chunk_size: int | None = None,
         distributed: Any = None,
     ):
-        _positive("sigma_prior", sigma_prior)
-        _positive("sigma_res", sigma_res)
         self.regularize = bool(regularize)
         defaults = dict(
             sigma_prior=sigma_prior,
@@ -111,9 +109,9 @@ class MESU(MeanFieldOptimizer):
         super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
                          generator=generator, chunk_size=chunk_size, distributed=distributed)
 
+    POSITIVE = ("sigma_prior", "sigma_res")
+
     def _check_group(self, group: dict[str, Any]) -> None:
-        _positive("sigma_prior", group["sigma_prior"])
-        _positive("sigma_res", group["sigma_res"])
         if group["sigma_init"] is None:
             group["sigma_init"] = group["sigma_prior"]
 

@@ -7,6 +7,7 @@ from curvkit.slt.hessian import (
     effective_dimension,
     hessian_spectrum,
     hessian_trace,
+    hessian_trace_estimate,
     operator_trace,
     thresholded_rank,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "gelman_rubin",
     "hessian_spectrum",
     "hessian_trace",
+    "hessian_trace_estimate",
     "operator_trace",
     "plot_chains",
     "quadratic_llc",

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from curvkit.distributed.reducer import Reducer, shard_range
+from curvkit.validation import map_inputs
 
 __all__ = ["estimate_llc_chains", "sharded_grad_fn"]
 
@@ -38,13 +39,13 @@ def sharded_grad_fn(step_fn: Any, batch_axis: int | None, distributed: Reducer) 
     def fn(params: dict[str, Tensor], batch: Any) -> tuple[dict[str, Tensor], Tensor]:
         X, y = batch
         dim = 0 if batch_axis is None else batch_axis + 1
-        m = int(X.shape[dim])
+        m = int(y.shape[dim])
         a, b = shard_range(m, distributed.rank, distributed.world_size)
         if b <= a:
             raise ValueError(f"estimate_llc(distributed_split='batch'): a minibatch of {m} rows cannot give every "
                              f"one of {distributed.world_size} ranks a row; use a batch_size >= the number of "
                              "processes or distributed_split='chains'")
-        g, v = step_fn(params, (X.narrow(dim, a, b - a), y.narrow(dim, a, b - a)))
+        g, v = step_fn(params, (map_inputs(lambda t: t.narrow(dim, a, b - a), X), y.narrow(dim, a, b - a)))
         w = (b - a) / m
         names = list(g)
         parts = [g[k] * w for k in names] + [v * w]

@@ -1,7 +1,7 @@
 """Hessian trace and effective dimension at a solution (NGD paper App. B; Sec. 1.1 motivates the effective
 dimension).
 
-* :func:`hessian_trace` - Tr(H) of the mean loss on a fixed data set by Hutchinson's estimator
+* :func:`hessian_trace_estimate` - Tr(H) of the mean loss on a fixed data set by Hutchinson's estimator
   (paper eq. 34): Tr(H) = E[vᵀ H v], E[v vᵀ] = I, with Rademacher (default, as PyHessian and the
   authors' code) or Gaussian (the paper's text) probes. Stopping: ``tol`` = relative standard error
   (curvkit's rule), or ``protocol="pyhessian"`` - PyHessian's rule (runs of up to 50 probes that stop
@@ -19,6 +19,7 @@ The Hessian comes from the curvature engine (:class:`curvkit.curvature.HessianOp
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,9 +94,20 @@ def operator_trace(op: CurvatureOperator, method: Literal["hutchinson", "exact"]
     return TraceEstimate(float(t.mean()), sem, len(values))
 
 
-def hessian_trace(model: nn.Module, likelihood: Any, data: Any, **kwargs: Any) -> TraceEstimate:
-    """Tr of the Hessian of the (mean-reduced) loss of ``model`` on ``data``; kwargs: see operator_trace."""
+def hessian_trace_estimate(model: nn.Module, likelihood: Any, data: Any, **kwargs: Any) -> TraceEstimate:
+    """Tr of the Hessian of the (mean-reduced) loss of ``model`` on ``data`` with its standard error, as a
+    :class:`TraceEstimate`; kwargs: see operator_trace. (:func:`curvkit.curvature.hessian_trace` returns the
+    trace alone, a Tensor.)"""
     return operator_trace(hessian_operator(model, likelihood, data), **kwargs)
+
+
+def hessian_trace(model: nn.Module, likelihood: Any, data: Any, **kwargs: Any) -> TraceEstimate:
+    """Deprecated name of :func:`hessian_trace_estimate` (one release): ``curvkit.curvature.hessian_trace`` of
+    the same name returns a Tensor, this one a :class:`TraceEstimate`."""
+    warnings.warn("curvkit.slt.hessian_trace is renamed hessian_trace_estimate (it returns a TraceEstimate; "
+                  "curvkit.curvature.hessian_trace returns the trace as a Tensor); the old name goes in the next "
+                  "release", DeprecationWarning, stacklevel=2)
+    return hessian_trace_estimate(model, likelihood, data, **kwargs)
 
 
 def hessian_spectrum(op: CurvatureOperator, k: int | None = None, max_dense_dim: int = 4000) -> Tensor:

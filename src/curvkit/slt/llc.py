@@ -62,7 +62,15 @@ from curvkit.slt.sampler import (
     stacked_mlp_grad_fn,
 )
 from curvkit.structure import differentiable, read_model, uncompiled
-from curvkit.validation import finite_tensor, nonnegative, positive
+from curvkit.validation import (
+    describe_inputs,
+    finite_tensor,
+    input_tensors,
+    nonnegative,
+    num_samples,
+    positive,
+    take_samples,
+)
 
 
 @dataclass
@@ -178,24 +186,57 @@ def _criterion(loss: str | Criterion | Any) -> tuple[Criterion, LossKind]:
     raise ValueError(f"unknown loss {loss!r}; pass 'cross_entropy', 'mse_half', a Likelihood or a callable")
 
 
-def _dataset(data: Any, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(X, y) on ``device`` from one pair or an iterable of pairs (read once, concatenated in order)."""
+def _vmap_or_loop(loss_fn: Any, chain_axis: int | None) -> Any:
+    """The chains' gradients and losses, ``vmap``-ped over the chain axis of the parameters (and of the batch
+    when the chains have their own); a model whose forward cannot be ``vmap``-ped (data-dependent control
+    flow, as Hugging Face's mask code checks ``mask.all()``) takes them one chain at a time from the first
+    failure on (the same numbers)."""
+    batched = vmap(grad_and_value(loss_fn), in_dims=(0, chain_axis))
+    one = grad_and_value(loss_fn)
+    loop = False
+
+    def fn(params: dict[str, Tensor], batch: Any) -> tuple[dict[str, Tensor], Tensor]:
+        nonlocal loop
+        if not loop:
+            try:
+                return batched(params, batch)  # type: ignore[no-any-return]
+            except RuntimeError as err:
+                if "vmap" not in str(err):
+                    raise
+                loop = True
+        C = next(iter(params.values())).shape[0]
+        outs = [one({k: v[c] for k, v in params.items()},
+                    batch if chain_axis is None else (take_samples(batch[0], c), batch[1][c])) for c in range(C)]
+        return {k: torch.stack([g[k] for g, _ in outs]) for k in params}, torch.stack([v for _, v in outs])
+
+    return fn
+
+
+def _dataset(data: Any, device: torch.device) -> tuple[Any, Tensor]:
+    """(X, y) on ``device`` from one pair or an iterable of pairs (read once, concatenated in order); X a
+    tensor or a mapping of tensors (concatenated key by key)."""
     from curvkit.validation import iter_batches
 
     if isinstance(data, list) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
         data = (data[0], data[1])  # [X, y], accepted before iterables were
-    batches = list(iter_batches(data, device))
+    batches = list(iter_batches(data, device, mappings=True))
     if len(batches) == 1:
         return batches[0]
-    X0, y0 = batches[0]
+
+    def signature(X: Any, y: Tensor) -> Any:
+        return ([(k, tuple(t.shape[1:]), t.dtype) for k, t in input_tensors(X, "X")], tuple(y.shape[1:]), y.dtype)
+
+    first = signature(*batches[0])
     for i, (Xb, yb) in enumerate(batches[1:], start=1):
-        if Xb.shape[1:] != X0.shape[1:] or yb.shape[1:] != y0.shape[1:] or Xb.dtype != X0.dtype \
-                or yb.dtype != y0.dtype:
-            raise ValueError(f"batch {i} of data does not match batch 0: inputs {tuple(Xb.shape)} {Xb.dtype} and "
-                             f"targets {tuple(yb.shape)} {yb.dtype}, against {tuple(X0.shape)} {X0.dtype} and "
-                             f"{tuple(y0.shape)} {y0.dtype}; every batch must have the same per-sample shapes and "
-                             "dtypes")
-    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        if signature(Xb, yb) != first:
+            raise ValueError(f"batch {i} of data does not match batch 0: inputs {describe_inputs(Xb)} and targets "
+                             f"{tuple(yb.shape)} {yb.dtype}, against {describe_inputs(batches[0][0])} and "
+                             f"{tuple(batches[0][1].shape)} {batches[0][1].dtype}; every batch must have the same keys, "
+                             "per-sample shapes and dtypes")
+    X0 = batches[0][0]
+    X: Any = (torch.cat([b[0] for b in batches]) if isinstance(X0, Tensor)  # type: ignore[misc]
+              else {k: torch.cat([b[0][k] for b in batches]) for k in X0})  # type: ignore[index]
+    return X, torch.cat([b[1] for b in batches])
 
 
 def _check_targets(kind: LossKind, loss: Any, f: Tensor, y: Tensor) -> None:
@@ -274,7 +315,10 @@ def estimate_llc(
     """λ̂(w*) of ``model`` at its current parameters w* on the data set D_n.
 
     ``data``: an ``(X (n, ...), y (n, ...))`` pair, or any iterable of ``(X, y)`` batches (a list, a
-    ``torch.utils.data.DataLoader``), as the curvature operators take it. An iterable is read ONCE, its
+    ``torch.utils.data.DataLoader``), as the curvature operators take it; ``X`` a tensor or a mapping of
+    tensors sharing the sample dimension (a Hugging Face batch ``{"input_ids", "attention_mask"}`` through
+    :class:`curvkit.hf.HuggingFace`, the labels as the pair's ``y``: ``(batch, batch.pop("labels"))``), whose
+    minibatches are the same rows of every tensor. An iterable is read ONCE, its
     batches validated and concatenated in the order it yields them into D_n (n = all its rows; tensors
     are moved to the model's device), so the result is exactly the one for the concatenated pair. The
     SGLD minibatches of ``batch_size`` rows are then drawn from D_n by curvkit's own seeded sampler: the
@@ -302,8 +346,9 @@ def estimate_llc(
     sampling itself is unchanged). Use it to give several estimates the same L(w*), e.g. the
     full-data loss computed once, or devinterp's value when comparing with it.
     ``vectorise``: ``"auto"`` uses :func:`curvkit.slt.sampler.stacked_mlp_grad_fn` for MLP chains
-    (``curvkit.structure.read_model(model).mlp_chain``) and ``vmap`` otherwise; ``"vmap"`` always uses
-    ``vmap`` (same numbers up to rounding).
+    (``curvkit.structure.read_model(model).mlp_chain``) on tensor inputs and ``vmap`` over the chains otherwise;
+    ``"vmap"`` always uses ``vmap`` (same numbers up to rounding). A forward that ``vmap`` cannot take
+    (data-dependent control flow: Hugging Face's mask code) runs one chain at a time (same numbers).
     ``distributed``: a :class:`curvkit.distributed.Reducer`; every rank passes the whole data set and
     gets the same result. ``distributed_split='chains'`` (default) spreads the chains over the ranks (seeds
     derived from ``seed`` per rank), ``'batch'`` computes each SGLD gradient data-parallel within the
@@ -345,8 +390,9 @@ def estimate_llc(
             raise ValueError(f"parameter {k!r} of the model at w* contains NaN/inf")
     device = next(iter(w_star.values())).device
     X, y = _dataset(data, device)
-    if X.is_floating_point():
-        finite_tensor("data inputs X", X)
+    for what, t in input_tensors(X, "data inputs X"):
+        if t.is_floating_point():
+            finite_tensor(what, t)
     if y.is_floating_point():
         finite_tensor("data targets y", y)
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
@@ -354,22 +400,24 @@ def estimate_llc(
     loss_fn = module_loss_fn(model, crit)
     # the model's output at w* on the first rows: its shape, finiteness, the targets, the loss's form
     probe = _PROBE_ROWS if rows is None else min(_PROBE_ROWS, rows)
-    X0, y0 = X[:probe], y[:probe]
+    X0, y0 = take_samples(X, slice(0, probe)), y[:probe]
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
         with torch.no_grad():
             f0 = structure.functional_call(w_star, (X0,), buffers)
     except RuntimeError as err:
-        raise ValueError(f"estimate_llc: the model cannot be evaluated on the inputs (shape {tuple(X.shape)}, "
-                         f"{X.dtype}, on {X.device}): {type(err).__name__}: {err}; make the inputs' per-sample "
+        what = (f"shape {tuple(X.shape)}, {X.dtype}" if isinstance(X, Tensor) else describe_inputs(X))
+        raise ValueError(f"estimate_llc: the model cannot be evaluated on the inputs ({what}, on "
+                         f"{y.device}): {type(err).__name__}: {err}; make the inputs' per-sample "
                          "shape, dtype and device match the model") from err
-    if not isinstance(f0, Tensor) or f0.dim() == 0 or f0.shape[0] != X0.shape[0]:
+    b0 = num_samples(X0)
+    if not isinstance(f0, Tensor) or f0.dim() == 0 or f0.shape[0] != b0:
         shape = tuple(f0.shape) if isinstance(f0, Tensor) else type(f0).__name__
         raise ValueError(f"estimate_llc: the model must return one tensor with a leading batch dimension "
-                         f"({X0.shape[0]}, ...) for inputs of shape {tuple(X0.shape)}, got {shape}")
+                         f"({b0}, ...) for inputs of shape {describe_inputs(X0)}, got {shape}")
     if not bool(torch.isfinite(f0).all()):
         raise ValueError("estimate_llc: the model's output at w* contains NaN or inf on the first "
-                         f"{X0.shape[0]} samples; check the model's parameters and the inputs")
+                         f"{b0} samples; check the model's parameters and the inputs")
     _check_targets(kind, loss, f0, y)
     if kind == "cross_entropy" and not y.is_floating_point() and y.dtype != torch.int64:
         y, y0 = y.long(), y0.long()  # torch's cross_entropy takes int64 class indices only
@@ -401,7 +449,7 @@ def estimate_llc(
             if stream.chain_axis is None:
                 init = float(chunked_loss(loss_fn, w_star, (xb, yb), big))
             else:
-                init = float(torch.stack([chunked_loss(loss_fn, w_star, (xb[c], yb[c]), big)
+                init = float(torch.stack([chunked_loss(loss_fn, w_star, (take_samples(xb, c), yb[c]), big)
                                           for c in range(cfg.num_chains)]).mean())
             first = (xb, yb)
     if not math.isfinite(init):
@@ -415,9 +463,9 @@ def estimate_llc(
         return next(stream)
 
     grad_fn = (stacked_mlp_grad_fn(model, crit, stream.chain_axis, input_shape=tuple(X.shape[1:]))
-               if vectorise == "auto" else None)
+               if vectorise == "auto" and isinstance(X, Tensor) else None)
     if grad_fn is None:
-        grad_fn = vmap(grad_and_value(loss_fn), in_dims=(0, stream.chain_axis))
+        grad_fn = _vmap_or_loop(loss_fn, stream.chain_axis)
     step_fn = chunked_grad_fn(grad_fn, stream.chain_axis, per_chain)
     if distributed is not None:  # distributed_split='batch': this rank's rows, gradients all-reduced
         from curvkit.slt._distributed import sharded_grad_fn

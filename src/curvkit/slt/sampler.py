@@ -58,6 +58,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 
 from curvkit.structure import UnsupportedModelError, read_model
-from curvkit.validation import integer, nonnegative, positive
+from curvkit.validation import integer, map_inputs, nonnegative, num_samples, positive, take_samples
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Params, Any], Tensor]
@@ -143,13 +144,14 @@ class MinibatchStream:
     full data set, shared by all chains (no chain axis).
     """
 
-    def __init__(self, X: Tensor, y: Tensor, batch_size: int | None, num_chains: int,
+    def __init__(self, X: Any, y: Tensor, batch_size: int | None, num_chains: int,
                  generator: torch.Generator, shared: bool = False):
-        if X.dim() == 0 or y.dim() == 0 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
-            raise ValueError(f"X and y must share a positive leading (sample) size, got shapes {tuple(X.shape)} "
-                             f"and {tuple(y.shape)}")
+        n = num_samples(X) if not isinstance(X, Tensor) or X.dim() > 0 else 0
+        if y.dim() == 0 or n != y.shape[0] or n == 0:
+            raise ValueError(f"X and y must share a positive leading (sample) size, got {n} inputs and targets of "
+                             f"shape {tuple(y.shape)}")
         self.X, self.y, self.C, self.gen = X, y, count("num_chains", num_chains), generator
-        self.n = X.shape[0]
+        self.n = n
         if batch_size is not None:
             batch_size = count("batch_size", batch_size)
         self.full = batch_size is None or batch_size >= self.n
@@ -162,17 +164,17 @@ class MinibatchStream:
     def chain_axis(self) -> int | None:
         return None if self.full or self.shared else 0
 
-    def __next__(self) -> tuple[Tensor, Tensor]:
+    def __next__(self) -> tuple[Any, Tensor]:
         if self.full:
             return self.X, self.y
         if self._perm is None or self._pos + self.m > self.n:
             k = 1 if self.shared else self.C
             self._perm = torch.stack([torch.randperm(self.n, generator=self.gen) for _ in range(k)])
-            self._perm = self._perm.to(self.X.device)
+            self._perm = self._perm.to(self.y.device)
             self._pos = 0
         idx = self._perm[0 if self.shared else slice(None), self._pos:self._pos + self.m]
         self._pos += self.m
-        return self.X[idx], self.y[idx]
+        return take_samples(self.X, idx), self.y[idx]  # a mapping: the same rows of every tensor
 
 
 @dataclass
@@ -363,10 +365,15 @@ def row_pieces(batch: Any, batch_axis: int | None, rows: int) -> list[tuple[Any,
     its weight m_k / m. A batch of at most ``rows`` samples is returned whole (weight 1)."""
     x, y = batch
     dim = 0 if batch_axis is None else batch_axis + 1
-    m = int(x.shape[dim])
+    m = int(y.shape[dim])
     if m <= rows:
         return [(batch, 1.0)]
-    return [((xs, ys), xs.shape[dim] / m) for xs, ys in zip(x.split(rows, dim), y.split(rows, dim))]
+    pieces = []
+    for a in range(0, m, rows):
+        k = min(rows, m - a)
+        pieces.append(((map_inputs(partial(Tensor.narrow, dim=dim, start=a, length=k), x), y.narrow(dim, a, k)),
+                       k / m))
+    return pieces
 
 
 def chunked_grad_fn(step_fn: GradFn, batch_axis: int | None, rows: int) -> GradFn:

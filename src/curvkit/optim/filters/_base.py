@@ -28,29 +28,20 @@ import torch
 from torch import Tensor
 
 from curvkit.optim.base import CurvatureOptimizer
+from curvkit.validation import nonnegative, positive, unit_interval
 
 Reduction = Literal["mean", "sum"]
 
 
 def check_positive(name: str, value: float, allow_inf: bool = False, allow_zero: bool = False) -> float:
-    """Validate a scalar hyperparameter and return it as float."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a number, got {value!r}") from err
-    if math.isnan(v) or (math.isinf(v) and not allow_inf) or v < 0 or (v == 0 and not allow_zero):
-        need = "> 0" if not allow_zero else ">= 0"
-        extra = " (or inf)" if allow_inf else ""
-        raise ValueError(f"{name} must be {need}{extra} and finite, got {value!r}")
-    return v
+    """A scalar hyperparameter > 0 (>= 0 with ``allow_zero``) as a float: :func:`curvkit.validation.positive`
+    or :func:`~curvkit.validation.nonnegative`, the one check and wording."""
+    return (nonnegative if allow_zero else positive)(name, value, allow_inf=allow_inf)
 
 
 def check_unit_interval(name: str, value: float, closed_left: bool = False) -> float:
-    v = float(value)
-    ok = (0.0 <= v < 1.0) if closed_left else (0.0 < v < 1.0)
-    if not ok:
-        raise ValueError(f"{name} must lie in {'[0' if closed_left else '(0'}, 1), got {value!r}")
-    return v
+    """A number in (0, 1) ([0, 1) with ``closed_left``): :func:`curvkit.validation.unit_interval`."""
+    return unit_interval(name, value, closed_left=closed_left)
 
 
 class LossScale:

@@ -96,6 +96,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
 from curvkit.curvature import estimators
+from curvkit.curvature.config import CurvatureConfig
 from curvkit.curvature.estimators import KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.layerkinds import BATCH_STATISTICS_HINT
 from curvkit.likelihoods import CrossEntropy, Likelihood
@@ -284,20 +285,16 @@ class GaussNewton(CurvatureOptimizer):
                  statistics_dtype: torch.dtype | None = None):
         if curvature != "auto" and curvature not in _CURVATURES:
             raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
-        for key, value, allowed in (("weight_sharing", weight_sharing, ("expand", "reduce")),
-                                    ("norm_structure", norm_structure, ("full", "diag")),
-                                    ("parameter_structure", parameter_structure, ("full", "diag")),
-                                    ("batch_statistics", batch_statistics, ("refuse", "couple"))):
-            if value not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+        #: the Kronecker statistics' options (validated there), handed to the estimator
+        self.config = CurvatureConfig(weight_sharing=weight_sharing, norm_structure=norm_structure,
+                                      parameter_structure=parameter_structure, batch_statistics=batch_statistics,
+                                      mc_samples=mc_samples, distribution=distribution)
         if inversion not in ("factored", "eigen"):
             raise ValueError(f"inversion must be 'factored' or 'eigen', got {inversion!r}")
         if omega_norm not in ("trace", "frobenius"):
             raise ValueError(f"omega_norm must be 'trace' or 'frobenius', got {omega_norm!r}")
         if lm_rule not in ("band", "threshold"):
             raise ValueError(f"lm_rule must be 'band' or 'threshold', got {lm_rule!r}")
-        if distribution not in ("rademacher", "gaussian"):
-            raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
         if not isinstance(momentum, bool):
             raise ValueError(f"momentum must be True or False, got {momentum!r}")
         defaults: dict[str, Any] = dict(
@@ -420,10 +417,8 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         ema_f = hp["ema"] if isinstance(hp["ema"], float) else None
         self.estimator = KroneckerEstimator(
-            self.model, self.likelihood, method=source, mc_samples=hp["mc_samples"],  # type: ignore[arg-type]
-            distribution=hp["distribution"], ema=ema_f, generator=self._generator, distributed=self.distributed,
-            weight_sharing=hp["weight_sharing"], norm_structure=hp["norm_structure"],
-            parameter_structure=hp["parameter_structure"], batch_statistics=hp["batch_statistics"],
+            self.model, self.likelihood, method=source,  # type: ignore[arg-type]
+            ema=ema_f, generator=self._generator, distributed=self.distributed, config=self.config,
             statistics_dtype=self.statistics_dtype, option_words=_WORDS)
         self.source, self.source_reason = source, reason
 
