@@ -32,7 +32,9 @@ minibatch since step 1, each at the parameters of its step (not in the thesis: c
 for old runs; with ``CrossEntropy('sum')`` its factors grow with the data seen).
 
 Other options the thesis reports or users expect: ``curvature_every`` (refresh factors and inverses every
-k steps from the minibatch of that step; the thesis refreshes every step), ``momentum`` (the 2-D quadratic model over {d, previous update},
+k steps from the minibatch of that step; the thesis refreshes every step), ``inverse_every`` and
+``quadratic_every`` (the damped inverses and the quadratic model of alpha* at their own intervals, as kfac-jax
+and kfac-pytorch amortise them; :data:`AMORTISED`), ``momentum`` (the 2-D quadratic model over {d, previous update},
 KFAC-style; off by default as in the thesis, which found plain update momentum unstable), ``weight_decay``.
 
 Damping adaptation. The defaults are the thesis's schedule (tau_0 = zeta_0 = 1 on an absolute scale, tau
@@ -135,7 +137,7 @@ from curvkit.validation import (
     unit_interval,
 )
 
-__all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
+__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +146,18 @@ logger = logging.getLogger(__name__)
 FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
     {"tau_every": 1, "omega_tau": 0.8, "zeta_every": 5, "omega_zeta": 0.5})
 
+#: Amortised refreshes (``quadratic_every``, ``curvature_every``; module docstring): the factors, their inverses
+#: and the quadratic model of alpha* every 5 steps, tau adapted on those steps (T_tau = 5, the thesis's), zeta every
+#: 20; measured in docs/results.md ("Gauss-Newton on the clock"). Not the thesis's algorithm, which refreshes all
+#: three every step (the defaults): ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
+AMORTISED: Mapping[str, Any] = MappingProxyType(
+    {"curvature_every": 5, "quadratic_every": 5, "tau_every": 5, "zeta_every": 20})
+
 Curvature = Literal["auto", "kfra", "kflr", "kfac", "projection"]
 _CURVATURES = ("kfra", "kflr", "kfac", "projection")
 _GLOBAL = ("curvature", "inversion", "omega_norm", "weight_decay", "tau", "zeta", "tau_every", "zeta_every",
-           "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "momentum", "mc_samples",
+           "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "inverse_every", "quadratic_every",
+           "momentum", "mc_samples",
            "distribution", "seed", "weight_sharing", "norm_structure", "parameter_structure", "batch_statistics")
 _CONFIG = ("curvature", "ema", "mc_samples", "distribution", "weight_sharing", "norm_structure",
            "parameter_structure", "batch_statistics")
@@ -242,7 +252,14 @@ class GaussNewton(CurvatureOptimizer):
         ema: None (default: the factors of the current minibatch, the thesis's), a moving-average factor in
             [0, 1) (0.9: the thesis's dashed curves), or ``'running_mean'`` (the mean over every minibatch
             since step 1; curvkit 0.1's default). Module docstring.
-        curvature_every: refresh factors and inverses every k steps (1).
+        curvature_every: refresh the factors (and, by default, the inverses) every k steps (1, the thesis's).
+        inverse_every: recompute the damped inverses every k steps, a multiple of ``curvature_every`` (None: with
+            every factor refresh). Larger than ``curvature_every`` only pays with ``ema``: the factors of the
+            steps in between are averaged in, while with ``ema=None`` only the rebuild step's factors are used.
+        quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) every k steps
+            (1, the thesis's) and on every step that adapts tau or zeta; the steps in between reuse the last
+            alpha* (and momentum's beta) along their own direction, without the Jacobian-vector product (about
+            three forward passes' work). :data:`AMORTISED` is a measured preset.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
@@ -274,7 +291,8 @@ class GaussNewton(CurvatureOptimizer):
                  omega_norm: Literal["trace", "frobenius"] = "trace", weight_decay: float = 0.0,
                  tau: float = 1.0, zeta: float = 1.0, tau_every: int = 5, zeta_every: int = 20,
                  omega_tau: float = 0.95, omega_zeta: float = 0.95, lm_rule: Literal["band", "threshold"] = "band",
-                 ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1, momentum: bool = False, mc_samples: int = 1,
+                 ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1,
+                 inverse_every: int | None = None, quadratic_every: int = 1, momentum: bool = False, mc_samples: int = 1,
                  distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
                  parameter_structure: Literal["full", "diag"] = "diag",
@@ -306,10 +324,16 @@ class GaussNewton(CurvatureOptimizer):
             omega_tau=unit_interval("omega_tau", omega_tau), omega_zeta=unit_interval("omega_zeta", omega_zeta),
             lm_rule=lm_rule, ema=_check_ema(ema),
             curvature_every=integer("curvature_every", curvature_every),
+            inverse_every=None if inverse_every is None else integer("inverse_every", inverse_every),
+            quadratic_every=integer("quadratic_every", quadratic_every),
             momentum=momentum, mc_samples=integer("mc_samples", mc_samples), distribution=distribution,
             seed=integer("seed", seed, minimum=0), weight_sharing=weight_sharing, norm_structure=norm_structure,
             parameter_structure=parameter_structure, batch_statistics=batch_statistics,
         )
+        if defaults["inverse_every"] is not None and defaults["inverse_every"] % defaults["curvature_every"]:
+            raise ValueError(f"inverse_every ({inverse_every}) must be a multiple of curvature_every ({curvature_every}): "
+                             "the inverses are recomputed on steps that refresh the factors (inverse_every=None: on "
+                             "every refresh)")
         if defaults["weight_decay"] + defaults["zeta"] <= 0:
             raise ValueError("weight_decay + zeta must be > 0: the Kronecker factors of a network are singular "
                              "in general, so the direction needs damping (the thesis starts with zeta = 1)")
@@ -383,6 +407,13 @@ class GaussNewton(CurvatureOptimizer):
         self.tau = float(defaults["tau"])
         self.zeta = float(defaults["zeta"])
         self.elapsed_s = 0.0
+        #: the step size (and momentum coefficient) of the last evaluation of the quadratic model, reused by the
+        #: steps in between (``quadratic_every``)
+        self._alpha: float | None = None
+        self._beta: float | None = None
+        #: the estimator's statistics the held factors were built from, kept where later factor refreshes change
+        #: the statistics before the next rebuild (``inverse_every > curvature_every``), for state_dict
+        self._held: dict[str, Any] | None = None
         # caches rebuilt from the estimator's statistics (never saved: they are recomputed exactly)
         self._op: KroneckerOperator | None = None
         self._inverses: dict[float, CurvatureOperator | FactoredInverse] = {}
@@ -527,6 +558,7 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         params = self.ordered_params()
         refresh = self._op is None or (k - 1) % hp["curvature_every"] == 0
+        rebuild = self._op is None or (k - 1) % (hp["inverse_every"] or hp["curvature_every"]) == 0
         est = self.estimator  # None before the first step with curvature='auto'
         saved_est = est.state_dict() if refresh and est is not None else None
         saved_gen = self._generator.get_state() if refresh else None
@@ -545,7 +577,7 @@ class GaussNewton(CurvatureOptimizer):
                 terms = self.likelihood.num_terms(f, y)  # this rank's counted loss terms (not its samples)
                 data_loss, grads, evaluate = reduce_step_inputs(self, terms, data_loss, grads, evaluate,
                                                                 closure is not None)
-            out = self._compute(k, params, X, y, f, data_loss, grads, refresh)
+            out = self._compute(k, params, X, y, f, data_loss, grads, rebuild)
         except BaseException:
             if saved_est is not None:
                 est.load_state_dict(saved_est)
@@ -563,6 +595,10 @@ class GaussNewton(CurvatureOptimizer):
             if hp["momentum"]:
                 self.state[p]["previous_update"] = u
         self.zeta = record["zeta"]
+        if record["quadratic"]:
+            self._alpha, self._beta = record["alpha"], record["beta"]
+        if rebuild and (hp["inverse_every"] or 0) > hp["curvature_every"]:
+            self._held = self.estimator.state_dict()  # later refreshes change the statistics before the next rebuild
         rho = math.nan
         if hp["tau_every"] and k % hp["tau_every"] == 0:
             E1 = evaluate()
@@ -757,8 +793,13 @@ class GaussNewton(CurvatureOptimizer):
             raise
 
     def _compute(self, k: int, params: list[Tensor], X: Tensor, y: Tensor | None, f: Tensor, data_loss: Tensor,
-                 grads: list[Tensor], refresh: bool) -> tuple[float, list[Tensor], dict[str, Any]]:
-        """Direction, step size, damping choices and the update (nothing is written here)."""
+                 grads: list[Tensor], rebuild: bool) -> tuple[float, list[Tensor], dict[str, Any]]:
+        """Direction, step size, damping choices and the update (nothing is written here). ``rebuild``: hold the
+        estimator's current factors and drop the cached inverses first.
+
+        The quadratic model (the exact GGN products of alpha*, the zeta search, rho's prediction) is evaluated
+        on the first step, every ``quadratic_every`` steps and on every step that adapts tau or zeta (they need
+        it); any other step reuses the last alpha* (and beta with momentum) along its own direction."""
         hp = self.hp
         name = type(self).__name__
         E0 = self._objective(data_loss, params)
@@ -770,11 +811,14 @@ class GaussNewton(CurvatureOptimizer):
             if not bool(torch.isfinite(t).all()):
                 raise FloatingPointError(f"{name}: step {k}: the gradient of {n} contains NaN or inf; nothing "
                                          "was changed")
-        if refresh:
+        if rebuild:
             self._hold(self.estimator.operator())
+        adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
+        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
+        quadratic = self._alpha is None or adapt_tau or adapt_zeta or (k - 1) % hp["quadratic_every"] == 0
         # ---- candidate directions (the current zeta first, so that ties keep it)
         zetas = [self.zeta]
-        if hp["zeta_every"] and k % hp["zeta_every"] == 0:
+        if adapt_zeta:
             zetas += [hp["omega_zeta"] * self.zeta, self.zeta / hp["omega_zeta"]]
         dirs = []
         for z in zetas:
@@ -789,6 +833,8 @@ class GaussNewton(CurvatureOptimizer):
             prev = [self.state[p].get("previous_update") for p in params]
             if any(u is None for u in prev):
                 prev = None
+        if not quadratic:
+            return self._reuse_step_size(k, params, E0, data_loss, g, dirs[0], prev, rebuild)
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
         M = output_gram(self._shard_likelihood, f, y, JV)
         if self.distributed is not None:  # d_i^T G d_j summed over the shard's counted terms: the union's
@@ -828,7 +874,28 @@ class GaussNewton(CurvatureOptimizer):
                                          f"{alpha:.3g}); nothing was changed")
         record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=zetas[best],
                       predicted_change=predicted, direction_dot_grad=dg[best], dCd=C[best][best],
-                      omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=refresh)
+                      omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=rebuild,
+                      quadratic=True)
+        return E0, update, record
+
+    def _reuse_step_size(self, k: int, params: list[Tensor], E0: float, data_loss: Tensor, g: list[Tensor],
+                         d: list[Tensor], prev: list[Tensor] | None, rebuild: bool
+                         ) -> tuple[float, list[Tensor], dict[str, Any]]:
+        """A step between evaluations of the quadratic model: ``alpha d (+ beta prev)`` with the last alpha* and
+        beta (no exact GGN product; nothing predicted, so no rho)."""
+        alpha, beta = float(self._alpha), self._beta  # type: ignore[arg-type]
+        if prev is None:
+            beta = None
+        update = [alpha * t for t in d]
+        if beta is not None:
+            update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
+        for n, p, u in zip(self._names, params, update):
+            if not bool(torch.isfinite(p.detach() + u).all()):
+                raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
+                                         f"{n} (alpha = {alpha:.3g}, the last alpha*); nothing was changed")
+        record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=self.zeta,
+                      predicted_change=None, direction_dot_grad=_dot(d, g), dCd=None, omega=dict(self._omega),
+                      zero_curvature=list(self._zero_blocks), refreshed=rebuild, quadratic=False)
         return E0, update, record
 
     # ------------------------------------------------------------------ checkpoints
@@ -846,6 +913,7 @@ class GaussNewton(CurvatureOptimizer):
         sd = super().state_dict()
         sd["gauss_newton"] = {
             "num_steps": self.num_steps, "tau": self.tau, "zeta": self.zeta, "elapsed_s": self.elapsed_s,
+            "alpha": self._alpha, "beta": self._beta, "held": self._held,
             "estimator": None if self.estimator is None else self.estimator.state_dict(),
             "generator": self._generator.get_state(), "config": self._config(), "source_reason": self.source_reason,
             # 2: ema=None means the current minibatch (format 1, curvkit 0.1: the running mean); 3: the config
@@ -883,9 +951,15 @@ class GaussNewton(CurvatureOptimizer):
         self._generator.set_state(gn["generator"])
         self.num_steps, self.tau, self.zeta = int(gn["num_steps"]), float(gn["tau"]), float(gn["zeta"])
         self.elapsed_s = float(gn["elapsed_s"])
+        self._alpha, self._beta = gn.get("alpha"), gn.get("beta")
         self._inverses = {}
         self._op = None
         self._omega = {}
         self._zero_blocks = []
-        if self.estimator is not None and self.estimator.num_updates > 0:
+        self._held = gn.get("held")
+        if self._held is not None:  # the factors held at the last rebuild, then the statistics refreshed since
+            self.estimator.load_state_dict(self._held)
+            self._hold(self.estimator.operator())
+            self.estimator.load_state_dict(gn["estimator"])
+        elif self.estimator is not None and self.estimator.num_updates > 0:
             self._hold(self.estimator.operator())
