@@ -11,9 +11,9 @@
 from curvkit.optim.second_order.gauss_newton import (
     AMORTISED,
     FAST_ADAPTATION,
-    KFLR_MAX_COLUMNS,
+    KFLR_MAX_EXTRA_PASSES,
     GaussNewton,
     default_curvature,
 )
 
-__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
+__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_EXTRA_PASSES", "GaussNewton", "default_curvature"]

@@ -137,7 +137,7 @@ from curvkit.validation import (
     unit_interval,
 )
 
-__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
+__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_EXTRA_PASSES", "GaussNewton", "default_curvature"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,30 +164,37 @@ _CONFIG = ("curvature", "ema", "mc_samples", "distribution", "weight_sharing", "
 _CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "parameter_structure": "diag",  # format 2
                   "batch_statistics": "refuse"}
 
-#: The most output-space columns KFLR may back-propagate per refresh for the automatic choice
-#: (:func:`default_curvature`): KFLR costs one backward pass per column of the output Hessian's square root
-#: (C for a softmax over C classes), KFAC one per sampled label.
-KFLR_MAX_COLUMNS = 10
+#: The most backward passes per step that ``curvature='auto'`` lets KFLR cost beyond KFAC's, in units of the one
+#: backward pass of the step's own gradient (:func:`default_curvature`): KFLR back-propagates one column of the
+#: output Hessian's square root per backward pass (C for a softmax over C classes), KFAC one per sampled label,
+#: each once per refresh, i.e. every ``curvature_every`` steps.
+KFLR_MAX_EXTRA_PASSES = 1.0
 
 #: the refusals of the optimiser's estimator in its caller's words (``curvature=``; no ``output_factor``)
 _WORDS = OptionWords(sampled="curvature='kfac' or 'projection'", dense=None)
 
 
-def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: Sequence[str] = ()) -> tuple[str, str]:
+def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: Sequence[str] = (), *,
+                      curvature_every: int = 1, mc_samples: int = 1) -> tuple[str, str]:
     """(source, reason): the curvature source ``curvature='auto'`` takes for a model (its
-    :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's).
+    :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's), given the refresh period
+    and KFAC's labels per example of the optimiser.
 
     0. ``kfac`` when a block has more outputs than
        :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` (``wide``, its labels:
        :func:`~curvkit.curvature.estimators.wide_blocks`; a language model's vocabulary): its sampled
        output factor is exactly low rank and kept thin, where KFRA's and KFLR's would be dense and full rank;
     1. ``kfra`` (the thesis's method, Sec. 4.3.2) where its recursion is defined: an MLP chain
-       (``structure.mlp_chain``) with (B, C) outputs;
-    2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its cost is affordable: (B, C) outputs and
-       at most :data:`KFLR_MAX_COLUMNS` columns of the output Hessian's square root, i.e. as many backward
-       passes per refresh (with outputs (B, *P, C) its back-propagated columns mix the positions: its G then
-       holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
-    3. otherwise ``kfac`` (one backward pass of sampled labels per ``mc_samples``, Sec. 4.3.3).
+       (``structure.mlp_chain``) with (B, C) outputs (no backward pass beyond the gradient's);
+    2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its price is small against the step: (B, C)
+       outputs and at most :data:`KFLR_MAX_EXTRA_PASSES` backward passes per step more than KFAC, i.e.
+       ``(C - mc_samples) / curvature_every <= 1`` with C the columns of the output Hessian's square root (one
+       backward pass each per refresh; with outputs (B, *P, C) its back-propagated columns mix the positions:
+       its G then holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
+    3. otherwise ``kfac`` (one backward pass per refresh for each of the ``mc_samples`` sampled labels, Sec. 4.3.3).
+
+    The reason states the price that decided (backward passes per refresh and per step against the one of the
+    gradient), so a user can choose the other source explicitly.
     """
     if wide:
         return "kfac", (f"block(s) {', '.join(repr(w) for w in wide[:3])} have more than {estimators.LOW_RANK_OUTPUTS} outputs: "
@@ -201,15 +208,17 @@ def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: S
         else:
             return "kfra", "an MLP chain with (batch, outputs) outputs: KFRA's recursion is defined"
     else:
-        why = f"outputs with positions {tuple(f.shape)}"
+        return "kfac", (f"outputs with positions {tuple(f.shape)}: KFLR's columns would mix the positions, so KFAC "
+                        "(sampled labels)")
     cols = likelihood.sqrt_rank(f)
-    if not positions and cols <= KFLR_MAX_COLUMNS:
-        return "kflr", (f"not an MLP chain ({why}); KFLR needs {cols} backward passes per refresh "
-                        f"(<= {KFLR_MAX_COLUMNS})")
-    if positions:
-        return "kfac", f"{why}: KFLR's columns would mix the positions, so KFAC (sampled labels)"
-    return "kfac", (f"not an MLP chain ({why}); KFLR would need {cols} backward passes per refresh "
-                    f"(> {KFLR_MAX_COLUMNS}), so KFAC (sampled labels)")
+    extra = (cols - mc_samples) / curvature_every
+    price = (f"KFLR costs {cols} backward pass(es) per refresh against KFAC's {mc_samples}, with a refresh every "
+             f"{curvature_every} step(s) {max(extra, 0.0):.3g} more per step than KFAC, against the step's one "
+             "gradient pass")
+    if extra <= KFLR_MAX_EXTRA_PASSES:
+        return "kflr", f"not an MLP chain ({why}); {price} (<= {KFLR_MAX_EXTRA_PASSES:g}): KFLR (exact output factors)"
+    return "kfac", (f"not an MLP chain ({why}); {price} (> {KFLR_MAX_EXTRA_PASSES:g}): KFAC (sampled labels); "
+                    "curvature='kflr' gives exact output factors at that price")
 
 
 def _check_ema(ema: Any) -> float | str | None:
@@ -240,7 +249,8 @@ class GaussNewton(CurvatureOptimizer):
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
         curvature: ``'auto'`` (default: :func:`default_curvature`, KFAC for a model with a vocabulary-sized
             output layer (its exactly low-rank output factor is kept thin), else KFRA - the thesis's method - where
-            its recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
+            its recursion is defined, else KFLR where its backward passes cost at most :data:`KFLR_MAX_EXTRA_PASSES`
+            per step more than KFAC's, else KFAC) | ``'kfra'`` |
             ``'kflr'`` | ``'kfac'`` | ``'projection'``.
         inversion: ``'factored'`` (Eq. 4.25, default) | ``'eigen'`` (exact damped inverse, KFAC*/KFRA*).
         omega_norm: ``'trace'`` (Eq. 4.27 with the trace norm, the thesis's) | ``'frobenius'``.
@@ -256,8 +266,8 @@ class GaussNewton(CurvatureOptimizer):
         inverse_every: recompute the damped inverses every k steps, a multiple of ``curvature_every`` (None: with
             every factor refresh). Larger than ``curvature_every`` only pays with ``ema``: the factors of the
             steps in between are averaged in, while with ``ema=None`` only the rebuild step's factors are used.
-        quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) every k steps
-            (1, the thesis's) and on every step that adapts tau or zeta; the steps in between reuse the last
+        quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
+            every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between reuse the last
             alpha* (and momentum's beta) along their own direction, without the Jacobian-vector product (about
             three forward passes' work). :data:`AMORTISED` is a measured preset.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
@@ -469,7 +479,9 @@ class GaussNewton(CurvatureOptimizer):
                              "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
         self._output_checked = True
         if self.estimator is None:
-            source, reason = default_curvature(self._structure, self.likelihood, f, self._wide)
+            source, reason = default_curvature(self._structure, self.likelihood, f, self._wide,
+                                               curvature_every=self.hp["curvature_every"],
+                                               mc_samples=self.hp["mc_samples"])
             self._use_source(source, reason)
             logger.info("GaussNewton: curvature='auto' chose %r: %s", source, reason)
 
@@ -798,8 +810,9 @@ class GaussNewton(CurvatureOptimizer):
         estimator's current factors and drop the cached inverses first.
 
         The quadratic model (the exact GGN products of alpha*, the zeta search, rho's prediction) is evaluated
-        on the first step, every ``quadratic_every`` steps and on every step that adapts tau or zeta (they need
-        it); any other step reuses the last alpha* (and beta with momentum) along its own direction."""
+        on the first step, on every step k that ``quadratic_every`` divides and on every step that adapts tau or
+        zeta (they need it; with ``tau_every = quadratic_every`` they coincide); any other step reuses the last
+        alpha* (and beta with momentum) along its own direction."""
         hp = self.hp
         name = type(self).__name__
         E0 = self._objective(data_loss, params)
@@ -815,7 +828,7 @@ class GaussNewton(CurvatureOptimizer):
             self._hold(self.estimator.operator())
         adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
         adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
-        quadratic = self._alpha is None or adapt_tau or adapt_zeta or (k - 1) % hp["quadratic_every"] == 0
+        quadratic = self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
         # ---- candidate directions (the current zeta first, so that ties keep it)
         zetas = [self.zeta]
         if adapt_zeta:
