@@ -6,7 +6,7 @@ inverses and the quadratic model of alpha* every step) against ``quadratic_every
 Every arm starts from the same initialisation and sees the same minibatches, in one process, one after the other
 (``--threads`` torch threads, default 1). Columns: seconds per update (mean over the run) and its ratio to the
 thesis arm's; the minibatch data loss at the end (mean of the last 5 updates); the updates and the seconds each arm
-needed to reach the thesis arm's final value (the loss smoothed over 5 updates; "-" if it did not). Machine load
+needed to reach the thesis arm's final value and AdamW's (the loss smoothed over 5 updates; "-" if it did not). Machine load
 moves the seconds of all arms alike only roughly: the load average is printed; the ratios are of one run.
 
 Models: the autoencoder ``curvkit.models.autoencoder(784, width=0.5)`` (784-500-250-125-15 and back, Glorot
@@ -68,7 +68,7 @@ def _run(make: Any, lik: Any, batches: list[Any], steps: int, arm: dict[str, Any
             loss = lik(model(X), y)
             loss.backward()
             opt.step()
-            return float(loss)
+            return float(loss.detach())
     else:
         kw = dict(AMORTISED) if arm.get("AMORTISED") else arm
         gn = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature=source, weight_decay=1e-5, **kw)
@@ -95,15 +95,19 @@ def table(name: str, steps: int) -> str:
     runs[f"AdamW (lr {lr:g})"] = _run(make, lik, batches, steps, None, source, lr)
     ref_loss, ref_time = next(iter(runs.values()))
     target = _smooth(ref_loss)[-1]
+    adamw = _smooth(runs[f"AdamW (lr {lr:g})"][0])[-1]
     per_ref = ref_time[-1] / steps
     lines = [f"### {name}: {steps} updates per arm, load average {load0:.2f} -> {os.getloadavg()[0]:.2f}", "",
-             "| arm | s / update | vs thesis | final loss (last 5) | updates to thesis's final | s to it |",
-             "|---|---|---|---|---|---|"]
+             "| arm | s / update | vs thesis | final loss (last 5) | updates to thesis's final | s to it | "
+             "updates to AdamW's final | s to it |", "|---|---|---|---|---|---|---|---|"]
     for arm, (loss, t) in runs.items():
         sm = _smooth(loss)
-        hit = next((i for i, v in enumerate(sm) if v <= target), None)
+        cells = []
+        for goal in (target, adamw):
+            hit = next((i for i, v in enumerate(sm) if v <= goal), None)
+            cells += ["-" if hit is None else str(hit + 1), "-" if hit is None else f"{t[hit]:.1f}"]
         lines.append(f"| {arm} | {t[-1] / steps:.3f} | {t[-1] / steps / per_ref:.2f} | {sm[-1]:.4g} | "
-                     f"{'-' if hit is None else hit + 1} | {'-' if hit is None else f'{t[hit]:.1f}'} |")
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

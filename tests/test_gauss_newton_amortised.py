@@ -1,9 +1,9 @@
 """GaussNewton's amortisation options (issue 35): the damped inverses (``inverse_every``) and the quadratic
 model of alpha* (``quadratic_every``) at their own intervals, in float64 on tiny models.
 
-* A step between evaluations of the quadratic model runs no Jacobian-vector product and takes the last
-  alpha* along its own direction: its update is (last alpha*) / alpha*_ref times the reference step's update
-  (the same direction: same parameters, minibatch and factors), to 1e-12.
+* A step between evaluations of the quadratic model runs no Jacobian-vector product and takes the geometric
+  mean of the past alpha*s along its own direction: its update is (that alpha) / alpha*_ref times the reference
+  step's update (the same direction: same parameters, minibatch and factors), to 1e-12.
 * Steps that adapt tau or zeta evaluate the model (they need it).
 * ``inverse_every`` holds the factors of the last rebuild; a stopped and resumed run equals the
   uninterrupted one bitwise with both options on.
@@ -12,6 +12,7 @@ model of alpha* (``quadratic_every``) at their own intervals, in float64 on tiny
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -66,7 +67,12 @@ def test_steps_between_quadratic_models_reuse_alpha(curvature):
     assert calls == [1, 0, 1, 0, 0]
     h = opt.history
     assert [r["quadratic"] for r in h] == [True, False, True, False, False]  # step 1, then k divisible by 3
-    assert h[1]["alpha"] == h[0]["alpha"] and h[4]["alpha"] == h[3]["alpha"] == h[2]["alpha"] != h[0]["alpha"]
+    # the steps in between take the geometric mean of the past alpha*s (moving average of log |alpha*|, 0.9)
+    a0, a2 = h[0]["alpha"], h[2]["alpha"]
+    assert a0 < 0 and a2 < 0 and a0 != a2
+    assert h[1]["alpha"] == pytest.approx(a0, rel=1e-12)
+    mean = -math.exp((0.9 * 0.1 * math.log(-a0) + 0.1 * math.log(-a2)) / (0.9 * 0.1 + 0.1))
+    assert h[3]["alpha"] == pytest.approx(mean, rel=1e-12) and h[4]["alpha"] == h[3]["alpha"]
     assert h[1]["predicted_change"] is None and h[1]["rho"] is None
     # step 2 against the reference (quadratic model on every step) from the same state: the same direction
     ref_net, ref = _make(curvature=curvature)

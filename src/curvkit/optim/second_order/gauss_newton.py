@@ -153,6 +153,10 @@ FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
 #: there. Not the thesis's algorithm (the defaults): ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
 AMORTISED: Mapping[str, Any] = MappingProxyType({"curvature_every": 5})
 
+#: The moving-average factor of log |alpha*| whose geometric mean the steps between evaluations of the quadratic
+#: model take (``quadratic_every``; :meth:`GaussNewton._reuse_step_size`).
+ALPHA_AVERAGE = 0.9
+
 Curvature = Literal["auto", "kfra", "kflr", "kfac", "projection"]
 _CURVATURES = ("kfra", "kflr", "kfac", "projection")
 _GLOBAL = ("curvature", "inversion", "omega_norm", "weight_decay", "tau", "zeta", "tau_every", "zeta_every",
@@ -268,7 +272,8 @@ class GaussNewton(CurvatureOptimizer):
             steps in between are averaged in, while with ``ema=None`` only the rebuild step's factors are used.
         quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
             every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between reuse the last
-            alpha* (and momentum's beta) along their own direction, without the Jacobian-vector product (about
+            alpha*s' geometric mean (and momentum's last beta) along their own direction, without the
+            Jacobian-vector product (about
             three forward passes' work); measured to cost more updates than it saves seconds on the chapter-4
             autoencoder (docs/results.md), so :data:`AMORTISED` leaves it at 1.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
@@ -418,10 +423,12 @@ class GaussNewton(CurvatureOptimizer):
         self.tau = float(defaults["tau"])
         self.zeta = float(defaults["zeta"])
         self.elapsed_s = 0.0
-        #: the step size (and momentum coefficient) of the last evaluation of the quadratic model, reused by the
-        #: steps in between (``quadratic_every``)
+        #: the step sizes of the quadratic model for the steps in between its evaluations (``quadratic_every``):
+        #: the last alpha* and momentum beta, and the bias-corrected moving average (factor
+        #: :data:`ALPHA_AVERAGE`) of log |alpha*| over the evaluations, as (sum, weight)
         self._alpha: float | None = None
         self._beta: float | None = None
+        self._log_alpha = (0.0, 0.0)
         #: the estimator's statistics the held factors were built from, kept where later factor refreshes change
         #: the statistics before the next rebuild (``inverse_every > curvature_every``), for state_dict
         self._held: dict[str, Any] | None = None
@@ -610,6 +617,10 @@ class GaussNewton(CurvatureOptimizer):
         self.zeta = record["zeta"]
         if record["quadratic"]:
             self._alpha, self._beta = record["alpha"], record["beta"]
+            if record["alpha"] < 0:  # a zero direction (alpha = 0) says nothing about the step size
+                m, w = self._log_alpha
+                self._log_alpha = (ALPHA_AVERAGE * m + (1 - ALPHA_AVERAGE) * math.log(-record["alpha"]),
+                                   ALPHA_AVERAGE * w + (1 - ALPHA_AVERAGE))
         if rebuild and (hp["inverse_every"] or 0) > hp["curvature_every"]:
             self._held = self.estimator.state_dict()  # later refreshes change the statistics before the next rebuild
         rho = math.nan
@@ -895,9 +906,14 @@ class GaussNewton(CurvatureOptimizer):
     def _reuse_step_size(self, k: int, params: list[Tensor], E0: float, data_loss: Tensor, g: list[Tensor],
                          d: list[Tensor], prev: list[Tensor] | None, rebuild: bool
                          ) -> tuple[float, list[Tensor], dict[str, Any]]:
-        """A step between evaluations of the quadratic model: ``alpha d (+ beta prev)`` with the last alpha* and
-        beta (no exact GGN product; nothing predicted, so no rho)."""
-        alpha, beta = float(self._alpha), self._beta  # type: ignore[arg-type]
+        """A step between evaluations of the quadratic model: ``alpha d (+ beta prev)`` with alpha the geometric
+        mean of the past alpha*s (a bias-corrected moving average of log |alpha*| with factor
+        :data:`ALPHA_AVERAGE`; alpha* has the sign of -d^T g < 0) and the last beta (no exact GGN product; nothing
+        predicted, so no rho). The minibatch's alpha* varies by an order of magnitude from step to step (0.04 to
+        1.06 in ten steps of the chapter-4 autoencoder); carrying the last one over cost far more progress than
+        the average (benchmarks/gauss_newton_amortised.py)."""
+        m, w = self._log_alpha
+        alpha, beta = (-math.exp(m / w) if w > 0 else float(self._alpha)), self._beta  # type: ignore[arg-type]
         if prev is None:
             beta = None
         update = [alpha * t for t in d]
@@ -906,7 +922,7 @@ class GaussNewton(CurvatureOptimizer):
         for n, p, u in zip(self._names, params, update):
             if not bool(torch.isfinite(p.detach() + u).all()):
                 raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
-                                         f"{n} (alpha = {alpha:.3g}, the last alpha*); nothing was changed")
+                                         f"{n} (alpha = {alpha:.3g}, the mean of the past alpha*s); nothing was changed")
         record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=self.zeta,
                       predicted_change=None, direction_dot_grad=_dot(d, g), dCd=None, omega=dict(self._omega),
                       zero_curvature=list(self._zero_blocks), refreshed=rebuild, quadratic=False)
@@ -927,7 +943,7 @@ class GaussNewton(CurvatureOptimizer):
         sd = super().state_dict()
         sd["gauss_newton"] = {
             "num_steps": self.num_steps, "tau": self.tau, "zeta": self.zeta, "elapsed_s": self.elapsed_s,
-            "alpha": self._alpha, "beta": self._beta, "held": self._held,
+            "alpha": self._alpha, "beta": self._beta, "log_alpha": list(self._log_alpha), "held": self._held,
             "estimator": None if self.estimator is None else self.estimator.state_dict(),
             "generator": self._generator.get_state(), "config": self._config(), "source_reason": self.source_reason,
             # 2: ema=None means the current minibatch (format 1, curvkit 0.1: the running mean); 3: the config
@@ -966,6 +982,8 @@ class GaussNewton(CurvatureOptimizer):
         self.num_steps, self.tau, self.zeta = int(gn["num_steps"]), float(gn["tau"]), float(gn["zeta"])
         self.elapsed_s = float(gn["elapsed_s"])
         self._alpha, self._beta = gn.get("alpha"), gn.get("beta")
+        m, w = gn.get("log_alpha", (0.0, 0.0))
+        self._log_alpha = (float(m), float(w))
         self._inverses = {}
         self._op = None
         self._omega = {}
