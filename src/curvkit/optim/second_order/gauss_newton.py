@@ -148,9 +148,9 @@ FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
 
 #: Amortised refreshes (module docstring): the factors and their inverses every 5 steps, measured in
 #: ``benchmarks/gauss_newton_amortised.py`` (docs/results.md, "Gauss-Newton on the clock": on the chapter-4
-#: autoencoder it reached the thesis setting's 40-update loss in 34 updates and 0.64x the seconds). The quadratic
-#: model is kept on every step: reusing alpha* (``quadratic_every=5``) cost far more updates than it saved seconds
-#: there. Not the thesis's algorithm (the defaults): ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
+#: autoencoder and the ViT 0.64-0.71x the seconds per update for at most one update in 25-40). The quadratic model
+#: stays on every step (``quadratic_every`` is measured there too, but on fewer runs). Not the thesis's algorithm
+#: (the defaults): ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
 AMORTISED: Mapping[str, Any] = MappingProxyType({"curvature_every": 5})
 
 #: The moving-average factor of log |alpha*| whose geometric mean the steps between evaluations of the quadratic
@@ -271,11 +271,10 @@ class GaussNewton(CurvatureOptimizer):
             every factor refresh). Larger than ``curvature_every`` only pays with ``ema``: the factors of the
             steps in between are averaged in, while with ``ema=None`` only the rebuild step's factors are used.
         quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
-            every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between reuse the last
-            alpha*s' geometric mean (and momentum's last beta) along their own direction, without the
-            Jacobian-vector product (about
-            three forward passes' work); measured to cost more updates than it saves seconds on the chapter-4
-            autoencoder (docs/results.md), so :data:`AMORTISED` leaves it at 1.
+            every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between take
+            the geometric mean of the past alpha*s (and momentum's last beta) along their own direction, without
+            the Jacobian-vector product (about three forward passes' work; docs/results.md); :data:`AMORTISED`
+            leaves it at 1.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
