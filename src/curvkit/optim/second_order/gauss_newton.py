@@ -822,8 +822,8 @@ class GaussNewton(CurvatureOptimizer):
 
         The quadratic model (the exact GGN products of alpha*, the zeta search, rho's prediction) is evaluated
         on the first step, on every step k that ``quadratic_every`` divides and on every step that adapts tau or
-        zeta (they need it; with ``tau_every = quadratic_every`` they coincide); any other step reuses the last
-        alpha* (and beta with momentum) along its own direction."""
+        zeta (they need it; with ``tau_every = quadratic_every`` they coincide); any other step takes
+        :meth:`_reuse_step_size`."""
         hp = self.hp
         name = type(self).__name__
         E0 = self._objective(data_loss, params)
@@ -889,18 +889,24 @@ class GaussNewton(CurvatureOptimizer):
             sol = two_direction_minimum([[C[best][best], C[best][j]], [C[j][best], C[j][j]]], [dg[best], dg[j]])
             if sol is not None:
                 alpha, beta, predicted = sol
-        update = [alpha * t for t in d]
-        if beta is not None:
-            update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
-        for n, p, u in zip(self._names, params, update):
-            if not bool(torch.isfinite(p.detach() + u).all()):
-                raise FloatingPointError(f"{name}: step {k}: the update would write NaN or inf into {n} (alpha* = "
-                                         f"{alpha:.3g}); nothing was changed")
+        update = self._update(k, params, alpha, d, beta, prev, "alpha*")
         record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=zetas[best],
                       predicted_change=predicted, direction_dot_grad=dg[best], dCd=C[best][best],
                       omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=rebuild,
                       quadratic=True)
         return E0, update, record
+
+    def _update(self, k: int, params: list[Tensor], alpha: float, d: list[Tensor], beta: float | None,
+                prev: list[Tensor] | None, what: str) -> list[Tensor]:
+        """``alpha d (+ beta prev)``, refused when it would write NaN or inf into a parameter."""
+        update = [alpha * t for t in d]
+        if beta is not None:
+            update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
+        for n, p, u in zip(self._names, params, update):
+            if not bool(torch.isfinite(p.detach() + u).all()):
+                raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
+                                         f"{n} (alpha = {alpha:.3g}, {what}); nothing was changed")
+        return update
 
     def _reuse_step_size(self, k: int, params: list[Tensor], E0: float, data_loss: Tensor, g: list[Tensor],
                          d: list[Tensor], prev: list[Tensor] | None, rebuild: bool
@@ -915,13 +921,7 @@ class GaussNewton(CurvatureOptimizer):
         alpha, beta = (-math.exp(m / w) if w > 0 else float(self._alpha)), self._beta  # type: ignore[arg-type]
         if prev is None:
             beta = None
-        update = [alpha * t for t in d]
-        if beta is not None:
-            update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
-        for n, p, u in zip(self._names, params, update):
-            if not bool(torch.isfinite(p.detach() + u).all()):
-                raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
-                                         f"{n} (alpha = {alpha:.3g}, the mean of the past alpha*s); nothing was changed")
+        update = self._update(k, params, alpha, d, beta, prev, "the mean of the past alpha*s")
         record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=self.zeta,
                       predicted_change=None, direction_dot_grad=_dot(d, g), dCd=None, omega=dict(self._omega),
                       zero_curvature=list(self._zero_blocks), refreshed=rebuild, quadratic=False)
