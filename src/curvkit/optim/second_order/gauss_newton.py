@@ -148,9 +148,10 @@ FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
 
 #: Amortised refreshes (module docstring): the factors and their inverses every 5 steps, measured in
 #: ``benchmarks/gauss_newton_amortised.py`` (docs/results.md, "Gauss-Newton on the clock": on the chapter-4
-#: autoencoder and the ViT 0.64-0.71x the seconds per update for at most one update in 25-40). The quadratic model
-#: stays on every step (``quadratic_every`` is measured there too, but on fewer runs). Not the thesis's algorithm
-#: (the defaults): ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
+#: autoencoder and the ViT 0.50x and 0.79x the seconds per update for at most one update in 25-40). The quadratic
+#: model stays on every step: ``quadratic_every`` kept the autoencoder's progress, not quite the ViT's, and both
+#: amortised at once failed on the autoencoder. Not the thesis's algorithm (the defaults):
+#: ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
 AMORTISED: Mapping[str, Any] = MappingProxyType({"curvature_every": 5})
 
 #: The moving-average factor of log |alpha*| whose geometric mean the steps between evaluations of the quadratic
