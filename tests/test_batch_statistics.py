@@ -231,7 +231,7 @@ def test_running_statistics_are_updated_once_per_step(form):
     model = _net()
     ref = copy.deepcopy(model)
     lik = CrossEntropy()
-    opt = GaussNewton(model.parameters(), model=model, likelihood=lik, tau_every=1, zeta_every=1,
+    opt = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kflr", tau_every=1, zeta_every=1,
                       batch_statistics="couple")
     for k in range(3):
         X, y = _data(seed=10 + k)

@@ -29,7 +29,6 @@ from curvkit.linalg.kron import StridedIndex
 from curvkit.linalg.layout import ParamLayout
 from curvkit.models import mlp
 from curvkit.optim import GaussNewton
-from curvkit.optim.second_order import KFLR_MAX_COLUMNS
 from curvkit.optim.second_order.direction import FactoredInverse, split_with_zero_blocks
 from curvkit.structure import UnsupportedModelError
 from reference import dense_ggn_flat, flat_model, flat_terms
@@ -266,35 +265,48 @@ def test_user_attention_settings_are_restored():
 
 # ---------------------------------------------------------------------------------------------- source rule
 def test_default_source_follows_the_model(caplog):
-    """curvature='auto': KFRA on an MLP chain with (B, C) outputs, KFLR on other (B, C) models with at most
-    KFLR_MAX_COLUMNS classes, KFAC beyond that and for outputs with positions; the choice is logged (INFO), kept
-    in state_dict and taken by a resumed optimiser; an explicit different source refuses that state."""
+    """curvature='auto': KFRA on an MLP chain with (B, C) outputs; KFLR on other (B, C) models where its C
+    backward passes per refresh cost at most KFLR_MAX_EXTRA_PASSES per step more than KFAC's mc_samples
+    ((C - mc_samples) / curvature_every <= 1), KFAC beyond that and for outputs with positions; the reason states
+    the price; the choice is logged (INFO), kept in state_dict and taken by a resumed optimiser; an explicit
+    different source refuses that state."""
     g = _gen(0)
     net = mlp([4, 5, 3], "tanh", dtype=torch.float64, seed=0)
-    cases = [
-        (net, (torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)), "kfra", "MLP chain"),
-        (*_case("transformer")[::2], "kflr", f"<= {KFLR_MAX_COLUMNS}"),
-        (mlp([4, 5, KFLR_MAX_COLUMNS + 1], "tanh", dtype=torch.float64, seed=0).append(nn.LayerNorm(11)),
-         (torch.randn(6, 4, generator=g), torch.randint(0, 11, (6,), generator=g)), "kfac", f"> {KFLR_MAX_COLUMNS}"),
-        (*_case("lora_gpt")[::2], "kfac", "positions"),
+    ten = (torch.randn(6, 4, generator=g), torch.randint(0, 10, (6,), generator=g))
+
+    def ten_classes():
+        return mlp([4, 5, 10], "tanh", dtype=torch.float64, seed=0).append(nn.LayerNorm(10))
+
+    cases = [  # (model, batch, options, source, words of the reason)
+        (net, (torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)), {}, "kfra", "MLP chain"),
+        (*_case("transformer")[::2], {}, "kfac",  # 3 classes: 2 passes per step more than KFAC
+         "KFLR costs 3 backward pass(es) per refresh against KFAC's 1, with a refresh every 1 step(s) 2 more per "
+         "step than KFAC, against the step's one gradient pass (> 1): KFAC (sampled labels); curvature='kflr'"),
+        (*_case("transformer")[::2], {"curvature_every": 2}, "kflr", "every 2 step(s) 1 more per step"),
+        (ten_classes(), ten, {"curvature_every": 4}, "kfac", "every 4 step(s) 2.25 more per step"),
+        (ten_classes(), ten, {"curvature_every": 10}, "kflr", "every 10 step(s) 0.9 more per step than KFAC, "
+         "against the step's one gradient pass (<= 1): KFLR"),
+        (ten_classes(), ten, {"curvature_every": 3, "mc_samples": 8}, "kflr", "KFAC's 8"),
+        (*_case("lora_gpt")[::2], {"curvature_every": 50}, "kfac", "positions"),
     ]
-    for model, batch, source, why in cases:
+    for model, batch, options, source, why in cases:
         lik = CrossEntropy(ignore_index=-100)
-        opt = GaussNewton(model.parameters(), model=model, likelihood=lik, tau_every=1)
+        opt = GaussNewton(model.parameters(), model=model, likelihood=lik, tau_every=1, **options)
         assert opt.source is None and opt.estimator is None
         with caplog.at_level(logging.INFO, logger="curvkit.optim.second_order.gauss_newton"):
             caplog.clear()
             opt.step(batch=batch)
-        assert opt.source == source and why in opt.source_reason
-        assert any(f"chose {source!r}" in r.getMessage() for r in caplog.records)
+        assert opt.source == source and why in opt.source_reason, opt.source_reason
+        assert any(f"chose {source!r}" in r.getMessage() and why in r.getMessage() for r in caplog.records)
         sd = opt.state_dict()
         assert sd["gauss_newton"]["config"]["curvature"] == source
         resumed_model = copy.deepcopy(model)
-        resumed = GaussNewton(resumed_model.parameters(), model=resumed_model, likelihood=lik, tau_every=1)
+        resumed = GaussNewton(resumed_model.parameters(), model=resumed_model, likelihood=lik, tau_every=1, **options)
         resumed.load_state_dict(sd)
         assert resumed.source == source and resumed.estimator.method == source
         other = "kfac" if source != "kfac" else "kflr"
-        explicit = GaussNewton(resumed_model.parameters(), model=resumed_model, likelihood=lik, curvature=other)
+        explicit = GaussNewton(resumed_model.parameters(), model=resumed_model, likelihood=lik, curvature=other,
+                               **options)
         with pytest.raises(ValueError, match="state_dict is for"):
             explicit.load_state_dict(sd)
         # the resumed run takes the same steps as the uninterrupted one

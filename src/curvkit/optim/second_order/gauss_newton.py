@@ -32,7 +32,9 @@ minibatch since step 1, each at the parameters of its step (not in the thesis: c
 for old runs; with ``CrossEntropy('sum')`` its factors grow with the data seen).
 
 Other options the thesis reports or users expect: ``curvature_every`` (refresh factors and inverses every
-k steps from the minibatch of that step; the thesis refreshes every step), ``momentum`` (the 2-D quadratic model over {d, previous update},
+k steps from the minibatch of that step; the thesis refreshes every step), ``inverse_every`` and
+``quadratic_every`` (the damped inverses and the quadratic model of alpha* at their own intervals, as kfac-jax
+and kfac-pytorch amortise them; :data:`AMORTISED`), ``momentum`` (the 2-D quadratic model over {d, previous update},
 KFAC-style; off by default as in the thesis, which found plain update momentum unstable), ``weight_decay``.
 
 Damping adaptation. The defaults are the thesis's schedule (tau_0 = zeta_0 = 1 on an absolute scale, tau
@@ -136,7 +138,7 @@ from curvkit.validation import (
     unit_interval,
 )
 
-__all__ = ["FAST_ADAPTATION", "KFLR_MAX_COLUMNS", "GaussNewton", "default_curvature"]
+__all__ = ["AMORTISED", "FAST_ADAPTATION", "KFLR_MAX_EXTRA_PASSES", "GaussNewton", "default_curvature"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,40 +147,60 @@ logger = logging.getLogger(__name__)
 FAST_ADAPTATION: Mapping[str, Any] = MappingProxyType(
     {"tau_every": 1, "omega_tau": 0.8, "zeta_every": 5, "omega_zeta": 0.5})
 
+#: Amortised refreshes (module docstring): the factors and their inverses every 5 steps, measured in
+#: ``benchmarks/gauss_newton_amortised.py`` (docs/results.md, "Gauss-Newton on the clock": on the chapter-4
+#: autoencoder and the ViT 0.50x and 0.79x the seconds per update for at most one update in 25-40). The quadratic
+#: model stays on every step: ``quadratic_every`` kept the autoencoder's progress, not quite the ViT's, and both
+#: amortised at once failed on the autoencoder. Not the thesis's algorithm (the defaults):
+#: ``GaussNewton(params, model=..., likelihood=..., **AMORTISED)``.
+AMORTISED: Mapping[str, Any] = MappingProxyType({"curvature_every": 5})
+
+#: The moving-average factor of log |alpha*| whose geometric mean the steps between evaluations of the quadratic
+#: model take (``quadratic_every``; :meth:`GaussNewton._reuse_step_size`).
+ALPHA_AVERAGE = 0.9
+
 Curvature = Literal["auto", "kfra", "kflr", "kfac", "projection"]
 _CURVATURES = ("kfra", "kflr", "kfac", "projection")
 _GLOBAL = ("curvature", "inversion", "omega_norm", "weight_decay", "tau", "zeta", "tau_every", "zeta_every",
-           "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "momentum", "mc_samples",
+           "omega_tau", "omega_zeta", "lm_rule", "ema", "curvature_every", "inverse_every", "quadratic_every",
+           "momentum", "mc_samples",
            "distribution", "seed", "weight_sharing", "norm_structure", "parameter_structure", "batch_statistics")
 _CONFIG = ("curvature", "ema", "mc_samples", "distribution", "weight_sharing", "norm_structure",
            "parameter_structure", "batch_statistics")
 _CONFIG_BEFORE = {"weight_sharing": "expand", "norm_structure": "full", "parameter_structure": "diag",  # format 2
                   "batch_statistics": "refuse"}
 
-#: The most output-space columns KFLR may back-propagate per refresh for the automatic choice
-#: (:func:`default_curvature`): KFLR costs one backward pass per column of the output Hessian's square root
-#: (C for a softmax over C classes), KFAC one per sampled label.
-KFLR_MAX_COLUMNS = 10
+#: The most backward passes per step that ``curvature='auto'`` lets KFLR cost beyond KFAC's, in units of the one
+#: backward pass of the step's own gradient (:func:`default_curvature`): KFLR back-propagates one column of the
+#: output Hessian's square root per backward pass (C for a softmax over C classes), KFAC one per sampled label,
+#: each once per refresh, i.e. every ``curvature_every`` steps.
+KFLR_MAX_EXTRA_PASSES = 1.0
 
 #: the refusals of the optimiser's estimator in its caller's words (``curvature=``; no ``output_factor``)
 _WORDS = OptionWords(sampled="curvature='kfac' or 'projection'", dense=None)
 
 
-def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: Sequence[str] = ()) -> tuple[str, str]:
+def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: Sequence[str] = (), *,
+                      curvature_every: int = 1, mc_samples: int = 1) -> tuple[str, str]:
     """(source, reason): the curvature source ``curvature='auto'`` takes for a model (its
-    :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's).
+    :class:`~curvkit.structure.ModelStructure`) with outputs ``f`` (one minibatch's), given the refresh period
+    and KFAC's labels per example of the optimiser.
 
     0. ``kfac`` when a block has more outputs than
        :data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS` (``wide``, its labels:
        :func:`~curvkit.curvature.estimators.wide_blocks`; a language model's vocabulary): its sampled
        output factor is exactly low rank and kept thin, where KFRA's and KFLR's would be dense and full rank;
     1. ``kfra`` (the thesis's method, Sec. 4.3.2) where its recursion is defined: an MLP chain
-       (``structure.mlp_chain``) with (B, C) outputs;
-    2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its cost is affordable: (B, C) outputs and
-       at most :data:`KFLR_MAX_COLUMNS` columns of the output Hessian's square root, i.e. as many backward
-       passes per refresh (with outputs (B, *P, C) its back-propagated columns mix the positions: its G then
-       holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
-    3. otherwise ``kfac`` (one backward pass of sampled labels per ``mc_samples``, Sec. 4.3.3).
+       (``structure.mlp_chain``) with (B, C) outputs (no backward pass beyond the gradient's);
+    2. otherwise ``kflr`` (exact output factors, Sec. 4.3.1) where its price is small against the step: (B, C)
+       outputs and at most :data:`KFLR_MAX_EXTRA_PASSES` backward passes per step more than KFAC, i.e.
+       ``(C - mc_samples) / curvature_every <= 1`` with C the columns of the output Hessian's square root (one
+       backward pass each per refresh; with outputs (B, *P, C) its back-propagated columns mix the positions:
+       its G then holds cross-position terms and is not the GGN's Kronecker factor, docs/architecture.md);
+    3. otherwise ``kfac`` (one backward pass per refresh for each of the ``mc_samples`` sampled labels, Sec. 4.3.3).
+
+    The reason states the price that decided (backward passes per refresh and per step against the one of the
+    gradient), so a user can choose the other source explicitly.
     """
     if wide:
         return "kfac", (f"block(s) {', '.join(repr(w) for w in wide[:3])} have more than {estimators.LOW_RANK_OUTPUTS} outputs: "
@@ -192,15 +214,17 @@ def default_curvature(structure: Any, likelihood: Likelihood, f: Tensor, wide: S
         else:
             return "kfra", "an MLP chain with (batch, outputs) outputs: KFRA's recursion is defined"
     else:
-        why = f"outputs with positions {tuple(f.shape)}"
+        return "kfac", (f"outputs with positions {tuple(f.shape)}: KFLR's columns would mix the positions, so KFAC "
+                        "(sampled labels)")
     cols = likelihood.sqrt_rank(f)
-    if not positions and cols <= KFLR_MAX_COLUMNS:
-        return "kflr", (f"not an MLP chain ({why}); KFLR needs {cols} backward passes per refresh "
-                        f"(<= {KFLR_MAX_COLUMNS})")
-    if positions:
-        return "kfac", f"{why}: KFLR's columns would mix the positions, so KFAC (sampled labels)"
-    return "kfac", (f"not an MLP chain ({why}); KFLR would need {cols} backward passes per refresh "
-                    f"(> {KFLR_MAX_COLUMNS}), so KFAC (sampled labels)")
+    extra = (cols - mc_samples) / curvature_every
+    price = (f"KFLR costs {cols} backward pass(es) per refresh against KFAC's {mc_samples}, with a refresh every "
+             f"{curvature_every} step(s) {max(extra, 0.0):.3g} more per step than KFAC, against the step's one "
+             "gradient pass")
+    if extra <= KFLR_MAX_EXTRA_PASSES:
+        return "kflr", f"not an MLP chain ({why}); {price} (<= {KFLR_MAX_EXTRA_PASSES:g}): KFLR (exact output factors)"
+    return "kfac", (f"not an MLP chain ({why}); {price} (> {KFLR_MAX_EXTRA_PASSES:g}): KFAC (sampled labels); "
+                    "curvature='kflr' gives exact output factors at that price")
 
 
 def _check_ema(ema: Any) -> float | str | None:
@@ -233,7 +257,8 @@ class GaussNewton(CurvatureOptimizer):
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
         curvature: ``'auto'`` (default: :func:`default_curvature`, KFAC for a model with a vocabulary-sized
             output layer (its exactly low-rank output factor is kept thin), else KFRA - the thesis's method - where
-            its recursion is defined, else KFLR within :data:`KFLR_MAX_COLUMNS`, else KFAC) | ``'kfra'`` |
+            its recursion is defined, else KFLR where its backward passes cost at most :data:`KFLR_MAX_EXTRA_PASSES`
+            per step more than KFAC's, else KFAC) | ``'kfra'`` |
             ``'kflr'`` | ``'kfac'`` | ``'projection'``.
         inversion: ``'factored'`` (Eq. 4.25, default) | ``'eigen'`` (exact damped inverse, KFAC*/KFRA*).
         omega_norm: ``'trace'`` (Eq. 4.27 with the trace norm, the thesis's) | ``'frobenius'``.
@@ -245,7 +270,15 @@ class GaussNewton(CurvatureOptimizer):
         ema: None (default: the factors of the current minibatch, the thesis's), a moving-average factor in
             [0, 1) (0.9: the thesis's dashed curves), or ``'running_mean'`` (the mean over every minibatch
             since step 1; curvkit 0.1's default). Module docstring.
-        curvature_every: refresh factors and inverses every k steps (1).
+        curvature_every: refresh the factors (and, by default, the inverses) every k steps (1, the thesis's).
+        inverse_every: recompute the damped inverses every k steps, a multiple of ``curvature_every`` (None: with
+            every factor refresh). Larger than ``curvature_every`` only pays with ``ema``: the factors of the
+            steps in between are averaged in, while with ``ema=None`` only the rebuild step's factors are used.
+        quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
+            every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between take
+            the geometric mean of the past alpha*s (and momentum's last beta) along their own direction, without
+            the Jacobian-vector product (about three forward passes' work; docs/results.md); :data:`AMORTISED`
+            leaves it at 1.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
@@ -277,7 +310,8 @@ class GaussNewton(CurvatureOptimizer):
                  omega_norm: Literal["trace", "frobenius"] = "trace", weight_decay: float = 0.0,
                  tau: float = 1.0, zeta: float = 1.0, tau_every: int = 5, zeta_every: int = 20,
                  omega_tau: float = 0.95, omega_zeta: float = 0.95, lm_rule: Literal["band", "threshold"] = "band",
-                 ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1, momentum: bool = False, mc_samples: int = 1,
+                 ema: float | Literal["running_mean"] | None = None, curvature_every: int = 1,
+                 inverse_every: int | None = None, quadratic_every: int = 1, momentum: bool = False, mc_samples: int = 1,
                  distribution: Literal["rademacher", "gaussian"] = "rademacher", seed: int = 0,
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
                  parameter_structure: Literal["full", "diag"] = "diag",
@@ -305,10 +339,16 @@ class GaussNewton(CurvatureOptimizer):
             omega_tau=unit_interval("omega_tau", omega_tau), omega_zeta=unit_interval("omega_zeta", omega_zeta),
             lm_rule=lm_rule, ema=_check_ema(ema),
             curvature_every=integer("curvature_every", curvature_every),
+            inverse_every=None if inverse_every is None else integer("inverse_every", inverse_every),
+            quadratic_every=integer("quadratic_every", quadratic_every),
             momentum=momentum, mc_samples=integer("mc_samples", mc_samples), distribution=distribution,
             seed=integer("seed", seed, minimum=0), weight_sharing=weight_sharing, norm_structure=norm_structure,
             parameter_structure=parameter_structure, batch_statistics=batch_statistics,
         )
+        if defaults["inverse_every"] is not None and defaults["inverse_every"] % defaults["curvature_every"]:
+            raise ValueError(f"inverse_every ({inverse_every}) must be a multiple of curvature_every ({curvature_every}): "
+                             "the inverses are recomputed on steps that refresh the factors (inverse_every=None: on "
+                             "every refresh)")
         if defaults["weight_decay"] + defaults["zeta"] <= 0:
             raise ValueError("weight_decay + zeta must be > 0: the Kronecker factors of a network are singular "
                              "in general, so the direction needs damping (the thesis starts with zeta = 1)")
@@ -382,6 +422,15 @@ class GaussNewton(CurvatureOptimizer):
         self.tau = float(defaults["tau"])
         self.zeta = float(defaults["zeta"])
         self.elapsed_s = 0.0
+        #: the step sizes of the quadratic model for the steps in between its evaluations (``quadratic_every``):
+        #: the last alpha* and momentum beta, and the bias-corrected moving average (factor
+        #: :data:`ALPHA_AVERAGE`) of log |alpha*| over the evaluations, as (sum, weight)
+        self._alpha: float | None = None
+        self._beta: float | None = None
+        self._log_alpha = (0.0, 0.0)
+        #: the estimator's statistics the held factors were built from, kept where later factor refreshes change
+        #: the statistics before the next rebuild (``inverse_every > curvature_every``), for state_dict
+        self._held: dict[str, Any] | None = None
         # caches rebuilt from the estimator's statistics (never saved: they are recomputed exactly)
         self._op: KroneckerOperator | None = None
         self._inverses: dict[float, CurvatureOperator | FactoredInverse] = {}
@@ -435,7 +484,9 @@ class GaussNewton(CurvatureOptimizer):
                              "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
         self._output_checked = True
         if self.estimator is None:
-            source, reason = default_curvature(self._structure, self.likelihood, f, self._wide)
+            source, reason = default_curvature(self._structure, self.likelihood, f, self._wide,
+                                               curvature_every=self.hp["curvature_every"],
+                                               mc_samples=self.hp["mc_samples"])
             self._use_source(source, reason)
             logger.info("GaussNewton: curvature='auto' chose %r: %s", source, reason)
 
@@ -524,6 +575,7 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         params = self.ordered_params()
         refresh = self._op is None or (k - 1) % hp["curvature_every"] == 0
+        rebuild = self._op is None or (k - 1) % (hp["inverse_every"] or hp["curvature_every"]) == 0
         est = self.estimator  # None before the first step with curvature='auto'
         saved_est = est.state_dict() if refresh and est is not None else None
         saved_gen = self._generator.get_state() if refresh else None
@@ -542,7 +594,7 @@ class GaussNewton(CurvatureOptimizer):
                 terms = self.likelihood.num_terms(f, y)  # this rank's counted loss terms (not its samples)
                 data_loss, grads, evaluate = reduce_step_inputs(self, terms, data_loss, grads, evaluate,
                                                                 closure is not None)
-            out = self._compute(k, params, X, y, f, data_loss, grads, refresh)
+            out = self._compute(k, params, X, y, f, data_loss, grads, rebuild)
         except BaseException:
             if saved_est is not None:
                 est.load_state_dict(saved_est)
@@ -560,6 +612,14 @@ class GaussNewton(CurvatureOptimizer):
             if hp["momentum"]:
                 self.state[p]["previous_update"] = u
         self.zeta = record["zeta"]
+        if record["quadratic"]:
+            self._alpha, self._beta = record["alpha"], record["beta"]
+            if record["alpha"] < 0:  # a zero direction (alpha = 0) says nothing about the step size
+                m, w = self._log_alpha
+                self._log_alpha = (ALPHA_AVERAGE * m + (1 - ALPHA_AVERAGE) * math.log(-record["alpha"]),
+                                   ALPHA_AVERAGE * w + (1 - ALPHA_AVERAGE))
+        if rebuild and (hp["inverse_every"] or 0) > hp["curvature_every"]:
+            self._held = self.estimator.state_dict()  # later refreshes change the statistics before the next rebuild
         rho = math.nan
         if hp["tau_every"] and k % hp["tau_every"] == 0:
             E1 = evaluate()
@@ -754,8 +814,14 @@ class GaussNewton(CurvatureOptimizer):
             raise
 
     def _compute(self, k: int, params: list[Tensor], X: Tensor, y: Tensor | None, f: Tensor, data_loss: Tensor,
-                 grads: list[Tensor], refresh: bool) -> tuple[float, list[Tensor], dict[str, Any]]:
-        """Direction, step size, damping choices and the update (nothing is written here)."""
+                 grads: list[Tensor], rebuild: bool) -> tuple[float, list[Tensor], dict[str, Any]]:
+        """Direction, step size, damping choices and the update (nothing is written here). ``rebuild``: hold the
+        estimator's current factors and drop the cached inverses first.
+
+        The quadratic model (the exact GGN products of alpha*, the zeta search, rho's prediction) is evaluated
+        on the first step, on every step k that ``quadratic_every`` divides and on every step that adapts tau or
+        zeta (they need it; with ``tau_every = quadratic_every`` they coincide); any other step takes
+        :meth:`_reuse_step_size`."""
         hp = self.hp
         name = type(self).__name__
         E0 = self._objective(data_loss, params)
@@ -767,11 +833,14 @@ class GaussNewton(CurvatureOptimizer):
             if not bool(torch.isfinite(t).all()):
                 raise FloatingPointError(f"{name}: step {k}: the gradient of {n} contains NaN or inf; nothing "
                                          "was changed")
-        if refresh:
+        if rebuild:
             self._hold(self.estimator.operator())
+        adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
+        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
+        quadratic = self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
         # ---- candidate directions (the current zeta first, so that ties keep it)
         zetas = [self.zeta]
-        if hp["zeta_every"] and k % hp["zeta_every"] == 0:
+        if adapt_zeta:
             zetas += [hp["omega_zeta"] * self.zeta, self.zeta / hp["omega_zeta"]]
         dirs = []
         for z in zetas:
@@ -786,6 +855,8 @@ class GaussNewton(CurvatureOptimizer):
             prev = [self.state[p].get("previous_update") for p in params]
             if any(u is None for u in prev):
                 prev = None
+        if not quadratic:
+            return self._reuse_step_size(k, params, E0, data_loss, g, dirs[0], prev, rebuild)
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
         sd = self.statistics_dtype  # the quadratic model of a bf16/fp16 model's tangents in float32 or wider
         M = output_gram(self._shard_likelihood, f.to(sd), y, JV.to(sd))
@@ -817,16 +888,42 @@ class GaussNewton(CurvatureOptimizer):
             sol = two_direction_minimum([[C[best][best], C[best][j]], [C[j][best], C[j][j]]], [dg[best], dg[j]])
             if sol is not None:
                 alpha, beta, predicted = sol
+        update = self._update(k, params, alpha, d, beta, prev, "alpha*")
+        record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=zetas[best],
+                      predicted_change=predicted, direction_dot_grad=dg[best], dCd=C[best][best],
+                      omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=rebuild,
+                      quadratic=True)
+        return E0, update, record
+
+    def _update(self, k: int, params: list[Tensor], alpha: float, d: list[Tensor], beta: float | None,
+                prev: list[Tensor] | None, what: str) -> list[Tensor]:
+        """``alpha d (+ beta prev)``, refused when it would write NaN or inf into a parameter."""
         update = [alpha * t for t in d]
         if beta is not None:
             update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
         for n, p, u in zip(self._names, params, update):
             if not bool(torch.isfinite(p.detach() + u).all()):
-                raise FloatingPointError(f"{name}: step {k}: the update would write NaN or inf into {n} (alpha* = "
-                                         f"{alpha:.3g}); nothing was changed")
-        record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=zetas[best],
-                      predicted_change=predicted, direction_dot_grad=dg[best], dCd=C[best][best],
-                      omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=refresh)
+                raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
+                                         f"{n} (alpha = {alpha:.3g}, {what}); nothing was changed")
+        return update
+
+    def _reuse_step_size(self, k: int, params: list[Tensor], E0: float, data_loss: Tensor, g: list[Tensor],
+                         d: list[Tensor], prev: list[Tensor] | None, rebuild: bool
+                         ) -> tuple[float, list[Tensor], dict[str, Any]]:
+        """A step between evaluations of the quadratic model: ``alpha d (+ beta prev)`` with alpha the geometric
+        mean of the past alpha*s (a bias-corrected moving average of log |alpha*| with factor
+        :data:`ALPHA_AVERAGE`; alpha* has the sign of -d^T g < 0) and the last beta (no exact GGN product; nothing
+        predicted, so no rho). The minibatch's alpha* varies by an order of magnitude from step to step (0.04 to
+        1.06 in ten steps of the chapter-4 autoencoder); carrying the last one over cost far more progress than
+        the average (benchmarks/gauss_newton_amortised.py)."""
+        m, w = self._log_alpha
+        alpha, beta = (-math.exp(m / w) if w > 0 else float(self._alpha)), self._beta  # type: ignore[arg-type]
+        if prev is None:
+            beta = None
+        update = self._update(k, params, alpha, d, beta, prev, "the mean of the past alpha*s")
+        record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=self.zeta,
+                      predicted_change=None, direction_dot_grad=_dot(d, g), dCd=None, omega=dict(self._omega),
+                      zero_curvature=list(self._zero_blocks), refreshed=rebuild, quadratic=False)
         return E0, update, record
 
     # ------------------------------------------------------------------ checkpoints
@@ -844,6 +941,7 @@ class GaussNewton(CurvatureOptimizer):
         sd = super().state_dict()
         sd["gauss_newton"] = {
             "num_steps": self.num_steps, "tau": self.tau, "zeta": self.zeta, "elapsed_s": self.elapsed_s,
+            "alpha": self._alpha, "beta": self._beta, "log_alpha": list(self._log_alpha), "held": self._held,
             "estimator": None if self.estimator is None else self.estimator.state_dict(),
             "generator": self._generator.get_state(), "config": self._config(), "source_reason": self.source_reason,
             # 2: ema=None means the current minibatch (format 1, curvkit 0.1: the running mean); 3: the config
@@ -881,9 +979,17 @@ class GaussNewton(CurvatureOptimizer):
         self._generator.set_state(gn["generator"])
         self.num_steps, self.tau, self.zeta = int(gn["num_steps"]), float(gn["tau"]), float(gn["zeta"])
         self.elapsed_s = float(gn["elapsed_s"])
+        self._alpha, self._beta = gn.get("alpha"), gn.get("beta")
+        m, w = gn.get("log_alpha", (0.0, 0.0))
+        self._log_alpha = (float(m), float(w))
         self._inverses = {}
         self._op = None
         self._omega = {}
         self._zero_blocks = []
-        if self.estimator is not None and self.estimator.num_updates > 0:
+        self._held = gn.get("held")
+        if self._held is not None:  # the factors held at the last rebuild, then the statistics refreshed since
+            self.estimator.load_state_dict(self._held)
+            self._hold(self.estimator.operator())
+            self.estimator.load_state_dict(gn["estimator"])
+        elif self.estimator is not None and self.estimator.num_updates > 0:
             self._hold(self.estimator.operator())
