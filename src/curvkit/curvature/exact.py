@@ -490,6 +490,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
     _use_forward_mode = True  # tangents of non-Sequential models by forward mode (falls back once on error)
     _split_tangents = True  # the forward-mode pass in pieces of the batch (off once a model mixes samples)
+    _no_double_backward = False  # the compiler-free first route (double backward) failed once: forward mode
     reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
@@ -596,14 +597,16 @@ class OutputFactorOperator(ExactCurvatureOperator):
                 warnings.warn(f"{type(self).__name__}: double backward failed ({err}); falling back to "
                               "forward-mode Jacobian-vector products", RuntimeWarning, stacklevel=4)
         if (self._use_forward_mode and "torch._dynamo" not in sys.modules and entry["f"].requires_grad
-                and not getattr(self, "_no_double_backward", False)):
+                and not self._no_double_backward):
             # torch's forward-mode rules of elementwise products run Python decompositions whose first use
             # imports the compiler stack (torch._dynamo, about a second in a fresh process); until something
-            # else has imported it, the double-backward route (the same J v, no import) is taken
+            # else has imported it, the double-backward route (the same J v, no import) is taken, its graph
+            # of J^T u dropped after the product (transient memory, as forward mode's)
             try:
                 return self._reverse_tangents(entry, V, k)
             except (RuntimeError, NotImplementedError):  # a module without double backward: forward mode
                 self._no_double_backward = True
+            finally:
                 entry.pop("JTu", None)
         if self._use_forward_mode:
             try:
