@@ -1,4 +1,4 @@
-"""Kronecker factors on a ViT and a GPT-style model, against curvlinops (issue 20, section 4, the KFAC part).
+"""Kronecker factors on a ResNet, a ViT and a GPT-style model, against curvlinops (issue 20, section 4, the KFAC part).
 
 Models (float32, CPU, train mode with dropout 0, softmax cross-entropy with mean reduction, every call - the
 baseline included - under the math attention backend, the one curvature passes use):
@@ -10,7 +10,10 @@ baseline included - under the math attention backend, the one curvature passes u
   positions, width 128, 2 blocks of 4 heads, MLP width 512, untied head): 470,528 parameters; batch 16
   sequences of 64 bytes of this repository's documentation (1,024 target tokens); (B, 64, 256) outputs.
 
-Quantities (each timed from the model and the batch to the factors):
+* ``resnet``: ``curvkit.architectures.resnet(widths=(32, 64, 128))`` in eval mode (BatchNorm with running
+  statistics) on the ViT's 128 MNIST images: 308,074 parameters; (B, 10) outputs.
+
+Quantities (each timed from the model and the batch to the factors; wall and CPU time):
 
 * ``grad``: one loss + gradient pass (plain PyTorch; the baseline every ratio refers to);
 * ``kfac_expand`` / ``kfac_reduce``: KFAC-MC factors (one sampled label per position) with KFAC-expand and
