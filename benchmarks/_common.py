@@ -4,7 +4,10 @@ How numbers are measured (and why they can be trusted):
 
 * **Time**: :func:`time_call` runs the callable ``warmup`` times (lazy initialisation, allocator warm-up,
   vmap tracing) and then ``repeats`` times, reporting the median wall-clock time (``time.perf_counter``)
-  and all samples. The median is robust to the occasional slow run on a shared machine.
+  and all samples. The median is robust to the occasional slow run on a shared machine. Beside it, the
+  process's CPU time (``time.process_time``, every thread) of the same runs: ``cpu_s`` and
+  ``threads_busy`` = CPU / wall, which says whether a call uses the threads torch is given (on a loaded
+  machine CPU time is the steadier measure of work, wall time the one a user waits).
 * **Peak memory**: :func:`peak_rss_delta` measures the peak resident set size (RSS) of the process
   DURING one call minus the RSS just before it. torch allocates CPU tensors with the C allocator, so
   Python's ``tracemalloc`` does not see them; RSS does. Linux lets a process reset its RSS high-water
@@ -43,16 +46,27 @@ WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "6553
 
 
 def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str, Any]:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, and the median CPU
+    seconds of the process over the same runs (``cpu_s``: all threads; ``cpu_s / median_s`` is the number
+    of threads kept busy, ``threads_busy``)."""
     for _ in range(warmup):
         fn()
-    samples = []
+    samples, cpu = [], []
     for _ in range(repeats):
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples_s": samples}
+        cpu.append(time.process_time() - c0)
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples_s": samples,
+            **cpu_fields(samples, cpu)}
+
+
+def cpu_fields(wall: list[float], cpu: list[float]) -> dict[str, Any]:
+    """``cpu_s`` (median CPU seconds), ``cpu_samples_s`` and ``threads_busy`` (median of CPU / wall per run)."""
+    busy = [c / w for c, w in zip(cpu, wall) if w > 0]
+    return {"cpu_s": statistics.median(cpu), "cpu_samples_s": cpu,
+            "threads_busy": statistics.median(busy) if busy else None}
 
 
 def time_and_peak(fn: Callable[[], Any], repeats: int, slow_s: float = 30.0) -> dict[str, Any]:
@@ -61,11 +75,12 @@ def time_and_peak(fn: Callable[[], Any], repeats: int, slow_s: float = 30.0) -> 
     peak memory (``runs`` = 1; its peak then includes one-time allocations): slow arms of a comparison cost
     one call instead of ``repeats + 2``."""
     gc.collect()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     mem = peak_rss_delta(fn)
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     if first > slow_s:
-        return {"median_s": first, "min_s": first, "samples_s": [first], "runs": 1, **mem}
+        return {"median_s": first, "min_s": first, "samples_s": [first], "runs": 1,
+                **cpu_fields([first], [first_cpu]), **mem}
     mem = peak_rss_delta(fn)
     return {**time_call(fn, repeats=repeats, warmup=0), "runs": repeats, **mem}
 
@@ -116,18 +131,20 @@ def time_steps(step: Callable[..., Any], batches: list[Any], warmup: int, steps:
         step(*batches[k % len(batches)])
         k += 1
     times: list[float] = []
+    cpu: list[float] = []
 
     def timed() -> None:
         nonlocal k
         for _ in range(steps):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             step(*batches[k % len(batches)])
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             k += 1
 
     mem = peak_rss_delta(timed)
     return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "samples_s": times,
-            "peak_delta_mib": mem["peak_delta_mib"]}
+            **cpu_fields(times, cpu), "peak_delta_mib": mem["peak_delta_mib"]}
 
 
 def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Kronecker factors on a ViT and a GPT-style model, against curvlinops (issue 20, section 4, the KFAC part).
+"""Kronecker factors on a ResNet, a ViT and a GPT-style model, against curvlinops (issue 20, section 4, the KFAC part).
 
 Models (float32, CPU, train mode with dropout 0, softmax cross-entropy with mean reduction, every call - the
 baseline included - under the math attention backend, the one curvature passes use):
@@ -10,7 +10,10 @@ baseline included - under the math attention backend, the one curvature passes u
   positions, width 128, 2 blocks of 4 heads, MLP width 512, untied head): 470,528 parameters; batch 16
   sequences of 64 bytes of this repository's documentation (1,024 target tokens); (B, 64, 256) outputs.
 
-Quantities (each timed from the model and the batch to the factors):
+* ``resnet``: ``curvkit.architectures.resnet(widths=(32, 64, 128))`` in eval mode (BatchNorm with running
+  statistics) on the ViT's 128 MNIST images: 308,074 parameters; (B, 10) outputs.
+
+Quantities (each timed from the model and the batch to the factors; wall and CPU time):
 
 * ``grad``: one loss + gradient pass (plain PyTorch; the baseline every ratio refers to);
 * ``kfac_expand`` / ``kfac_reduce``: KFAC-MC factors (one sampled label per position) with KFAC-expand and
@@ -47,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_call
+from _common import cpu_fields, fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_call
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"vit": {"batch": 128, "outputs": "(B, 10)"}, "gpt": {"batch": 16, "outputs": "(B, 64, 256)"},
@@ -197,11 +200,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     for c in calls.values():
         c()
     samples: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
     keys = list(calls)
     for r in range(spec["repeats"]):
         for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            samples[k].append(time_call(calls[k], repeats=1, warmup=0)["median_s"])
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "samples_s": v} for k, v in samples.items()}
+            t = time_call(calls[k], repeats=1, warmup=0)
+            samples[k].append(t["median_s"])
+            cpu[k].append(t["cpu_s"])
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "samples_s": v, **cpu_fields(v, cpu[k])}
+            for k, v in samples.items()}
 
 
 # ============================================================================ driver
@@ -234,23 +241,27 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
         grad_mem = per_q.get("grad", {}).get("torch", {}).get("peak_delta_mib")
         lines.append(f"### {model} (batch {MODELS[model]['batch']}, outputs {MODELS[model]['outputs']}, {d:,} "
                      "parameters)\n")
-        lines.append("| quantity | library | coverage | median time | / gradient pass | curvkit / curvlinops | "
-                     "peak memory (MiB) | / gradient pass |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("| quantity | library | coverage | median wall time | / gradient pass | curvkit / curvlinops | "
+                     "CPU time | threads busy | peak memory (MiB) | / gradient pass | curvkit / curvlinops |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for q in QUANTITIES:
             rows = per_q.get(q, {})
             ref = rows.get("curvlinops", {}).get("median_s")
+            ref_mem = rows.get("curvlinops", {}).get("peak_delta_mib")
             for lib, r in rows.items():
                 if "error" in r:
-                    lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | | failed: {r['error'][:150]} | | | | |")
+                    lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | | failed: {r['error'][:150]} | | | | | | | |")
                     continue
                 t = r.get("median_s")
                 vs = fmt_ratio(t / ref) if ref and t and lib.startswith("curvkit") else "-"
                 mem = r.get("peak_delta_mib")
+                vs_mem = fmt_ratio(mem / ref_mem) if ref_mem and mem is not None and lib.startswith("curvkit") else "-"
                 cov = f"{100 * r['coverage']:.0f} %" if "coverage" in r else "-"
+                busy = r.get("threads_busy")
                 lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | {cov} | {fmt_seconds(t)} | "
-                             f"{fmt_ratio(t / grad) if grad and t else '-'} | {vs} | {fmt_mib(mem)} | "
-                             f"{fmt_ratio(mem / grad_mem) if mem is not None and grad_mem else '-'} |")
+                             f"{fmt_ratio(t / grad) if grad and t else '-'} | {vs} | {fmt_seconds(r.get('cpu_s'))} | "
+                             f"{'-' if busy is None else f'{busy:.2f}'} | {fmt_mib(mem)} | "
+                             f"{fmt_ratio(mem / grad_mem) if mem is not None and grad_mem else '-'} | {vs_mem} |")
         lines.append("")
     lines.append(f"Settings: {args.repeats} timed rounds (median) after one warm-up call each; torch threads "
                  f"{args.threads}; float32; CPU; load average {load[0]:.2f} before and {load[1]:.2f} after the run "

@@ -386,3 +386,22 @@ def test_glm_mc_predictive_by_jvp_matches_the_covariance_sampler_in_expectation(
     torch.testing.assert_close(again, by_jvp)
     with pytest.raises(ValueError, match="sampler must be"):
         post.predict(X, link="mc", sampler="dense")
+
+
+def test_glm_probit_predictive_by_jvp_estimates_the_exact_variances(monkeypatch):
+    """link='probit' with sampler='jvp' (issue 35): the variances diag(J Sigma J^T) are the mean squares of
+    the draws J delta, so with 4,000 draws (relative error of a variance about sqrt(2/4000) = 2 %) the
+    probabilities agree with the exact probit to 0.01; 'auto' takes this route only above JVP_OUTPUTS outputs
+    per sample (forced here by lowering it to the LM's 4 x 5 = 20)."""
+    import curvkit.laplace.predictive as predictive
+
+    model, lik, X, y = _case("lm")
+    post = Laplace(model, lik, structure="kron", prior_precision=0.5).fit([(X, y)])
+    exact = post.predict(X)
+    by_jvp = post.predict(X, sampler="jvp", num_samples=4000, generator=torch.Generator().manual_seed(1))
+    assert by_jvp.shape == exact.shape == (3, 4, 5)
+    assert (by_jvp - exact).abs().max() < 0.01
+    torch.testing.assert_close(post.predict(X, sampler="auto"), exact)  # 20 outputs: the exact route
+    monkeypatch.setattr(predictive, "JVP_OUTPUTS", 19)
+    auto = post.predict(X, num_samples=4000, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(auto, by_jvp)

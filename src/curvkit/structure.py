@@ -50,6 +50,7 @@ distinct (module, attribute) slot and checks afterwards that every parameter obj
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -292,10 +293,12 @@ def _kind(mod: nn.Module) -> LayerKind:
 def _refuse_sharded_parameters(model: nn.Module) -> None:
     """Refuse a model whose trainable parameters are ``DTensor`` shards (FSDP2 ``fully_shard``, tensor
     parallelism). Every curvature route reads a parameter as the whole tensor on this process; on a shard it
-    would build each rank's curvature of its own slice and data without a word (issue 33)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support has no sharded parameters
+    would build each rank's curvature of its own slice and data without a word (issue 33). A DTensor exists
+    only once ``torch.distributed.tensor`` is imported, so the check imports nothing (importing it costs
+    seconds in a fresh process: it pulls in sympy and the symbolic-shape machinery)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    DTensor = getattr(module, "DTensor", None)
+    if DTensor is None:
         return
     sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
     if sharded:

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
+from curvkit.curvature._vjp import vector_grad
 from curvkit.curvature.capture import BlockCapture, check_sample_rows
 from curvkit.curvature.config import (
     BatchStatistics,
@@ -743,8 +744,7 @@ class KroneckerEstimator(CurvatureEstimator):
                     if j not in closed:
                         consume(j, V)
                 if len(targets) > 1 or targets[0] is not f:
-                    torch.autograd.grad(f, targets, grad_outputs=V, retain_graph=not (free and following is None),
-                                        allow_unused=True)
+                    vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
                 current = following
         finally:
             for h in handles:

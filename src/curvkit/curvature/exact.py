@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -119,6 +120,7 @@ from curvkit.curvature._layerwise import (
     squared_gradients,
 )
 from curvkit.curvature._tangent import SequentialTangent
+from curvkit.curvature._vjp import vector_grad
 from curvkit.curvature.output_space import (
     SMALL_C,
     output_fisher_matvec,
@@ -488,6 +490,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
     _use_forward_mode = True  # tangents of non-Sequential models by forward mode (falls back once on error)
     _split_tangents = True  # the forward-mode pass in pieces of the batch (off once a model mixes samples)
+    _no_double_backward = False  # the compiler-free first route (double backward) failed once: forward mode
     reverse_tangents = False
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, data: Any, chunk_size: int = 64,
@@ -593,6 +596,18 @@ class OutputFactorOperator(ExactCurvatureOperator):
                 entry.pop("JTu", None)
                 warnings.warn(f"{type(self).__name__}: double backward failed ({err}); falling back to "
                               "forward-mode Jacobian-vector products", RuntimeWarning, stacklevel=4)
+        if (self._use_forward_mode and "torch._dynamo" not in sys.modules and entry["f"].requires_grad
+                and not self._no_double_backward):
+            # torch's forward-mode rules of elementwise products run Python decompositions whose first use
+            # imports the compiler stack (torch._dynamo, about a second in a fresh process); until something
+            # else has imported it, the double-backward route (the same J v, no import) is taken, its graph
+            # of J^T u dropped after the product (transient memory, as forward mode's)
+            try:
+                return self._reverse_tangents(entry, V, k)
+            except (RuntimeError, NotImplementedError):  # a module without double backward: forward mode
+                self._no_double_backward = True
+            finally:
+                entry.pop("JTu", None)
         if self._use_forward_mode:
             try:
                 return self._forward_mode(X, V, k, full=entry["f"].detach())[1]
@@ -643,16 +658,16 @@ class OutputFactorOperator(ExactCurvatureOperator):
         if "JTu" not in entry:
             u = torch.zeros_like(f, requires_grad=True)
             with torch.enable_grad():
-                g = torch.autograd.grad(f, entry["leaves"], u, create_graph=True, retain_graph=True,
-                                        allow_unused=True, materialize_grads=True)
+                g = vector_grad(f, entry["leaves"], u, create_graph=True, retain_graph=True,
+                                allow_unused=True, materialize_grads=True)
             live = [j for j, t in enumerate(g) if t.requires_grad]
             entry["JTu"] = (u, [g[j] for j in live], live)
         u, g, live = entry["JTu"]
         if not live:
             return torch.zeros(k, *f.shape, dtype=f.dtype, device=f.device)
         if k == 1:
-            out = torch.autograd.grad(g, u, [V[j][0] for j in live], retain_graph=True, allow_unused=True,
-                                      materialize_grads=True)[0]
+            out = vector_grad(g, u, [V[j][0] for j in live], retain_graph=True, allow_unused=True,
+                              materialize_grads=True)[0]
             return out[None]
         return torch.autograd.grad(g, u, [V[j] for j in live], retain_graph=True, allow_unused=True,
                                    materialize_grads=True, is_grads_batched=True)[0]
@@ -672,8 +687,12 @@ class OutputFactorOperator(ExactCurvatureOperator):
         U = self.output_matvec(i, f.detach(), y, Jv)
         del Jv  # (the caller holds no other reference: freed before the backward pass)
         U.mul_(self.weight)
-        grads = torch.autograd.grad(f, entry["leaves"], U[0] if k == 1 else U, retain_graph=True,
-                                    allow_unused=True, materialize_grads=True, is_grads_batched=k > 1)
+        if k == 1:
+            grads = vector_grad(f, entry["leaves"], U[0], retain_graph=True, allow_unused=True,
+                                materialize_grads=True)
+        else:
+            grads = torch.autograd.grad(f, entry["leaves"], U, retain_graph=True, allow_unused=True,
+                                        materialize_grads=True, is_grads_batched=True)
         for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
             if first:
                 out[o:o + n] = g.reshape(k, n).T

@@ -11,7 +11,13 @@
   'covariance'``) or as ``f* + J delta`` with ``delta = theta - theta*`` a posterior draw pushed through the
   network by one forward-mode product (``sampler='jvp'``: the same distribution, never a Jacobian or a
   (C, C) matrix; one JVP per sample for the whole batch, so a 50,257-token vocabulary costs what a small
-  one does). ``'auto'``: ``jvp`` above ``JVP_CLASSES`` = 512 classes.
+  one does). ``'auto'``: ``jvp`` above ``JVP_CLASSES`` = 512 classes. With ``sampler='jvp'`` the probit
+  link takes the variances ``diag(J Sigma J^T)`` as the mean square of the same ``num_samples`` draws
+  ``J delta`` (an unbiased Monte Carlo estimate, relative error about sqrt(2 / num_samples)) instead of
+  exactly; ``'auto'`` does so above ``JVP_OUTPUTS`` = 4096 outputs per sample (positions x classes: a
+  language model over a sequence), where the exact variances cost one backward pass per output row
+  (the byte-level GPT of 16 x 64 tokens and 256 classes: 5,000 gradient passes) and the draws cost one
+  forward-mode product each.
 * :func:`functional_variance` - ``J Sigma J^T`` per input, batch by batch (memory bounded by
   ``batch_size``; see :mod:`curvkit.laplace._jacobians`).
 * :func:`predictive_nll` - the mean negative log predictive density of targets (used to select N and the
@@ -53,7 +59,7 @@ from curvkit.validation import (
     take_samples,
 )
 
-__all__ = ["JVP_CLASSES", "functional_variance", "glm_predictive", "linearised_samples", "mc_predictive",
+__all__ = ["JVP_CLASSES", "JVP_OUTPUTS", "functional_variance", "glm_predictive", "linearised_samples", "mc_predictive",
            "predictive_function", "predictive_nll"]
 
 
@@ -284,14 +290,23 @@ def functional_variance(post: Any, X: Inputs, batch_size: int = 256, diagonal: b
 
 
 JVP_CLASSES = 512  # sampler='auto': above this many classes link='mc' samples through JVPs
+JVP_OUTPUTS = 4096  # sampler='auto': above this many outputs per sample (positions x classes) link='probit' too
 
 
-def _num_classes(post: Any, X: Inputs) -> int:
-    """The model's number of outputs per position (its last output dimension), from a one-row pass."""
+def _output_shape(post: Any, X: Inputs) -> tuple[int, ...]:
+    """The model's output shape for one sample (*P, C), from a one-row pass."""
     with torch.no_grad():
         out = read_model(post.model).functional_call(post.params, (take_samples(X, slice(0, 1)),),
                                                      {n: b.clone() for n, b in post.buffers.items()})
-    return int(out.shape[-1])
+    return tuple(out.shape[1:])
+
+
+def _by_jvp(link: str, sampler: str, shape: tuple[int, ...]) -> bool:
+    """Whether classification takes the forward-mode route (module docstring): asked for, or 'auto' with
+    more than JVP_CLASSES classes (``mc``) or more than JVP_OUTPUTS outputs per sample (``mc``, ``probit``)."""
+    if sampler != "auto":
+        return sampler == "jvp"
+    return math.prod(shape) > JVP_OUTPUTS or (link == "mc" and shape[-1] > JVP_CLASSES)
 
 
 @differentiable()
@@ -330,8 +345,9 @@ def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit
     positions give per-position predictions (B, *P, C). Batch by batch; the probit link and regression use
     only the variances of ``J Sigma J^T``; ``link='mc'`` samples the linearised outputs from the (C, C)
     covariance per position (``sampler='covariance'``) or by forward-mode products of posterior draws
-    (``'jvp'``; ``'auto'``: ``jvp`` above ``JVP_CLASSES`` classes). With ``jvp`` the posterior draws are
-    the same for every chunk of ``X``."""
+    (``'jvp'``; ``'auto'``: ``jvp`` above ``JVP_CLASSES`` classes); with ``jvp`` the probit link's variances
+    are the mean squares of ``num_samples`` such draws (``'auto'``: above ``JVP_OUTPUTS`` outputs per
+    sample, for ``mc`` too). With ``jvp`` the posterior draws are the same for every chunk of ``X``."""
     lik = post.likelihood
     if link not in ("probit", "mc"):
         raise ValueError(f"link must be 'probit' or 'mc', got {link!r}")
@@ -339,11 +355,18 @@ def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit
         raise ValueError(f"sampler must be 'auto', 'covariance' or 'jvp', got {sampler!r}")
     S = integer("num_samples", num_samples)
     X = _check_inputs(post, X)
-    if link == "mc" and not isinstance(lik, Gaussian):
-        if sampler == "jvp" or (sampler == "auto" and _num_classes(post, X) > JVP_CLASSES):
-            deltas = post.sample(S, generator) - post.mean
-            return torch.cat([_link(post, linearised_samples(post, xb, deltas)[1]).mean(0)
-                              for xb in _chunks(X, batch_size)])
+    if not isinstance(lik, Gaussian) and (sampler == "jvp" or sampler == "auto") and \
+            _by_jvp(link, sampler, _output_shape(post, X)):
+        deltas = post.sample(S, generator) - post.mean
+        out_jvp = []
+        for xb in _chunks(X, batch_size):
+            f, fs = linearised_samples(post, xb, deltas)
+            if link == "mc":
+                out_jvp.append(_link(post, fs).mean(0))
+            else:  # probit with the variances of J delta (mean zero) estimated from the S draws
+                V = (fs - f).square().mean(0)
+                out_jvp.append(_link(post, f / torch.sqrt(1.0 + math.pi / 8 * V)))
+        return torch.cat(out_jvp)
     setup = _glm_setup(post)
     diagonal = isinstance(lik, Gaussian) or link == "probit"
     out: list[Tensor] = []
