@@ -356,7 +356,8 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     n = B - 1
     gen = torch.Generator(device=f.device).manual_seed(0)
     w = torch.randn(f.shape[1:], generator=gen, device=f.device, dtype=f.dtype)
-    grads = torch.autograd.grad((f[n] * w).sum(), outs, retain_graph=True, allow_unused=True)
+    with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
+        grads = torch.autograd.grad((f[n] * w).sum(), outs, retain_graph=True, allow_unused=True)
     by_id = {id(o): g for o, g in zip(outs, grads)}
     for (lp, _), site in zip(blocks, sites):
         g = by_id.get(id(site.output))
