@@ -302,7 +302,7 @@ def test_kronecker_filters_do_not_depend_on_the_product_route(monkeypatch, l2):
     not D^T X and the residual is handled. (Sizes keep KFWhiten's covariances full rank at the second
     eigendecomposition: in a degenerate eigenspace the kept basis is arbitrary, so rounding-level differences
     in C could change the later steps; see the KFWhiten docstring.)"""
-    from curvkit.optim.filters import kron_math, kronecker
+    from curvkit.optim.filters import kfbayes, kfwhiten, kron_math
 
     gen = torch.Generator().manual_seed(12)
     data = [(torch.randn(3, 7, generator=gen, dtype=DT), torch.randint(0, 4, (3,), generator=gen)) for _ in range(4)]
@@ -313,8 +313,8 @@ def test_kronecker_filters_do_not_depend_on_the_product_route(monkeypatch, l2):
     for route in ("low", "direct"):
         if route == "direct":
             monkeypatch.setattr(kron_math, "low_rank_is_cheaper", lambda K, M, N: False)
-            monkeypatch.setattr(kronecker, "whitening_low_rank_is_cheaper", lambda *a: False)
-            monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (1, 0))
+            monkeypatch.setattr(kfwhiten, "whitening_low_rank_is_cheaper", lambda *a: False)
+            monkeypatch.setattr(kfbayes, "sandwich_costs", lambda *a: (1, 0))
         for name, make in (("bayes", lambda m: KFBayes(m.parameters(), model=m, lr=1e-2, batch_size=3, fisher_samples=None,
                                                         sample_update="batched")),
                            ("whiten", lambda m: KFWhiten(m.parameters(), model=m, lr=1e-2, batch_size=3, inv_every=2))):
@@ -512,12 +512,12 @@ def _trajectory(cls, kwargs, l2=0.0, given=False, steps=5):
 def test_kfbayes_fast_step_equals_the_per_sample_loop(monkeypatch, route, kwargs, l2, given):
     """The span-of-samples form of K sequential (or batched) Eq. 24 updates, the folded drift/rebalance and the
     low-rank mean product give the trajectory of the straightforward loop (float64, 1e-10)."""
-    from curvkit.optim.filters import kronecker
+    from curvkit.optim.filters import kfbayes
 
     if route == "dense":
-        monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (1, 0))
+        monkeypatch.setattr(kfbayes, "sandwich_costs", lambda *a: (1, 0))
     else:
-        monkeypatch.setattr(kronecker, "sandwich_costs", lambda *a: (0, 1))
+        monkeypatch.setattr(kfbayes, "sandwich_costs", lambda *a: (0, 1))
     p_new, f_new = _trajectory(KFBayes, kwargs, l2, given)
     p_old, f_old = _trajectory(_LoopKFBayes, kwargs, l2, given)
     torch.testing.assert_close(p_new, p_old, atol=1e-10, rtol=1e-10)

@@ -11,7 +11,8 @@ their hooks).
 
 from curvkit.optim.filters.dense import DenseKalmanFilter
 from curvkit.optim.filters.factorised import BFNatGrad, BFRMSProp, BFRMSPropSS
-from curvkit.optim.filters.kronecker import KFBayes, KFNatGrad, KFWhiten
+from curvkit.optim.filters.kfbayes import KFBayes, KFNatGrad
+from curvkit.optim.filters.kfwhiten import KFWhiten
 from curvkit.optim.filters.mapping import (
     adam_lr_from_eta,
     beta1_from_eta_p,
