@@ -65,7 +65,8 @@ from curvkit import layerkinds, precision
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
 from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
-from curvkit.curvature.estimators import DiagonalEstimator, KroneckerEstimator, OptionWords, wide_blocks
+from curvkit.curvature.diagonal_estimator import DiagonalEstimator
+from curvkit.curvature.estimators import KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import Index, LowRankFactor, block_matrix, write_block_matrix

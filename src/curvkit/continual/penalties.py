@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature.estimators import DiagonalEstimator
+from curvkit.curvature.diagonal_estimator import DiagonalEstimator
 from curvkit.likelihoods import CrossEntropy
 from curvkit.linalg.operator import DiagonalOperator
 from curvkit.validation import integer
@@ -53,7 +53,7 @@ def diagonal_fisher(
 
     ``X``: (N, ...) inputs; ``y``: (N,) labels (needed for ``kind='empirical'``). ``kind='true'`` is the
     exact expectation over the model's labels, which for softmax cross-entropy is the GGN diagonal (thesis
-    Eqs. 3.37-3.38): :class:`~curvkit.curvature.estimators.DiagonalEstimator` with ``method='ggn'``
+    Eqs. 3.37-3.38): :class:`~curvkit.curvature.diagonal_estimator.DiagonalEstimator` with ``method='ggn'``
     (``'empirical'`` for the empirical Fisher), over chunks of ``chunk_size`` examples.
     """
     if kind not in ("empirical", "true"):

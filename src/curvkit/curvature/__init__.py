@@ -13,8 +13,10 @@
 """
 
 from curvkit.curvature.config import CurvatureConfig
+from curvkit.curvature.diagonal_estimator import DiagonalEstimator
 from curvkit.curvature.ekfac import EKFACEstimator, FirstBatchBasisWarning
-from curvkit.curvature.estimators import CurvatureEstimator, DiagonalEstimator, KroneckerEstimator
+from curvkit.curvature.estimator import CurvatureEstimator
+from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.curvature.exact import (
     EmpiricalFisherOperator,
     ExactCurvatureOperator,

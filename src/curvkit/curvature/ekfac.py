@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature.config import CurvatureConfig, Distribution, NormStructure, WeightSharing
+from curvkit.curvature.estimator import CurvatureEstimator
 from curvkit.curvature.estimators import (
-    CurvatureEstimator,
     KroneckerEstimator,
     KroneckerMethod,
     OptionWords,

@@ -1,9 +1,5 @@
-"""Curvature estimators: statistics gathered batch by batch, handed out as operators.
-
-The split follows kfac-jax: an **estimator** owns the statistics of one curvature structure and how they
-are updated; optimisers, Laplace posteriors and reports **consume** it through :meth:`operator`, which
-returns a :class:`~curvkit.linalg.operator.CurvatureOperator`. A new estimator (say an eigenbasis-
-corrected Kronecker one) is one new class here that implements :class:`CurvatureEstimator`.
+"""The Kronecker estimator (the estimator protocol, accumulation and scale: :mod:`.estimator`; the diagonal
+estimator: :mod:`.diagonal_estimator`; both re-exported here).
 
 * :class:`KroneckerEstimator` - per layer ``G_l (x) A_l`` (thesis Eqs. 4.2-4.3, PyTorch row-major layout,
   output factor first) with the output factor from ``method``:
@@ -26,19 +22,8 @@ corrected Kronecker one) is one new class here that implements :class:`Curvature
   ``reduce`` (``A`` from the mean input, ``G`` from the summed gradient of each sample); see
   ``docs/architecture.md`` for the relation to curvlinops' factors and the cross-position terms of KFLR
   with sequence outputs.
-* :class:`DiagonalEstimator` - the diagonal of the GGN (exact, ``ggn``), of the type-2 Fisher with
-  sampled labels (``mc_fisher``) or of the empirical Fisher (``empirical``).
 
-Accumulation. Without ``ema`` the statistics are sums over every datum seen, so :meth:`operator` is the
-curvature of the whole data set (batches weighted by their size; correct for unequal batches). With
-``ema = rho`` each update replaces the statistics by ``rho * old + (1 - rho) * batch mean`` (the first
-update initialises them), the curvature "momentum" of thesis Sec. 4.5.
-
-Scale. :meth:`operator` has the scale of ``likelihood``'s loss over the data it describes: the per-sample
-statistics times N (all data seen, or the last batch's size with ``ema``) for ``reduction='sum'``, times
-N / M for ``'mean'`` with M the counted loss terms (positions without padding; M = N for (B, C) outputs).
-So ``kflr`` on one datum (one position) equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
-The SAMPLE stays the unit of ``num_data``, of the means and of batching.
+  ``kflr`` on one datum (one position) equals that datum's exact diagonal GGN block (Lemmas 3.21/3.22).
 
 Per-step use inside an optimiser shares the forward pass::
 
@@ -51,10 +36,10 @@ Per-step use inside an optimiser shares the forward pass::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -71,30 +56,25 @@ from curvkit.curvature.config import (
     WeightSharing,
     resolve_config,
 )
-from curvkit.curvature.recursion import activation_derivatives
+from curvkit.curvature.diagonal_estimator import DiagonalEstimator
+from curvkit.curvature.estimator import CurvatureEstimator
+from curvkit.curvature.recursion import activation_derivatives, kfra_chain
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
-from curvkit.linalg.layout import ParamLayout
-from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
 from curvkit.structure import (
     UnsupportedModelError,
-    curvature_kernels,
     differentiable,
     kept_running_statistics,
     read_model,
     refuse,
-    require_ordinary_parameters,
-    uncompiled,
 )
-from curvkit.validation import Inputs, integer, iter_batches, num_samples, take_samples, unit_interval
+from curvkit.validation import Inputs, num_samples, take_samples
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "OptionWords", "PerSample", "wide_blocks"]
 
-Data = tuple[Inputs, Tensor] | Iterable[tuple[Inputs, Tensor]]
 KroneckerMethod = Literal["kfac", "kflr", "kfra", "projection", "empirical"]
-DiagonalMethod = Literal["ggn", "mc_fisher", "empirical"]
 
 LOW_RANK_OUTPUTS = 8192
 """``output_factor="auto"`` keeps the output factor G of a Kronecker block with more outputs than this as a
@@ -122,144 +102,6 @@ def wide_blocks(plans: Sequence[Any]) -> list[str]:
 
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
-
-
-def _check_likelihood(likelihood: Any) -> Likelihood:
-    if not isinstance(likelihood, Likelihood):
-        raise TypeError(f"likelihood must be a curvkit.likelihoods.Likelihood, got {type(likelihood).__name__}")
-    return likelihood
-
-
-class CurvatureEstimator:
-    """Base class: statistics updated batch by batch (optionally as a moving average), an operator out.
-
-    Subclasses implement ``_batch_statistics(X, y) -> (list of statistic tensors summed over the batch,
-    batch size, loss terms)`` and ``_operator(stats, scale) -> CurvatureOperator`` from per-sample MEAN
-    statistics. The loss terms are the batch's counted positions (``likelihood.num_terms``; = the batch
-    size for (B, C) outputs without padding): ``reduction='mean'`` divides by their number over all the
-    data, while the sample stays the unit of ``num_data``, of the means and of batching.
-
-    Data-parallel (``distributed=`` a :class:`curvkit.distributed.Reducer`): every update's statistics
-    (sums over the rank's batch), its batch size and its counted loss terms are all-reduced in one message
-    before they are combined (:meth:`_reduce`), so the estimator holds the statistics of the union of the
-    ranks' batches: sums of sums, and with ``ema`` the batch mean sum_r S_r / sum_r B_r, which weights
-    unequal shards by their size; the ``'mean'`` scale divides by the union's counted terms, so padded
-    shards with unequal counts are the union's (:mod:`curvkit.distributed.reducer`). The finiteness check runs on the reduced statistics, so a NaN on one rank makes every
-    rank raise the same error. Every rank must call ``update``/``accumulate`` equally often.
-    """
-
-    def __init__(self, model: nn.Module, likelihood: Likelihood, ema: float | None = None, distributed: Any = None,
-                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        model = uncompiled(model)
-        require_wrapped(model, type(self).__name__)
-        require_ordinary_parameters(model, type(self).__name__)
-        dtype = precision.model_dtype(model)
-        #: the dtype of the passes (None: the model's) and of the statistics (:mod:`curvkit.precision`)
-        self.compute_dtype = None if compute_dtype is None else precision.compute_dtype(dtype, compute_dtype)
-        self.statistics_dtype = precision.statistics_dtype(precision.compute_dtype(dtype, compute_dtype),
-                                                           statistics_dtype)
-        self.distributed = distributed
-        self.model = model
-        self.likelihood = _check_likelihood(likelihood)
-        self.ema = None if ema is None else unit_interval("ema", ema, closed_left=True)
-        self.layout = ParamLayout.from_module(model)
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every statistic."""
-        self._stats: list[Tensor] | None = None
-        self.num_data = 0  # data points behind the statistics (the last batch's size with ema)
-        self.num_terms = 0  # loss terms (counted positions) behind them (the last batch's with ema)
-        self.num_updates = 0
-
-    @differentiable()
-    def update(self, data: Data) -> Self:
-        """Add the statistics of ``data`` (an ``(X, y)`` pair or an iterable of pairs; ``X`` a tensor or a mapping
-        of tensors, :mod:`curvkit.validation`); returns self."""
-        for X, y in iter_batches(data, mappings=True):
-            self._combine(*self._batch_statistics(X, y))
-        return self
-
-    def _combine(self, stats: list[Tensor], B: int, terms: int) -> None:
-        stats = [t.to(self.statistics_dtype) for t in stats]  # summed in float32 or wider (curvkit.precision)
-        if self.distributed is not None:
-            stats, B, terms = self._reduce(stats, B, terms)
-        for t, name in zip(stats, self._stat_names()):
-            if not bool(torch.isfinite(t.sum())):
-                raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
-                                 "check the inputs and the model's parameters")
-        if self.ema is None:
-            self._stats = stats if self._stats is None else [a + b for a, b in zip(self._stats, stats)]
-            self.num_data += B
-            self.num_terms += terms
-        else:
-            means = [t / B for t in stats]
-            rho = self.ema
-            self._stats = means if self._stats is None else [rho * a + (1 - rho) * b
-                                                             for a, b in zip(self._stats, means)]
-            self.num_data = B
-            self.num_terms = terms
-        self.num_updates += 1
-
-    def _stat_names(self) -> list[str]:
-        return [f"#{i}" for i in range(len(self._stats or []))]
-
-    def _symmetric(self, stats: list[Tensor]) -> list[bool]:
-        """Which statistics are symmetric matrices (sent as upper triangles by :meth:`_reduce`)."""
-        return [False] * len(stats)
-
-    def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
-        """(sum over the ranks of ``stats``, of the batch sizes, of the loss terms): one all-reduce (class
-        docstring)."""
-        count = stats[0].new_tensor([float(B), float(terms)])
-        out = self.distributed.sum_symmetric([*stats, count], [*self._symmetric(stats), False],
-                                             f"{type(self).__name__} statistics")
-        return out[:-1], round(float(out[-1][0])), round(float(out[-1][1]))
-
-    def _means(self) -> list[Tensor]:
-        if self._stats is None:
-            raise ValueError(f"{type(self).__name__} has no statistics yet: call update(data) first")
-        return list(self._stats) if self.ema is not None else [t / self.num_data for t in self._stats]
-
-    def scale(self) -> float:
-        """The factor on per-sample means: N for ``reduction='sum'``; N / M for ``'mean'``, M the loss terms
-        (counted positions) of the data (= 1 for (B, C) outputs without padding)."""
-        return float(self.num_data) * self.likelihood.scale(self.num_terms)
-
-    def operator(self) -> CurvatureOperator:
-        """The current curvature estimate (scale as the module docstring)."""
-        return self._operator(self._means(), self.scale())
-
-    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
-        raise NotImplementedError
-
-    def _operator(self, means: list[Tensor], scale: float) -> CurvatureOperator:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, "stats": None if self._stats is None else [t.clone() for t in self._stats],
-                "num_data": self.num_data, "num_terms": self.num_terms, "num_updates": self.num_updates,
-                "ema": self.ema}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != type(self).__name__:
-            raise ValueError(f"state_dict is for {state.get('kind')!r}, not {type(self).__name__}")
-        if state.get("ema") != self.ema:
-            raise ValueError(f"state_dict has ema={state.get('ema')}, this estimator ema={self.ema}")
-        stats = state["stats"]
-        if stats is not None:
-            ref = self._reference_shapes()
-            if ref is not None and [tuple(t.shape) for t in stats] != ref:
-                raise ValueError("state_dict statistics do not match this model's layers")
-        self._stats = None if stats is None else [t.clone() for t in stats]
-        self.num_data, self.num_updates = int(state["num_data"]), int(state["num_updates"])
-        self.num_terms = int(state.get("num_terms", self.num_data))
-
-    def _reference_shapes(self) -> list[tuple[int, ...]] | None:
-        return None
 
 
 class KroneckerEstimator(CurvatureEstimator):
@@ -377,7 +219,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self.per_sample: dict[str, PerSample] = {}
         structure = read_model(model)
         self.structure = structure
-        self.chain = _kfra_chain(structure) if method == "kfra" else None
+        self.chain = kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
         self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
@@ -989,16 +831,6 @@ def _gram(a: Tensor, block: int = 128) -> Tensor:
     return out
 
 
-def _kfra_chain(structure: Any) -> Any:
-    """The MLP chain KFRA's recursion runs on (thesis Eq. 4.7), or the chain reader's error (naming the first
-    module that breaks the chain) pointing to the methods that take any model."""
-    try:
-        return structure.mlp_chain("kfra", frozen=True)
-    except UnsupportedModelError as exc:
-        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
-                                    "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc
-
-
 class GramRows:
     """A Gram matrix ``R^T R`` (n, n) held as its rows R (k, n): the statistic of a low-rank output factor
     (``output_factor``). The arithmetic the accumulation uses stays in rows: ``+`` stacks them, a
@@ -1060,56 +892,3 @@ class PerSample:
     inputs: Tensor | None
     vectors: Tensor
     weights: Tensor
-
-
-class DiagonalEstimator(CurvatureEstimator):
-    """Diagonal curvature summed (or averaged) over data, as a :class:`DiagonalOperator`.
-
-    ``method``: ``ggn`` (the exact GGN diagonal, = the type-2 Fisher's for the built-in heads; R batched
-    backward passes per batch for Linear/Conv2d models), ``mc_fisher`` (squared per-example gradients at
-    ``mc_samples`` labels sampled from the model, averaged), ``empirical`` (squared per-example gradients
-    at the data labels: the empirical Fisher, EWC's choice). Scale and ``ema`` as
-    :class:`CurvatureEstimator`. The batches draw their labels from one generator seeded ``seed``.
-    ``statistics_dtype`` / ``compute_dtype``: as :class:`KroneckerEstimator` (:mod:`curvkit.precision`); each
-    batch's diagonal is summed in the statistics dtype over its samples and over the batches.
-    """
-
-    def __init__(self, model: nn.Module, likelihood: Likelihood, method: DiagonalMethod = "ggn", *,
-                 mc_samples: int = 1, ema: float | None = None, seed: int = 0, distributed: Any = None,
-                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
-        if method not in ("ggn", "mc_fisher", "empirical"):
-            raise ValueError(f"unknown diagonal method {method!r}; use 'ggn', 'mc_fisher' or 'empirical'")
-        self.method = method
-        self.mc_samples = integer("mc_samples", mc_samples)
-        self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
-        super().__init__(model, likelihood, ema, distributed, statistics_dtype, compute_dtype)
-
-    def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
-        from curvkit.curvature.exact import EmpiricalFisherOperator, GGNOperator, MCFisherOperator
-
-        lik = self.likelihood.with_reduction("sum")
-        op: CurvatureOperator
-        dtypes: dict[str, Any] = {"compute_dtype": self.compute_dtype, "statistics_dtype": self.statistics_dtype}
-        if self.method == "ggn":
-            op = GGNOperator(self.model, lik, (X, y), snapshot=False, **dtypes)
-        elif self.method == "empirical":
-            op = EmpiricalFisherOperator(self.model, lik, (X, y), snapshot=False, **dtypes)
-        else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            op = MCFisherOperator(self.model, lik, (X, y), mc_samples=self.mc_samples, seed=seed, snapshot=False,
-                                  **dtypes)
-        with torch.no_grad(), curvature_kernels():  # the loss terms of the batch (counted positions)
-            terms = self.likelihood.num_terms(self.model(X), y)
-        return [op.diagonal().flat], num_samples(X), terms
-
-    def _stat_names(self) -> list[str]:
-        return ["diagonal"]
-
-    def _reference_shapes(self) -> list[tuple[int, ...]] | None:
-        return [(self.layout.dim,)]
-
-    def operator(self) -> DiagonalOperator:
-        return self._operator(self._means(), self.scale())
-
-    def _operator(self, means: list[Tensor], scale: float) -> DiagonalOperator:
-        return DiagonalOperator.from_flat(self.layout, means[0] * scale)

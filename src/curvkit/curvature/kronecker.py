@@ -57,7 +57,8 @@ from typing import Any
 
 from torch import nn
 
-from curvkit.curvature.estimators import Data, KroneckerEstimator
+from curvkit.curvature.estimator import Data
+from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 

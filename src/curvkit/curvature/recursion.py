@@ -38,7 +38,7 @@ from curvkit.curvature._functional import as_tensor_batches
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import BlockDiagonalOperator, DenseBlock
 from curvkit.linalg.layout import ParamLayout
-from curvkit.structure import MLPChain, read_model
+from curvkit.structure import MLPChain, UnsupportedModelError, read_model
 
 __all__ = [
     "BlockDiagonalCurvature",
@@ -252,3 +252,13 @@ def blockdiag_ggn(model: nn.Module, likelihood: Likelihood,
     """Exact per-layer GGN blocks of an MLP by the recursion of thesis Lemma 3.22 (Eq. 3.30), with
     ``G_L = H_L``. Arguments and result as :func:`blockdiag_hessian` (targets are only validated)."""
     return _recursion("ggn", model, likelihood, data, y)
+
+
+def kfra_chain(structure: Any) -> Any:
+    """The MLP chain KFRA's recursion runs on (thesis Eq. 4.7), or the chain reader's error (naming the first
+    module that breaks the chain) pointing to the methods that take any model."""
+    try:
+        return structure.mlp_chain("kfra", frozen=True)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
+                                    "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc

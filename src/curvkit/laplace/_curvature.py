@@ -11,7 +11,7 @@ sets N to the size of the data set.
   ``kfra``, ``projection``, ``empirical``).
 * :class:`DiagonalSource` - the diagonal of the GGN (``ggn``), of the Monte Carlo Fisher with sampled labels
   (``mc_fisher``: per-example squared gradients, thesis Eq. 5.10) or of the empirical Fisher, from
-  :class:`~curvkit.curvature.estimators.DiagonalEstimator`.
+  :class:`~curvkit.curvature.diagonal_estimator.DiagonalEstimator`.
 * :class:`DenseSource` - the dense curvature of a parameter group (``full`` Laplace of small nets, a
   BatchNorm layer's parameters) from the exact operators' ``to_dense()``, batch by batch.
 """
@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds
 from curvkit.curvature import estimators
+from curvkit.curvature.diagonal_estimator import DiagonalEstimator
 from curvkit.curvature.estimators import (
-    DiagonalEstimator,
     KroneckerEstimator,
     OptionWords,
     wide_blocks,
