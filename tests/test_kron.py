@@ -299,7 +299,7 @@ def test_block_diagonal_operator():
 def test_symmetrise_by_tiles_is_bitwise_the_plain_expression():
     """Large factors are symmetrised tile by tile (a cache-friendly transpose); every entry is the same two-term
     sum times c, so the result equals ``c * (M + M^T)`` bitwise, on and off the tile grid."""
-    from curvkit.linalg.kron import _symmetrise
+    from curvkit.linalg.factors import _symmetrise
 
     g = torch.Generator().manual_seed(0)
     for n in (7, 1023, 1024, 1500):

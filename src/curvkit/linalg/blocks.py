@@ -1,0 +1,130 @@
+"""The data of one block of a block-diagonal curvature: :class:`KroneckerBlock` (factors ``G``, ``A``, the
+names of its weight and bias, its ``index``) and :class:`DenseBlock` (a dense matrix in the same layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from curvkit.linalg.block_index import Index
+from curvkit.linalg.factors import LowRankFactor, _check_diagonal_factor, _check_square_symmetric, _symmetrise
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+@dataclass
+class KroneckerBlock:
+    """One curvature block ``G (x) A`` in the row-major layout of a matrix view ``W_hat`` (out, in_aug).
+
+    Attributes:
+        G: (out, out) symmetric output-side factor (pre-activation curvature, e.g. the GGN ``G_l``), or a
+            :class:`LowRankFactor` (a thin eigendecomposition: the output factor of a layer with a huge output
+            dimension, e.g. a language model's vocabulary, is never formed as a matrix).
+        A: (in_aug, in_aug) symmetric input-side factor, or an (in_aug,) vector: a DIAGONAL input factor
+            ``diag(A)`` (an ``nn.Embedding``'s token counts; never a V x V matrix). By default
+            ``in_aug = in + 1`` when ``bias_name`` is given (bias column LAST), else ``in``; for a
+            ``nn.Conv2d`` layer ``in = C * kh * kw``.
+        weight_name: name of the (first) parameter in the operator's :class:`ParamLayout`.
+        bias_name: name of the bias (second parameter), or None.
+        index: which parameter entries ``W_hat`` holds, as positions in the concatenation
+            ``[weight.flatten(), bias.flatten()]`` of this block's own parameters: None for the standard
+            view ``[W.reshape(out, -1) | b]``; a :class:`StridedIndex` (a few integers) for a transposed
+            view (GPT-2's ``Conv1D``, an embedding's (V, D) weight as (D, V)) or a slice of rows of either
+            view (one query/key/value projection of a packed attention weight, one group of a grouped
+            convolution); an integer (out, in_aug) tensor for anything else (a row vector (1, P) of a
+            normalisation layer's parameters). Every layout entry must belong to exactly one block.
+        label: a name for messages (the layer and, for a slice, which one), or None.
+        factored: False for a plain matrix block written as ``[[g]] (x) A`` with a (1, 1) ``G`` (the exact
+            or diagonal block of a normalisation layer or of raw parameters): damping is then added to
+            the block exactly, never split between the factors.
+
+    ``G`` and ``A`` are validated (square - or a vector for A -, finite, symmetric up to rounding) and
+    stored symmetrised. Their agreement with the parameter shapes is checked by :class:`KroneckerOperator`.
+    """
+
+    G: Tensor  # or a LowRankFactor: it offers the factor operations used here (typed as Tensor for consumers)
+    A: Tensor
+    weight_name: str
+    bias_name: str | None = None
+    index: Index | None = None
+    label: str | None = None
+    factored: bool = True
+
+    def __post_init__(self) -> None:
+        what = f"KroneckerBlock({self.name!r})"
+        low_rank = isinstance(self.G, LowRankFactor)  # validated (finite, thin eigendecomposition) on creation
+        if not low_rank:
+            _check_square_symmetric(self.G, f"{what}.G")
+        if isinstance(self.A, Tensor) and self.A.dim() == 1:
+            _check_diagonal_factor(self.A, f"{what}.A")
+        else:
+            _check_square_symmetric(self.A, f"{what}.A")
+        if self.G.dtype != self.A.dtype or self.G.device != self.A.device:
+            raise ValueError(f"{what}: G and A must share dtype and device, got "
+                             f"{self.G.dtype}/{self.G.device} and {self.A.dtype}/{self.A.device}")
+        if not self.factored and self.G.shape != (1, 1):
+            raise ValueError(f"{what}: a block with factored=False is [[g]] (x) A and needs a (1, 1) G, got "
+                             f"{tuple(self.G.shape)}")
+        self.G = self.G if low_rank else _symmetrise(self.G)
+        self.A = self.A.clone() if self.A.dim() == 1 else _symmetrise(self.A)
+
+    @classmethod
+    def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
+                  scale_G: float = 1.0, scale_A: float = 1.0, *, index: Index | None = None,
+                  label: str | None = None, factored: bool = True) -> KroneckerBlock:
+        """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
+        ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
+        several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
+        result is exactly symmetric in floating point, as a validated block is (a diagonal A: ``scale * A``).
+        """
+        blk = cls.__new__(cls)
+        blk.G = G * scale_G if isinstance(G, LowRankFactor) else _symmetrise(G, 0.5 * scale_G)
+        blk.A = A * scale_A if A.dim() == 1 else _symmetrise(A, 0.5 * scale_A)
+        blk.weight_name, blk.bias_name = weight_name, bias_name
+        blk.index, blk.label, blk.factored = index, label, factored
+        return blk
+
+    @property
+    def name(self) -> str:
+        """The block's label, or its weight's name."""
+        return self.label if self.label is not None else self.weight_name
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.G.shape[0])
+
+    @property
+    def in_dim(self) -> int:
+        """Size of A (``in + 1`` with a bias)."""
+        return int(self.A.shape[0])
+
+    @property
+    def low_rank_output(self) -> bool:
+        """G is a :class:`LowRankFactor` (thin eigendecomposition)."""
+        return isinstance(self.G, LowRankFactor)
+
+    @property
+    def diagonal_input(self) -> bool:
+        """A is stored as the vector of a diagonal input factor."""
+        return self.A.dim() == 1
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
+
+    def with_factors(self, G: Tensor, A: Tensor) -> KroneckerBlock:
+        """The same block (names, index, label, kind) with other factors (validated)."""
+        return KroneckerBlock(G, A, self.weight_name, self.bias_name, self.index, self.label, self.factored)
+
+
+@dataclass
+class DenseBlock:
+    """One layer's dense curvature block (P, P), P = out * in_aug, in the row-major ``W_hat`` order."""
+
+    matrix: Tensor
+    weight_name: str
+    bias_name: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
