@@ -694,10 +694,13 @@ class OutputFactorOperator(ExactCurvatureOperator):
             grads = torch.autograd.grad(f, entry["leaves"], U, retain_graph=True, allow_unused=True,
                                         materialize_grads=True, is_grads_batched=True)
         for o, n, g in zip(self.layout.offsets, self.layout.numels, grads):
+            # one column: write the flat 1-D view (a (n, 1) copy from a (1, n) transpose takes torch's
+            # general strided kernel, 25x slower: 0.3 s for GPT-2's 38.6 M-entry head, most of a product)
+            dst, src = (out[o:o + n, 0], g.reshape(n)) if k == 1 else (out[o:o + n], g.reshape(k, n).T)
             if first:
-                out[o:o + n] = g.reshape(k, n).T
+                dst.copy_(src)
             else:
-                out[o:o + n] += g.reshape(k, n).T
+                dst.add_(src)
 
     def _matmat_chunk(self, M: Tensor) -> Tensor:
         """C M for a (d, k) block: J (tangent), M in output space, J^T (backward), per batch (class doc)."""

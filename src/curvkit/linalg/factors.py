@@ -527,6 +527,9 @@ def _sandwich(L: Tensor | LowRankFactor | None, X: Tensor, R: Tensor | None) -> 
     :class:`LowRankFactor`. (Avoids broadcast batched matmuls, which are slow for small factors.)
     """
     m, n, k = X.shape
+    if k == 1:  # one column: 2-D products read a transposed (strided) X directly, no reshaping copies
+        Z1 = X[:, :, 0] if L is None else L @ X[:, :, 0]
+        return (Z1 if R is None else Z1 * R if R.dim() == 1 else Z1 @ R)[:, :, None]
     Z = X if L is None else (L @ X.reshape(m, n * k)).reshape(L.shape[0], n, k)
     if R is None:
         return Z
