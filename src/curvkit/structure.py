@@ -290,23 +290,29 @@ def _kind(mod: nn.Module) -> LayerKind:
     return "other"
 
 
-def _refuse_sharded_parameters(model: nn.Module) -> None:
-    """Refuse a model whose trainable parameters are ``DTensor`` shards (FSDP2 ``fully_shard``, tensor
-    parallelism). Every curvature route reads a parameter as the whole tensor on this process; on a shard it
-    would build each rank's curvature of its own slice and data without a word (issue 33). A DTensor exists
-    only once ``torch.distributed.tensor`` is imported, so the check imports nothing (importing it costs
-    seconds in a fresh process: it pulls in sympy and the symbolic-shape machinery)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    DTensor = getattr(module, "DTensor", None)
+def sharded_parameters(model: nn.Module) -> list[str]:
+    """Names of ``model``'s trainable parameters that are ``DTensor`` shards (FSDP2 ``fully_shard``, tensor
+    parallelism). A DTensor exists only once ``torch.distributed.tensor`` is imported, so this imports nothing
+    (importing it costs seconds in a fresh process: it pulls in sympy and the symbolic-shape machinery)."""
+    DTensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if DTensor is None:
-        return
-    sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
+        return []
+    return [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
+
+
+def _refuse_sharded_parameters(model: nn.Module) -> None:
+    """Refuse a model with sharded trainable parameters (:func:`sharded_parameters`) on a route that reads a
+    parameter as the whole tensor on this process: on a shard it would build each rank's curvature of its own
+    slice and data without a word (issue 33). The Kronecker estimators take FSDP2 models (with
+    ``distributed=``; :class:`curvkit.curvature.KroneckerEstimator`)."""
+    sharded = sharded_parameters(model)
     if sharded:
         raise NotImplementedError(
             f"parameter {sharded[0]!r} (and {len(sharded) - 1} more) is a DTensor shard (FSDP2 fully_shard or "
-            "tensor parallelism): curvkit does not compute curvature of sharded models yet. Use data parallelism "
-            "(every rank holds the whole model, pass distributed=Reducer()), or gather a full replica of the "
-            "model on each rank (e.g. torch.distributed.checkpoint's get_model_state_dict with "
+            "tensor parallelism): this curvkit route does not compute curvature of sharded models yet (the "
+            "Kronecker estimators do: KroneckerEstimator(model, likelihood, 'kfac', distributed=Reducer())). Use "
+            "data parallelism (every rank holds the whole model, pass distributed=Reducer()), or gather a full "
+            "replica of the model on each rank (e.g. torch.distributed.checkpoint's get_model_state_dict with "
             "full_state_dict=True loaded into an unsharded copy).")
 
 
@@ -316,10 +322,13 @@ class ModelStructure:
     The reading reflects the model at the time it is made (train/eval mode, ``requires_grad`` flags).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sharded: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _refuse_sharded_parameters(model)
+        if not sharded:
+            _refuse_sharded_parameters(model)
+        #: names of the trainable parameters that are DTensor shards (FSDP2), where the caller takes them
+        self.sharded = sharded_parameters(model) if sharded else []
         self.model = model
         module_names: dict[int, list[str]] = {}
         for name, mod in model.named_modules(remove_duplicate=False):
@@ -686,10 +695,12 @@ def kept_running_statistics(model: nn.Module) -> Iterator[None]:
             m._buffers[attr] = b
 
 
-def read_model(model: nn.Module) -> ModelStructure:
+def read_model(model: nn.Module, *, sharded: bool = False) -> ModelStructure:
     """Read ``model``'s structure once (see :class:`ModelStructure` and the module docstring); a
-    ``torch.compile``'d model is read as the module it compiles (:func:`uncompiled`)."""
-    return ModelStructure(uncompiled(model))
+    ``torch.compile``'d model is read as the module it compiles (:func:`uncompiled`). A model with sharded
+    (FSDP2 ``DTensor``) trainable parameters is refused unless the caller takes them (``sharded=True``; they are
+    listed in ``structure.sharded``)."""
+    return ModelStructure(uncompiled(model), sharded)
 
 
 def uncompiled(model: Any) -> Any:

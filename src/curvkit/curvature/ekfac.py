@@ -42,6 +42,7 @@ from curvkit.curvature.estimators import (
 )
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator
+from curvkit.structure import _refuse_sharded_parameters
 from curvkit.validation import Inputs, num_samples
 
 __all__ = ["EKFACEstimator", "FirstBatchBasisWarning"]
@@ -72,6 +73,7 @@ class EKFACEstimator(CurvatureEstimator):
                  seed: int = 0, weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
                  parameter_structure: NormStructure = "diag", distribution: Distribution = "rademacher",
                  config: CurvatureConfig | None = None):
+        _refuse_sharded_parameters(model)  # FSDP2: the Kronecker estimator only (not verified here)
         if method == "kfra":
             raise ValueError("EKFAC needs per-sample output vectors; kfra propagates batch means only: use "
                              "'kflr', 'kfac', 'projection' or 'empirical'")

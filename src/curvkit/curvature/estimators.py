@@ -217,10 +217,14 @@ class KroneckerEstimator(CurvatureEstimator):
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
         self.per_sample: dict[str, PerSample] = {}
-        structure = read_model(model)
+        structure = read_model(model, sharded=True)
         self.structure = structure
+        if structure.sharded:
+            _check_sharded(method, distributed)
         self.chain = kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
+        if structure.sharded:
+            _check_sharded(method, distributed, self.plans)
         self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
         self._layouts: set[Any] = set()  # layouts whose rows were traced to be samples first
@@ -759,6 +763,39 @@ class KroneckerEstimator(CurvatureEstimator):
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
         return KroneckerOperator(self.layout, blocks)
+
+
+#: the layer kinds whose statistics read only a layer's inputs and output gradients (never its weight), so they
+#: are the same on an FSDP2 model, whose weights are DTensor shards outside the layer's own forward pass
+SHARDED_KINDS = ("linear", "conv", "embedding", "norm")
+
+
+def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> None:
+    """Refuse what the Kronecker statistics cannot do on an FSDP2 (``fully_shard``) model.
+
+    Under FSDP2 every rank runs the whole model on ITS shard of the data (the weights are all-gathered inside
+    each layer's forward and backward pass), so the statistics of one rank are those of its data only: the
+    factors of the union need ``distributed=`` (a :class:`curvkit.distributed.Reducer` over the ranks that
+    hold the data shards), which sums them as for data parallelism. The factors and the operator are then
+    whole (every rank holds every factor, in the full parameter layout: products take and return full flat
+    vectors). Refused: no ``distributed=``; KFRA (its recursion reads the weights); layer kinds that read
+    their weights or replace them with per-sample copies (raw parameters, the per-sample fallback,
+    attention, transposed linear), which would meet a shard."""
+    if distributed is None:
+        raise ValueError(
+            "KroneckerEstimator: the model's parameters are FSDP2 (DTensor) shards, so each rank runs it on its "
+            "own shard of the data and its statistics are not the union's; pass distributed=Reducer() (the "
+            "ranks' statistics are summed: the factors of all the data, on every rank)")
+    if method == "kfra":
+        raise UnsupportedModelError("kfra on an FSDP2-sharded model: the recursion reads the weights, which are "
+                                    "shards; use method='kflr' or 'kfac'")
+    for lp in plans:
+        if lp.handler.kind not in SHARDED_KINDS:
+            raise UnsupportedModelError(
+                f"{method}: module {lp.label!r} ({type(lp.module).__name__}, layer kind {lp.handler.kind!r}) on an "
+                f"FSDP2-sharded model: only the kinds {', '.join(SHARDED_KINDS)} take sharded weights (their "
+                "statistics read only a layer's inputs and output gradients); freeze it (requires_grad_(False)) "
+                "or use data parallelism (every rank holds the whole model)")
 
 
 def _hook(consume: Any, j: int) -> Any:

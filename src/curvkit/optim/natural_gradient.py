@@ -141,7 +141,9 @@ class NaturalGradient(CurvatureOptimizer):
         self._estimator: Any = None
         if kind == "kfac":
             from curvkit.curvature.estimators import KroneckerEstimator
+            from curvkit.structure import _refuse_sharded_parameters
 
+            _refuse_sharded_parameters(model)  # FSDP2: the Kronecker estimator with distributed= only
             self._estimator = KroneckerEstimator(model, likelihood, "kfac", ema=fisher_ema, seed=seed)
         self._fisher: CurvatureOperator | None = None
         self.last_kappa = math.nan
