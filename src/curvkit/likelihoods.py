@@ -193,6 +193,29 @@ class Likelihood:
         """R, the number of columns of :meth:`output_hessian_sqrt`."""
         return int(f.shape[-1])
 
+    # -- the output Fisher F_L = E_{y ~ p(y|f)}[g g^T], g = d(-log p)/df (thesis Eq. 3.36; curvature.output_space)
+    def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """(..., C, r) the columns ``cols`` of a factor S with S S^T = F_L per position. The built-in heads give
+        the closed form; another head defines ``output_fisher_sqrt(f)`` (..., C, R) and inherits the rest."""
+        return self._custom_fisher_sqrt(f)[..., cols]
+
+    def output_fisher_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        """F_L V per position, V (*K, ..., C) broadcasting against f (..., C); from S for a custom head."""
+        S = self._custom_fisher_sqrt(f)  # (..., C, R)
+        return (S * (S * V[..., :, None]).sum(-2)[..., None, :]).sum(-1)
+
+    def output_fisher_rank(self, f: Tensor) -> int:
+        """R, the columns of the factor S (C for the built-in heads)."""
+        return int(self._custom_fisher_sqrt(f).shape[-1])
+
+    def _custom_fisher_sqrt(self, f: Tensor) -> Tensor:
+        custom = getattr(self, "output_fisher_sqrt", None)
+        if callable(custom):
+            out: Tensor = custom(f)
+            return out
+        raise TypeError(f"no closed-form output Fisher for {type(self).__name__}; define an output_fisher_sqrt(f) "
+                        "method on it, or use MCFisherOperator (sampled labels) instead")
+
     def sample(self, f: Tensor, generator: torch.Generator | None = None, y: Tensor | None = None) -> Tensor:
         """Targets drawn from the model p(y | f), shaped like the data targets; with ``y``, padded positions
         are copied from y (so their gradient, and hence their curvature, stays zero)."""
@@ -289,6 +312,13 @@ def _ignore_value(value: float | None) -> float | None:
     return v
 
 
+def _onehot_columns(f: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
+    """(idx (r,), one-hot (C, r)) of the columns ``cols`` of range(C)."""
+    C = f.shape[-1]
+    idx = torch.arange(C, device=f.device)[cols]
+    return idx, (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)
+
+
 class CrossEntropy(Likelihood):
     """Softmax cross-entropy; f are logits (B, K) or (B, *P, K), y class indices (B,) or (B, *P).
 
@@ -365,6 +395,20 @@ class CrossEntropy(Likelihood):
         flat[torch.arange(r, device=f.device), :, idx] += sp.reshape(-1, r).T  # + sqrt(p_c) e_c
         return cols_first.movedim(0, -1)
 
+    def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """Column c of S is sqrt(p_c) (p - e_c): F_L = sum_c p_c (p - e_c)(p - e_c)^T, the expectation over
+        the classes written out (= H_L, thesis Eqs. 3.37-3.38)."""
+        idx, onehot = _onehot_columns(f, cols)
+        p = f.softmax(-1)
+        return (p[..., :, None] - onehot) * p[..., idx].sqrt()[..., None, :]
+
+    def output_fisher_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        """p * v - p (p^T v): the sum over c expanded with sum_c p_c = 1 (O(C), no (C, C))."""
+        return self._hessian_matvec(f, V)
+
+    def output_fisher_rank(self, f: Tensor) -> int:
+        return int(f.shape[-1])
+
     def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         flat = f.reshape(-1, f.shape[-1]).softmax(-1)
         return torch.multinomial(flat, 1, generator=generator)[:, 0].reshape(f.shape[:-1])
@@ -414,6 +458,18 @@ class BernoulliBCE(_ValuePadding, Likelihood):
         s = torch.sigmoid(f)
         return s * (1 - s)
 
+    def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """S = diag(sqrt(s (1 - s))): independent outputs, E[g_i^2] = Var(y_i) = s_i (1 - s_i)."""
+        s = torch.sigmoid(f)
+        return (s * (1 - s)).sqrt()[..., :, None] * _onehot_columns(f, cols)[1]
+
+    def output_fisher_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        s = torch.sigmoid(f)
+        return s * (1 - s) * V
+
+    def output_fisher_rank(self, f: Tensor) -> int:
+        return int(f.shape[-1])
+
     def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         return torch.bernoulli(torch.sigmoid(f), generator=generator)
 
@@ -459,6 +515,17 @@ class Gaussian(_ValuePadding, Likelihood):
 
     def _hessian_matvec(self, f: Tensor, V: Tensor) -> Tensor:
         return V / self.sigma**2
+
+    def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
+        """S = I / sigma: g = -eps / sigma with eps standard normal."""
+        onehot = _onehot_columns(f, cols)[1]
+        return onehot.expand(*f.shape, onehot.shape[-1]) / self.sigma
+
+    def output_fisher_matvec(self, f: Tensor, V: Tensor) -> Tensor:
+        return V / self.sigma**2
+
+    def output_fisher_rank(self, f: Tensor) -> int:
+        return int(f.shape[-1])
 
     def _sample(self, f: Tensor, generator: torch.Generator | None) -> Tensor:
         eps = torch.randn(f.shape, dtype=f.dtype, device=f.device, generator=generator)

@@ -15,7 +15,8 @@ J_n = df_n / dtheta. :func:`output_fisher_sqrt` returns a factor S (B, C, R) wit
 For these natural-parameter exponential-family heads F_L equals the output Hessian H_L (thesis Eqs.
 3.37-3.38: -d^2 log p / d eta^2 = d^2 log Z / d eta^2 does not depend on y), so the type-2 Fisher equals
 the GGN; the tests check this numerically rather than assuming it (the GGN uses the likelihood's own
-``output_hessian_sqrt``). Another head can take part by defining ``output_fisher_sqrt(f)`` itself.
+``output_hessian_sqrt``). Each likelihood owns its closed forms (``Likelihood.output_fisher_sqrt_columns``, ``output_fisher_matvec``,
+``output_fisher_rank``); another head can take part by defining ``output_fisher_sqrt(f)`` itself.
 
 Products without (C, C). :func:`output_fisher_matvec` applies F_L to vectors in O(C) per position, from the
 same definition: for softmax, sum_c p_c (p - e_c)(p - e_c)^T v = p * v - p (p^T v) (expand the sum with
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.likelihoods import Likelihood
 
 #: ``reduced_factor`` (which forms S S^T per position) is used only up to this many outputs
 SMALL_C = 64
@@ -47,55 +48,19 @@ def output_fisher_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
 
 def output_fisher_rank(likelihood: Likelihood, f: Tensor) -> int:
     """R, the number of columns of :func:`output_fisher_sqrt` (C for the built-in heads)."""
-    if isinstance(likelihood, CrossEntropy | BernoulliBCE | Gaussian):
-        return int(f.shape[-1])
-    return int(_custom_sqrt(likelihood, f).shape[-1])
+    return likelihood.output_fisher_rank(f)
 
 
 def output_fisher_sqrt_columns(likelihood: Likelihood, f: Tensor, cols: slice) -> Tensor:
     """(..., C, r) the columns ``cols`` (a slice of range(R)) of :func:`output_fisher_sqrt`, without
     forming the other columns (softmax: column c is sqrt(p_c) (p - e_c), the expectation written out)."""
-    C = f.shape[-1]
-    if isinstance(likelihood, CrossEntropy | BernoulliBCE | Gaussian):
-        idx = torch.arange(C, device=f.device)[cols]
-        onehot = (torch.arange(C, device=f.device)[:, None] == idx[None, :]).to(f.dtype)  # (C, r)
-    if isinstance(likelihood, CrossEntropy):
-        p = f.softmax(-1)
-        return (p[..., :, None] - onehot) * p[..., idx].sqrt()[..., None, :]
-    if isinstance(likelihood, BernoulliBCE):
-        s = torch.sigmoid(f)
-        return (s * (1 - s)).sqrt()[..., :, None] * onehot
-    if isinstance(likelihood, Gaussian):
-        return onehot.expand(*f.shape, onehot.shape[-1]) / likelihood.sigma
-    return _custom_sqrt(likelihood, f)[..., cols]
+    return likelihood.output_fisher_sqrt_columns(f, cols)
 
 
 def output_fisher_matvec(likelihood: Likelihood, f: Tensor, V: Tensor) -> Tensor:
     """F_L V per position in O(C R) (O(C) for the built-in heads; never a (C, C) matrix): V (*K, ..., C)
     broadcasts against f (..., C) (module doc for the closed forms)."""
-    if isinstance(likelihood, CrossEntropy):
-        p = f.softmax(-1)
-        pV = p * V
-        return pV - p * pV.sum(-1, keepdim=True)
-    if isinstance(likelihood, BernoulliBCE):
-        s = torch.sigmoid(f)
-        return s * (1 - s) * V
-    if isinstance(likelihood, Gaussian):
-        return V / likelihood.sigma**2
-    S = _custom_sqrt(likelihood, f)  # (..., C, R)
-    return (S * (S * V[..., :, None]).sum(-2)[..., None, :]).sum(-1)
-
-
-def _custom_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
-    """The head's own ``output_fisher_sqrt(f)`` (..., C, R), or a TypeError naming the fix."""
-    custom = getattr(likelihood, "output_fisher_sqrt", None)
-    if callable(custom):
-        out: Tensor = custom(f)
-        return out
-    raise TypeError(
-        f"no closed-form output Fisher for {type(likelihood).__name__}; define an "
-        "output_fisher_sqrt(f) method on it, or use MCFisherOperator (sampled labels) instead"
-    )
+    return likelihood.output_fisher_matvec(f, V)
 
 
 def output_fisher(likelihood: Likelihood, f: Tensor) -> Tensor:
