@@ -193,6 +193,11 @@ class Likelihood:
         """R, the number of columns of :meth:`output_hessian_sqrt`."""
         return int(f.shape[-1])
 
+    def check_logits(self, f: Tensor, who: str) -> None:
+        """Refuse outputs that are already this head's mean (probabilities after a final softmax or sigmoid)
+        where it takes logits: curvature and predictives would be those of softmax(probabilities), silently
+        wrong. Nothing to check by default; ``who`` names the caller in the message."""
+
     # -- the output Fisher F_L = E_{y ~ p(y|f)}[g g^T], g = d(-log p)/df (thesis Eq. 3.36; curvature.output_space)
     def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
         """(..., C, r) the columns ``cols`` of a factor S with S S^T = F_L per position. The built-in heads give
@@ -395,6 +400,21 @@ class CrossEntropy(Likelihood):
         flat[torch.arange(r, device=f.device), :, idx] += sp.reshape(-1, r).T  # + sqrt(p_c) e_c
         return cols_first.movedim(0, -1)
 
+    def check_logits(self, f: Tensor, who: str) -> None:
+        """Probabilities are read off the output's last operation (a softmax) and off its values: every row
+        non-negative and summing to 1 within 1e3 eps(dtype) per class (at most 0.02: a bf16/fp16 softmax sums to 1
+        within a few of its eps); a final log_softmax gives valid logits."""
+        op = type(f.grad_fn).__name__ if f.grad_fn is not None else ""
+        rows = f.detach().double()
+        tol = min(1e3 * torch.finfo(f.dtype).eps * rows.shape[-1], 0.02)
+        probabilities = rows.dim() >= 2 and rows.shape[-1] > 1 and bool((rows >= 0).all()) and bool(
+            ((rows.sum(-1) - 1).abs() <= tol).all())
+        if op.startswith("Softmax") or probabilities:
+            raise ValueError(f"{who}: the model's outputs of shape {tuple(f.shape)} look like probabilities (the "
+                             "output is probabilities: it ends in a softmax, or every row is non-negative and sums "
+                             "to 1), but CrossEntropy takes logits; remove the final softmax (the likelihood applies "
+                             "it), or end with log_softmax (its softmax is the same)")
+
     def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
         """Column c of S is sqrt(p_c) (p - e_c): F_L = sum_c p_c (p - e_c)(p - e_c)^T, the expectation over
         the classes written out (= H_L, thesis Eqs. 3.37-3.38)."""
@@ -457,6 +477,12 @@ class BernoulliBCE(_ValuePadding, Likelihood):
     def _hessian_diagonal(self, f: Tensor) -> Tensor:
         s = torch.sigmoid(f)
         return s * (1 - s)
+
+    def check_logits(self, f: Tensor, who: str) -> None:
+        """A final sigmoid, read off the output's last operation."""
+        if f.grad_fn is not None and type(f.grad_fn).__name__.startswith("Sigmoid"):
+            raise ValueError(f"{who}: BernoulliBCE takes logits, but the model's output is probabilities (it ends "
+                             "in a sigmoid); remove the final sigmoid")
 
     def output_fisher_sqrt_columns(self, f: Tensor, cols: slice) -> Tensor:
         """S = diag(sqrt(s (1 - s))): independent outputs, E[g_i^2] = Var(y_i) = s_i (1 - s_i)."""

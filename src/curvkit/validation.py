@@ -276,13 +276,3 @@ def iter_batches(data: Any, device: torch.device | None = None, *,
         yield X, y
     if count == 0:
         raise ValueError("data is empty: pass an (X, y) pair or a non-empty iterable of pairs")
-
-
-def looks_like_probabilities(f: Tensor) -> bool:
-    """Whether outputs ``f`` (B, [*P,] C) are probabilities rather than logits: every entry in [0, 1] and every
-    row summing to 1 (within 1e-3), i.e. a softmax already applied. Logits of a real model essentially never
-    are; log-probabilities (a final log_softmax) are valid logits and are not flagged."""
-    if not (isinstance(f, Tensor) and f.is_floating_point() and f.dim() >= 2 and f.shape[-1] >= 2 and f.numel()):
-        return False
-    f = f.detach()
-    return bool(((f >= 0) & (f <= 1)).all()) and bool(((f.sum(-1) - 1).abs() <= 1e-3).all())

@@ -71,7 +71,7 @@ from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import Index, LowRankFactor, block_matrix, write_block_matrix
 from curvkit.structure import LayerInfo, curvature_kernels, read_model, uncompiled
-from curvkit.validation import integer, looks_like_probabilities, nonnegative, positive
+from curvkit.validation import integer, nonnegative, positive
 
 __all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
 
@@ -461,10 +461,7 @@ class LaplacePenalty(Penalty):
             raise TypeError(f"LaplacePenalty: the model must return its outputs (logits) as one tensor of shape "
                             f"(batch, [positions...,] outputs), got {type(f).__name__}; wrap it in a module that "
                             "returns the logits")
-        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
-            raise ValueError(f"LaplacePenalty: the model's outputs of shape {tuple(f.shape)} look like probabilities "
-                             "(every entry in [0, 1], every row summing to 1), but CrossEntropy takes logits: remove "
-                             "the final softmax, or end with log_softmax")
+        self.likelihood.check_logits(f, "LaplacePenalty")
 
     def _add(self, model: nn.Module, stats: dict[str, Any], c: float, anchor: dict[str, Tensor]) -> None:
         per_task_anchor = self.mode == "ewc"

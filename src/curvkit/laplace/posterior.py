@@ -202,26 +202,6 @@ def _check_finite_batch(i: int, X: Inputs, y: Tensor, dtypes: frozenset[torch.dt
                              f"of {t.numel()} entries); clean or drop them before fitting")
 
 
-def _check_natural_outputs(likelihood: Likelihood, f: Tensor) -> None:
-    """Refuse a model whose output is already the likelihood's mean (probabilities after a final softmax
-    or sigmoid) where the likelihood takes logits: its curvature and predictives would be those of
-    softmax(probabilities), silently wrong. Read off the output's last operation, and for a softmax
-    cross-entropy also off the values (every row non-negative and summing to 1)."""
-    op = type(f.grad_fn).__name__ if f.grad_fn is not None else ""
-    if isinstance(likelihood, CrossEntropy):
-        rows = f.detach().double()  # a bf16/fp16 softmax sums to 1 within a few of its eps, never 0.02 off
-        tol = min(1e3 * torch.finfo(f.dtype).eps * rows.shape[-1], 0.02)
-        probabilities = rows.shape[-1] > 1 and bool((rows >= 0).all()) and bool(
-            ((rows.sum(-1) - 1).abs() <= tol).all())
-        if op.startswith("Softmax") or probabilities:
-            raise ValueError("CrossEntropy takes logits, but the model's output is probabilities (it ends in a "
-                             "softmax: every row is non-negative and sums to 1); remove the final softmax (a "
-                             "log_softmax output is fine: its softmax is the same)")
-    if isinstance(likelihood, BernoulliBCE) and op.startswith("Sigmoid"):
-        raise ValueError("BernoulliBCE takes logits, but the model's output is probabilities (it ends in a "
-                         "sigmoid); remove the final sigmoid")
-
-
 def _components(blocks: Sequence[KFactors]) -> list[list[KFactors]]:
     """The Kronecker blocks grouped by shared parameters (the query, key and value row slices of one packed
     attention weight, the groups of one convolution), each group in block order."""
@@ -517,7 +497,7 @@ class Laplace:
                      if isinstance(f, Tensor) else type(f).__name__)
             raise TypeError(f"the model must return one tensor of shape (batch, outputs) or (batch, positions..., "
                             f"outputs), got {shape}")
-        _check_natural_outputs(self.likelihood, f)
+        self.likelihood.check_logits(f, "Laplace")
         self.likelihood.check(f.detach()[:1].expand(n, *f.shape[1:]), y)  # the targets against the whole batch
         if self._selection is None:
             self._select(last_layer_names(self.model, f, calls))

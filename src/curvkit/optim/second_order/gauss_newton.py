@@ -101,7 +101,7 @@ from curvkit.curvature import estimators
 from curvkit.curvature.config import CurvatureConfig
 from curvkit.curvature.estimators import KroneckerEstimator, OptionWords, wide_blocks
 from curvkit.layerkinds import BATCH_STATISTICS_HINT
-from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.operator import CurvatureOperator
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras
@@ -129,7 +129,6 @@ from curvkit.validation import (
     input_tensors,
     inputs_to,
     integer,
-    looks_like_probabilities,
     map_inputs,
     nonnegative,
     num_samples,
@@ -478,10 +477,7 @@ class GaussNewton(CurvatureOptimizer):
         assert self.model is not None
         with torch.no_grad(), curvature_kernels(), kept_running_statistics(self.model):
             f = self._logits(self.model(X))
-        if isinstance(self.likelihood, CrossEntropy) and looks_like_probabilities(f):
-            raise ValueError(f"{type(self).__name__}: the model's outputs of shape {tuple(f.shape)} look like "
-                             "probabilities (every entry in [0, 1], every row summing to 1), but CrossEntropy takes "
-                             "logits: remove the final softmax (the likelihood applies it), or end with log_softmax")
+        self.likelihood.check_logits(f, type(self).__name__)
         self._output_checked = True
         if self.estimator is None:
             source, reason = default_curvature(self._structure, self.likelihood, f, self._wide,
