@@ -108,11 +108,15 @@ class EKFACEstimator(CurvatureEstimator):
                           f"basis: EKFACEstimator(model, likelihood, {self.method!r}, basis=KroneckerEstimator(model, "
                           f"likelihood, {self.method!r}).update(data).operator()).update(data)",
                           FirstBatchBasisWarning, stacklevel=4)
-        stats = [_projected_squares(est.per_sample[spec.label], e)
-                 for (_, spec), e in zip(est.blocks, self.basis.eigh())]
+        est.operator()  # the grouping of the blocks of shared parameters (est.members)
+        stats = [_projected_squares(est.per_sample[est.blocks[members[0]][1].label] if len(members) == 1 else
+                                    est.shared_per_sample(members, b), e)
+                 for members, b, e in zip(est.members, self.basis.blocks, self.basis.eigh())]
         return stats, num_samples(X), est.num_terms
 
     def _stat_names(self) -> list[str]:
+        if self.basis is not None:
+            return [f"scalings of block {b.name!r}" for b in self.basis.blocks]
         return [f"scalings of block {spec.label!r}" for _, spec in self.vectors.blocks]
 
     def operator(self) -> KroneckerSpectralOperator:

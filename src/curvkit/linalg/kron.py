@@ -106,6 +106,7 @@ __all__ = [
     "StridedIndex",
     "block_matrix",
     "block_positions",
+    "dense_sum",
     "factor_from_state",
     "factor_state",
     "index_from_state",
@@ -642,3 +643,28 @@ class BlockDiagonalOperator(CurvatureOperator):
                 raise NotPositiveDefiniteError(f"block {b.weight_name!r} is not positive definite; increase the damping")
             total = total + val
         return total
+
+
+# ---------------------------------------------------------------------------------------------- sums of blocks
+def dense_sum(layout: ParamLayout, terms: Sequence[KroneckerBlock], label: str | None = None) -> KroneckerBlock:
+    """The exact sum of blocks that read the same parameters (the uses of a shared parameter, each in its own
+    matrix view: an embedding's ``G_e (x) diag(counts)`` of ``W^T`` and a tied head's ``G_h (x) A_h`` of
+    ``[W | b]``) as ONE plain-matrix block ``[[1]] (x) M`` (``factored=False``): M (P, P) over the entries of
+    their parameters (at most two: a weight and a bias) in ``layout`` order, ``M = sum_t P_t^T (G_t (x) A_t)
+    P_t`` with P_t the placement of term t's ``W_hat`` entries. Every consumer of a plain-matrix block (exact
+    damping, eigendecomposition, log-determinant, sampling, GLM terms) then takes the sum exactly; P x P
+    floats are formed, so callers keep P small (:data:`curvkit.curvature.estimators.SHARED_DENSE_LIMIT`)."""
+    names = sorted({n for b in terms for n in b.names}, key=list(layout.names).index)
+    if len(names) > 2:
+        raise ValueError(f"dense_sum: the terms read {len(names)} parameters ({', '.join(names)}); a block holds a "
+                         "weight and a bias at most")
+    sub = sub_layout(layout, names)
+    first = terms[0]
+    M = first.A.new_zeros(sub.dim, sub.dim)
+    for b in terms:
+        pos = block_positions(sub, b.weight_name, b.bias_name, b.index, M.device).reshape(-1)
+        A = torch.diag(b.A) if b.A.dim() == 1 else b.A
+        M[pos[:, None], pos[None, :]] += torch.kron(_dense(b.G), A)
+    index = torch.arange(sub.dim, device=M.device)[None, :]
+    return KroneckerBlock.from_gram(M.new_ones(1, 1), M, names[0], names[1] if len(names) > 1 else None,
+                                    index=index, label=label, factored=False)
