@@ -295,7 +295,7 @@ class LaplacePenalty(Penalty):
 
     def layers(self, model: nn.Module) -> list[Any]:
         """The penalised blocks (``kron``: one :class:`PenaltyBlock` per block of the Kronecker engine's layer
-        kinds, for the parameters in ``params``; an unsupported layer or a tied weight is refused, naming it) or
+        kinds, for the parameters in ``params``; a tied weight's uses: one block, their sum; an unsupported layer is refused, naming it) or
         layers (``diag``)."""
         model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         if self._layers is None:

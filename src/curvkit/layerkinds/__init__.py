@@ -33,7 +33,9 @@ per-sample fallback unless a handler is registered for it). A new kind is one mo
 
 :func:`plan` reads a model (through :func:`curvkit.structure.read_model`) into :class:`LayerPlan` entries:
 one per module that owns trainable parameters, with its handler and blocks. Frozen parameters get no
-block; a parameter shared by two modules (weight tying), a module registered under two names, random or
+block. A parameter shared by several modules (weight tying) is planned once per module that holds it (each
+one USE, :attr:`LayerPlan.optional`; :func:`shared_groups` groups their blocks, whose curvature is the sum of
+their terms: docs/architecture.md, "Shared and tied weights"). A module registered under two names, random or
 sample-coupling modules, and a parameter a module uses around planned layers of its own (not replayable;
 without a leading dimension of size 1) are refused with an :class:`~curvkit.structure.UnsupportedModelError`
 that names the module and says how to fix it.
