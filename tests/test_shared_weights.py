@@ -222,8 +222,18 @@ def test_a_read_outside_the_planned_uses_is_refused():
 
     model = Scaled().to(D64)
     X, y = _ids(2, 3, 0), _ids(2, 3, 1)
-    with pytest.raises(ValueError, match=r"'wte.weight'.*is read 3 times.*only 2 of those reads"):
-        KroneckerEstimator(model, CrossEntropy("sum")).update((X, y))
+    for dtype in (None, D64, torch.float32):  # the model's own pass, and passes on an upcast copy
+        with pytest.raises(ValueError, match=r"'wte.weight'.*is read 3 times.*only 2 of those reads"):
+            KroneckerEstimator(model, CrossEntropy("sum"), compute_dtype=dtype).update((X, y))
+    KroneckerEstimator(NanoGPT().to(D64), CrossEntropy("sum"), compute_dtype=D64).update((X, y)).operator()
+
+
+def test_kfra_refuses_a_tied_parameter():
+    a, b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b).to(D64)
+    with pytest.raises(ValueError, match=r"kfra: parameter '0.weight' is shared by modules '0', '2'"):
+        KroneckerEstimator(model, CrossEntropy("sum"), "kfra")
 
 
 def test_plan_gives_every_use_its_blocks_and_frozen_ties_none():

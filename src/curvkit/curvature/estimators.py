@@ -232,6 +232,7 @@ class KroneckerEstimator(CurvatureEstimator):
         #: per block of the last operator, the positions in :attr:`blocks` of the terms it sums (one, except
         #: for the sum of a shared parameter's uses)
         self.members: list[list[int]] = []
+        self._pass_tensors: dict[str, Tensor] = {}  # an upcast pass's parameter tensors (compute_dtype)
         structure = read_model(model, sharded=True)
         self.structure = structure
         if structure.sharded:
@@ -349,13 +350,17 @@ class KroneckerEstimator(CurvatureEstimator):
                 buffers = precision.upcast_state(dict(self.model.named_buffers()), dt)
                 if self._raw:
                     params.update(cap.substitute(num_samples(X), params))
+                self._pass_tensors = params  # the tensors the pass reads (_check_uses)
                 f = self.structure.functional_call(params, (precision.upcast_inputs(X, dt),), buffers)
             elif self._raw:
                 f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,))
             else:
                 f = self.model(X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
-        return self._statistics(cap, f, y)
+        try:
+            return self._statistics(cap, f, y)
+        finally:
+            self._pass_tensors = {}
 
     def forward(self, capture: BlockCapture, X: Inputs) -> tuple[Tensor, dict[str, Tensor]]:
         """Run the model on ``X`` (a tensor or a mapping of tensors) inside ``capture`` for :meth:`accumulate`,
@@ -462,6 +467,7 @@ class KroneckerEstimator(CurvatureEstimator):
         accumulator (one per operation that reads it: a Linear's product, an embedding's lookup)."""
         tensors = dict(self.model.named_parameters())
         wanted = {id(tensors[n]): n for n in self.shared}
+        wanted.update({id(self._pass_tensors[n]): n for n in self.shared if n in self._pass_tensors})
         count = dict.fromkeys(self.shared, 0)
         seen: set[Any] = set()
         stack = [f.grad_fn]
