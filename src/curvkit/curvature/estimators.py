@@ -301,6 +301,11 @@ class KroneckerEstimator(CurvatureEstimator):
                              "as a matrix", "freeze the layer (requires_grad_(False)), or build the estimator with "
                              f"output_factor='dense' (a {n}^2 matrix)")
         for lp, spec in self.blocks:
+            if self.shared and set(spec.names) & set(self.shared):
+                raise refuse(what, lp.label, lp.module, f"reads the shared parameter(s) "
+                             f"{', '.join(sorted(set(spec.names) & set(self.shared)))} (weight tying), whose block is "
+                             "the dense sum of its uses, not one [W | b] Kronecker block of the layer",
+                             "untie the weights or freeze the shared parameter (requires_grad_(False))")
             if spec.index is not None or spec.ids or spec.form != "kron":
                 raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "
                              "one [W | b] Kronecker block of the whole layer, which this consumer reads",
