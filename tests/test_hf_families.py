@@ -4,9 +4,9 @@ ViT) and ``peft`` LoRA with and without ``task_type``: exact GGN products agains
 KFAC/KFLR/EKFAC covering every trainable parameter, one Gauss-Newton step, and a Kronecker Laplace posterior
 whose GLM variance equals J Sigma J^T from the dense Jacobian.
 
-Families that the Kronecker engine refuses today carry ``xfail(strict=True)`` with the part of issue 30 that
-makes them work (§2 tied/shared weights; T5's relative attention bias); when those land, the strict xfail turns
-into a failure and the marker is removed. RMSNorm, T5LayerNorm and position embeddings looked up without a batch
+Tied and shared weights (GPT-2 tied, RoBERTa MLM, T5, BART) get the sum of their uses' terms (issue 30 §2,
+tests/test_shared_weights.py). T5 with every parameter trainable keeps ``xfail(strict=True)`` for its relative
+attention bias only (``t5-relative-bias-frozen`` covers its shared embedding). RMSNorm, T5LayerNorm and position embeddings looked up without a batch
 dimension (§1) are covered and tested unmarked. Beside them, the same families with the older workarounds (norms
 frozen, position ids in the batch, shared embeddings frozen) are tested too.
 
