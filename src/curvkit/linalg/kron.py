@@ -112,6 +112,7 @@ __all__ = [
     "index_from_state",
     "index_state",
     "kron_matvec",
+    "pair_in_view",
     "psd_eigh",
     "stable_eigh",
     "standard_index",
@@ -668,3 +669,32 @@ def dense_sum(layout: ParamLayout, terms: Sequence[KroneckerBlock], label: str |
     index = torch.arange(sub.dim, device=M.device)[None, :]
     return KroneckerBlock.from_gram(M.new_ones(1, 1), M, names[0], names[1] if len(names) > 1 else None,
                                     index=index, label=label, factored=False)
+
+
+def pair_in_view(first: KroneckerBlock, second: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Two uses' Kronecker terms of one weight as ``(G1, A1, G2, A2)`` in the view of ``first``, for
+    :class:`KroneckerPairEigh` (``G1 (x) A1 + G2 (x) A2`` on ``first``'s ``W_hat``, exactly the sum of the two
+    blocks on their entries).
+
+    ``first`` is a whole weight in its standard view ``[W.reshape(out, -1) | b]`` (index None: a tied head, with
+    or without its bias); ``second`` is the same weight in the standard view (G2, A2 as they are) or in the
+    TRANSPOSED view (an embedding's ``G_e (x) diag(counts)`` of ``W^T``: ``W^T``'s ``G (x) A`` is ``A (x) G`` on
+    ``W``, so ``G2`` = its A, the counts, a vector, and ``A2`` = its G), with no bias of its own: a bias column of
+    ``first`` reads as a zero row and column of ``A2`` (the second use does not read the bias). Anything else is
+    a ValueError (callers sum such terms densely, :func:`dense_sum`)."""
+    what = f"pair_in_view({first.name!r}, {second.name!r})"
+    if first.index is not None or second.weight_name != first.weight_name or second.bias_name is not None:
+        raise ValueError(f"{what}: needs the first term in the standard view of a whole weight and the second on "
+                         "the same weight without a bias of its own")
+    s_index = second.index
+    if s_index is None:
+        G2, A2 = second.G, second.A
+    elif isinstance(s_index, StridedIndex) and s_index.transposed and s_index.shape == (first.in_dim - int(
+            first.bias_name is not None), first.out_dim) and not s_index.bias:
+        G2, A2 = second.A, _dense(second.G)
+    else:
+        raise ValueError(f"{what}: the second term's view ({s_index}) is neither the standard nor the whole "
+                         "transposed view of the first's weight")
+    if first.bias_name is not None:  # the second use does not read the bias: a zero row and column
+        A2 = torch.nn.functional.pad(torch.diag(A2) if A2.dim() == 1 else A2, (0, 1, 0, 1))
+    return first.G, first.A, G2, A2
