@@ -471,16 +471,10 @@ def test_tied_embeddings_name_both_uses_and_the_fix_and_exact_operators_take_the
     before = state(model)
     data = lm_batch(seed=1)
     lik = CrossEntropy("mean", ignore_index=-100)
-    with pytest.raises(UnsupportedModelError, match=r"'model.transformer.wte.weight' is shared by modules "
-                                                    r"'model.transformer.wte' \(Embedding\), 'model.lm_head' "
-                                                    r"\(Linear\) \(weight tying\).*config.tie_word_embeddings=False"
-                                                    r".*freeze"):
-        KroneckerEstimator(hf, lik)
-    assert_same_state(model, before)
-    from curvkit.optim import GaussNewton
-    with pytest.raises(UnsupportedModelError, match=r"kflr: parameter 'model.transformer.wte.weight' is shared .*"
-                                                    r"config.tie_word_embeddings=False"):
-        GaussNewton(hf.parameters(), model=hf, likelihood=lik, curvature="kflr")
+    # the Kronecker estimators: the sum of the two uses' terms (tests/test_shared_weights.py)
+    op = KroneckerEstimator(hf, lik).update(data).operator()
+    assert [b.name for b in op.blocks if "model.transformer.wte.weight" in b.names] == [
+        "model.transformer.wte + model.lm_head"]
     assert_same_state(model, before)
     G = GGNOperator(hf, lik, data)  # the tied parameter is one parameter of the exact operators
     assert G.layout.dim == sum(p.numel() for p in model.parameters())

@@ -4,9 +4,9 @@ ViT) and ``peft`` LoRA with and without ``task_type``: exact GGN products agains
 KFAC/KFLR/EKFAC covering every trainable parameter, one Gauss-Newton step, and a Kronecker Laplace posterior
 whose GLM variance equals J Sigma J^T from the dense Jacobian.
 
-Families that the Kronecker engine refuses today carry ``xfail(strict=True)`` with the part of issue 30 that
-makes them work (§2 tied/shared weights; T5's relative attention bias); when those land, the strict xfail turns
-into a failure and the marker is removed. RMSNorm, T5LayerNorm and position embeddings looked up without a batch
+Tied and shared weights (GPT-2 tied, RoBERTa MLM, T5, BART) get the sum of their uses' terms (issue 30 §2,
+tests/test_shared_weights.py). T5 with every parameter trainable keeps ``xfail(strict=True)`` for its relative
+attention bias only (``t5-relative-bias-frozen`` covers its shared embedding). RMSNorm, T5LayerNorm and position embeddings looked up without a batch
 dimension (§1) are covered and tested unmarked. Beside them, the same families with the older workarounds (norms
 frozen, position ids in the batch, shared embeddings frozen) are tested too.
 
@@ -124,16 +124,16 @@ BUILD.update({  # today's workarounds for the refused families
     "bert-position-ids": (BUILD["bert"][0], lambda: _with_positions(_cls())),
     "t5-shared-and-norms-frozen": (lambda: _freeze(BUILD["t5"][0](), "shared", "layer_norm", "lm_head",
                                                    "relative_attention_bias"), _seq2seq),
+    # the shared embedding (encoder, decoder and lm_head: three uses) with only the relative attention bias frozen
+    "t5-relative-bias-frozen": (lambda: _freeze(BUILD["t5"][0](), "relative_attention_bias"), _seq2seq),
 })
-_TIE = "issue 30 §2 (tied/shared weights)"
-REFUSED = {
-    "gpt2-tied": f"{_TIE}: tied wte/lm_head",
-    "roberta-mlm": f"{_TIE}: tied word embedding and the lm_head.bias alias",
-    "t5": f"{_TIE}: shared embedding; and relative_attention_bias looked up without a batch dimension",
-    "bart": f"{_TIE}: shared embedding",
+REFUSED = {  # the shared embedding is taken (t5-relative-bias-frozen); its relative attention bias is not
+    "t5": "T5's relative_attention_bias: an nn.Embedding looked up on (T, T) buckets without a batch dimension, "
+          "whose (T, T, heads) output the model permutes to (1, heads, T, T), so it cannot be widened over the batch "
+          "in place (docs/architecture.md, ids shared by the batch)",
 }
 FLOAT32_NORMS = ("llama", "qwen2", "mistral", "lora", "lora-causal-lm", "llama-norms-frozen", "t5",
-                 "t5-shared-and-norms-frozen")
+                 "t5-shared-and-norms-frozen", "t5-relative-bias-frozen")
 
 
 def _params(name):

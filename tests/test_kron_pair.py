@@ -80,3 +80,49 @@ def test_a_low_rank_first_output_factor_stays_thin(diag_a: bool) -> None:
     d = V * D
     S = pair.sample(torch.eye(d, dtype=DT).reshape(V, D, d)).reshape(d, d)
     torch.testing.assert_close(S @ S.T, torch.linalg.inv(M), **TOL)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_a_tied_embedding_and_head_in_the_heads_view(bias: bool, low_rank: bool) -> None:
+    """The two uses of a tied (V, D) weight - a head's ``G_h (x) A_h`` of ``[W | b]`` and an embedding's
+    ``G_e (x) diag(counts)`` of ``W^T`` - in the head's view (``pair_in_view``) are exactly their dense sum
+    (``dense_sum``), and ``KroneckerPairEigh`` of them is the factored-damped sum's exact inverse and
+    log-determinant (a low-rank head factor stays thin)."""
+    from curvkit.linalg.kron import (
+        KroneckerBlock,
+        LowRankFactor,
+        block_positions,
+        dense_sum,
+        pair_in_view,
+        transposed_index,
+    )
+    from curvkit.linalg.layout import ParamLayout
+
+    g = torch.Generator().manual_seed(4)
+    V, D = 9, 3
+    names = ["W", "b"] if bias else ["W"]
+    layout = ParamLayout(names, [torch.Size((V, D)), torch.Size((V,))][:len(names)])
+    G_h = LowRankFactor.from_rows(torch.randn(2, V, generator=g, dtype=DT)) if low_rank else _psd(V, 4, g)
+    head = KroneckerBlock(G_h, _psd(D + bias, D + 2, g), "W", "b" if bias else None)
+    counts = torch.randint(0, 3, (V,), generator=g).to(DT)
+    emb = KroneckerBlock(_psd(D, D + 1, g), counts, "W", None, transposed_index(V, D, False), "emb")
+    G1, A1, G2, A2 = pair_in_view(head, emb)
+    view = torch.kron(_dense(G1.to_dense() if low_rank else G1), A1) + torch.kron(_dense(G2), A2)
+    perm = block_positions(layout, "W", "b" if bias else None).reshape(-1)
+    M = dense_sum(layout, [head, emb]).A
+    torch.testing.assert_close(M[perm][:, perm], view, **TOL)
+    damping, pi = 0.2, 1.3
+    k = damping ** 0.5
+    n = D + bias
+    damped = torch.kron(_dense(G1.to_dense() if low_rank else G1), A1) + torch.kron(
+        _dense(G2) + k / pi * torch.eye(V, dtype=DT), A2 + pi * k * torch.eye(n, dtype=DT))
+    pair = KroneckerPairEigh.of(G1, A1, G2, A2, damping, pi)
+    assert (pair.span is not None) == low_rank  # thin: no V x V matrix
+    X = torch.randn(V, n, 2, generator=g, dtype=DT)
+    ref = torch.linalg.solve(damped, X.reshape(V * n, 2)).reshape(V, n, 2)
+    torch.testing.assert_close(pair.solve(X), ref, **TOL)
+    torch.testing.assert_close(pair.logdet(), torch.linalg.slogdet(damped)[1], **TOL)
+    with pytest.raises(ValueError, match="neither the standard nor the whole transposed view"):
+        pair_in_view(head, KroneckerBlock(_psd(D, D, g), counts[:D], "W", None,
+                                          transposed_index(D, D, False)[0:2], "part"))

@@ -311,15 +311,15 @@ def test_outputs_that_are_not_logits_for_the_likelihood_are_named(structure):
     _assert_unchanged(model, before)
 
 
-def test_a_tied_weight_is_refused_by_kron_naming_both_uses_and_handled_by_diag_and_full():
+def test_a_tied_weight_is_taken_by_kron_diag_and_full():
     model = arch.causal_lm(vocab_size=5, max_len=4, dim=8, depth=1, heads=2, mlp_dim=8, tie_weights=True,
                            dtype=DT).eval()
     g = torch.Generator().manual_seed(0)
     X, y = torch.randint(0, 5, (3, 4), generator=g), torch.randint(0, 5, (3, 4), generator=g)
     before = _state(model)
-    with pytest.raises(Exception, match=r"'tok_embed.weight' is shared by modules 'tok_embed' \(Embedding\), "
-                                        r"'lm_head' \(Linear\) \(weight tying\)"):
-        Laplace(model, CrossEntropy(), "kron").fit((X, y))
+    post = Laplace(model, CrossEntropy(), "kron", prior_precision=0.5).fit((X, y))  # the sum of both uses' terms
+    _, V_ref = _dense_jsjt(post, model, X)
+    torch.testing.assert_close(post.functional_variance(X, batch_size=2)[1], V_ref)
     _assert_unchanged(model, before)
     G = dense_ggn_flat(model, CrossEntropy("sum"), (X, y))
     for structure in ("diag", "full"):  # the tied parameter once, with the curvature of both uses

@@ -80,8 +80,9 @@ def test_tied_relu_net_trace_is_the_hessian_trace_not_the_ggn_shortcut():
         H.trace(piecewise_linear=True)
 
 
-def test_kronecker_factors_refuse_tied_weights():
-    with pytest.raises(UnsupportedModelError, match="shared by modules"):
+def test_kronecker_factors_refuse_a_tied_weight_they_cannot_sum():
+    """Two Linear layers with biases of their own sharing a weight: a sum over three parameters, refused."""
+    with pytest.raises(UnsupportedModelError, match=r"shares 0.weight with 1 other use.*3 parameters"):
         kfac(_tied_sequential(), CrossEntropy(), _data())
 
 

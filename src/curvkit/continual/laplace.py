@@ -295,7 +295,7 @@ class LaplacePenalty(Penalty):
 
     def layers(self, model: nn.Module) -> list[Any]:
         """The penalised blocks (``kron``: one :class:`PenaltyBlock` per block of the Kronecker engine's layer
-        kinds, for the parameters in ``params``; an unsupported layer or a tied weight is refused, naming it) or
+        kinds, for the parameters in ``params``; a tied weight's uses: one block, their sum; an unsupported layer is refused, naming it) or
         layers (``diag``)."""
         model = uncompiled(model)  # a compiled model: the module it compiles (same parameters)
         if self._layers is None:
@@ -304,8 +304,22 @@ class LaplacePenalty(Penalty):
                 structure = read_model(model)
                 if self.structure == "kron":
                     plans = layerkinds.plan(structure, "Kronecker Laplace penalty")
-                    self._layers = [PenaltyBlock(spec.label, spec.weight, spec.bias, spec.index)
-                                    for lp in plans for spec in lp.blocks]
+                    specs = [spec for lp in plans for spec in lp.blocks]
+                    order = [n for n, _ in model.named_parameters()]
+                    blocks: list[PenaltyBlock] = []
+                    for members in layerkinds.shared_groups(plans, set(structure.shared_parameters)):
+                        if len(members) == 1:
+                            spec = specs[members[0]]
+                            blocks.append(PenaltyBlock(spec.label, spec.weight, spec.bias, spec.index))
+                            continue
+                        # a shared parameter's uses: one dense block, their sum (curvkit.linalg.kron.dense_sum)
+                        names = sorted({n for i in members for n in specs[i].names}, key=order.index)
+                        size = sum(int(model.get_parameter(n).numel()) for n in names)
+                        device = model.get_parameter(names[0]).device
+                        blocks.append(PenaltyBlock(layerkinds.sum_label(plans, members), names[0],
+                                                   names[1] if len(names) > 1 else None,
+                                                   torch.arange(size, device=device)[None, :]))
+                    self._layers = blocks
                 else:
                     self._layers = list(structure.layers)
         return self._layers
@@ -440,7 +454,8 @@ class LaplacePenalty(Penalty):
             if callable(select) and previous is not None:
                 select(previous)
         if self.structure == "kron":
-            stats = {spec.label: (b.G, b.A) for (_, spec), b in zip(est.blocks, op.blocks)}
+            stats = {est.blocks[m[0]][1].label if len(m) == 1 else layerkinds.sum_label(est.plans, m): (b.G, b.A)
+                     for m, b in zip(est.members, op.blocks)}
         else:
             stats = dict(zip(op.layout.names, op.tensors))
         return stats, int(est.num_terms)

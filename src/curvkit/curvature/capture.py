@@ -306,9 +306,13 @@ class BlockCapture:
 
     def sites(self) -> list[Any]:
         """One site per block (global block order), checked: each block fed exactly once, outputs not
-        modified in place afterwards."""
-        out = []
+        modified in place afterwards; None for a block of an optional layer (one use of a shared parameter,
+        :attr:`curvkit.layerkinds.LayerPlan.optional`) that was not called."""
+        out: list[Any] = []
         for (lp, _), sites, versions in zip(self.specs, self._sites, self._versions):
+            if not sites and lp.optional:  # one use of a shared parameter, not called in this pass
+                out.append(None)
+                continue
             if len(sites) != 1:
                 raise UnsupportedModelError(
                     f"{self.what}: module {lp.label!r} was called {len(sites)} times in "

@@ -108,11 +108,17 @@ class EKFACEstimator(CurvatureEstimator):
                           f"basis: EKFACEstimator(model, likelihood, {self.method!r}, basis=KroneckerEstimator(model, "
                           f"likelihood, {self.method!r}).update(data).operator()).update(data)",
                           FirstBatchBasisWarning, stacklevel=4)
-        stats = [_projected_squares(est.per_sample[spec.label], e)
-                 for (_, spec), e in zip(est.blocks, self.basis.eigh())]
+        if est.shared:
+            est.operator()  # the blocks of a shared parameter's uses, summed into one (est.members)
+        groups = est.members if est.shared else [[i] for i in range(len(est.blocks))]
+        stats = [_projected_squares(est.per_sample[est.blocks[members[0]][1].label] if len(members) == 1 else
+                                    est.shared_per_sample(members, b), e)
+                 for members, b, e in zip(groups, self.basis.blocks, self.basis.eigh())]
         return stats, num_samples(X), est.num_terms
 
     def _stat_names(self) -> list[str]:
+        if self.basis is not None:
+            return [f"scalings of block {b.name!r}" for b in self.basis.blocks]
         return [f"scalings of block {spec.label!r}" for _, spec in self.vectors.blocks]
 
     def operator(self) -> KroneckerSpectralOperator:

@@ -62,7 +62,8 @@ from curvkit.curvature.recursion import activation_derivatives, kfra_chain
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor
+from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor, block_positions, dense_sum
+from curvkit.linalg.operator import sub_layout
 from curvkit.structure import (
     UnsupportedModelError,
     differentiable,
@@ -99,6 +100,17 @@ def wide_blocks(plans: Sequence[Any]) -> list[str]:
     and that KFLR and KFRA refuse (consumers choosing a method by default take ``kfac`` when there are any)."""
     return [spec.label for lp in plans for spec in lp.blocks
             if spec.form == "kron" and spec.out_features > LOW_RANK_OUTPUTS]
+
+
+SHARED_DENSE_LIMIT = 4096
+"""The largest sum of a shared parameter's uses (parameter entries, e.g. a tied embedding and head, V x D)
+that the operator holds as one exact dense block (a 4096^2 matrix: 128 MiB in float64)."""
+
+
+def _nonzero(b: KroneckerBlock) -> bool:
+    """Whether a block's factors are both nonzero (a use that saw data)."""
+    G = b.G.s if isinstance(b.G, LowRankFactor) else b.G
+    return bool(G.abs().sum() > 0) and bool(b.A.abs().sum() > 0)
 
 
 _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square-root columns)
@@ -217,6 +229,10 @@ class KroneckerEstimator(CurvatureEstimator):
         self.generator = generator
         self.keep_per_sample = bool(keep_per_sample)
         self.per_sample: dict[str, PerSample] = {}
+        #: per block of the last operator, the positions in :attr:`blocks` of the terms it sums (one, except
+        #: for the sum of a shared parameter's uses)
+        self.members: list[list[int]] = []
+        self._pass_tensors: dict[str, Tensor] = {}  # an upcast pass's parameter tensors (compute_dtype)
         structure = read_model(model, sharded=True)
         self.structure = structure
         if structure.sharded:
@@ -225,6 +241,11 @@ class KroneckerEstimator(CurvatureEstimator):
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
         if structure.sharded:
             _check_sharded(method, distributed, self.plans)
+        #: trainable parameters shared by several modules (weight tying): their block is the sum of their uses'
+        self.shared = [n for n in structure.shared_parameters if any(n in spec.names for lp in self.plans
+                                                                     for spec in lp.blocks)]
+        if self.shared and method == "kfra":
+            layerkinds.refuse_shared(structure, "kfra")
         self._raw = any(lp.handler.per_sample_copies for lp in self.plans)
         self._raw_checked = False
         self._layouts: set[Any] = set()  # layouts whose rows were traced to be samples first
@@ -232,6 +253,8 @@ class KroneckerEstimator(CurvatureEstimator):
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
         self.low_rank = [self._low_rank_output(lp, spec, keep_per_sample, distributed) for lp, spec in self.blocks]
+        if self.shared:
+            self._check_shared()
         if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
             position = {id(m): i for i, m in enumerate(self.chain.linears)}
             if any(id(lp.module) not in position for lp in self.plans):
@@ -278,6 +301,11 @@ class KroneckerEstimator(CurvatureEstimator):
                              "as a matrix", "freeze the layer (requires_grad_(False)), or build the estimator with "
                              f"output_factor='dense' (a {n}^2 matrix)")
         for lp, spec in self.blocks:
+            if self.shared and set(spec.names) & set(self.shared):
+                raise refuse(what, lp.label, lp.module, f"reads the shared parameter(s) "
+                             f"{', '.join(sorted(set(spec.names) & set(self.shared)))} (weight tying), whose block is "
+                             "the dense sum of its uses, not one [W | b] Kronecker block of the layer",
+                             "untie the weights or freeze the shared parameter (requires_grad_(False))")
             if spec.index is not None or spec.ids or spec.form != "kron":
                 raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "
                              "one [W | b] Kronecker block of the whole layer, which this consumer reads",
@@ -327,13 +355,17 @@ class KroneckerEstimator(CurvatureEstimator):
                 buffers = precision.upcast_state(dict(self.model.named_buffers()), dt)
                 if self._raw:
                     params.update(cap.substitute(num_samples(X), params))
+                self._pass_tensors = params  # the tensors the pass reads (_check_uses)
                 f = self.structure.functional_call(params, (precision.upcast_inputs(X, dt),), buffers)
             elif self._raw:
                 f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,))
             else:
                 f = self.model(X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
-        return self._statistics(cap, f, y)
+        try:
+            return self._statistics(cap, f, y)
+        finally:
+            self._pass_tensors = {}
 
     def forward(self, capture: BlockCapture, X: Inputs) -> tuple[Tensor, dict[str, Tensor]]:
         """Run the model on ``X`` (a tensor or a mapping of tensors) inside ``capture`` for :meth:`accumulate`,
@@ -401,23 +433,70 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"kfra: the recursion needs (batch, outputs) outputs, got shape {tuple(f.shape)}; use "
                              "method='kflr' or 'kfac' for outputs with positions")
         self.likelihood.check(f.detach(), y)
-        sites = cap.sites()
+        sites = cap.sites()  # None: one use of a shared parameter that this pass did not call
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
-        layout = (B, tuple(tuple(site.output.shape) for site in sites))
+        layout = (B, tuple(None if site is None else tuple(site.output.shape) for site in sites))
         if layout not in self._layouts:  # samples first, traced once per layout (check_sample_rows)
-            check_sample_rows(self.blocks, sites, f, self.method, coupled=self.batch_statistics == "couple")
+            live = [i for i, site in enumerate(sites) if site is not None]
+            check_sample_rows([self.blocks[i] for i in live], [sites[i] for i in live], f, self.method,
+                              coupled=self.batch_statistics == "couple")
+            if self.shared:
+                self._check_uses(sites, f)
             self._layouts.add(layout)
         A: list[Tensor | None]
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]
         else:
             grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
-            A = [self._input_stat(spec, site, grams) for (_, spec), site in zip(self.blocks, sites)]
+            A = [None if site is None else self._input_stat(spec, site, grams)
+                 for (_, spec), site in zip(self.blocks, sites)]
         if self.method == "kfra":
             G = self._kfra(sites, f, y)
         else:
             G = self._backprop(sites, f, y, A, free=cap.own)
+        shapes = self._reference_shapes()
+        assert shapes is not None
+        K = len(self.blocks)
+        for i, site in enumerate(sites):
+            if site is None:  # an uncalled use of a shared parameter contributes nothing
+                A[i] = f.new_zeros(shapes[i], dtype=self.statistics_dtype)
+                if self.blocks[i][1].form == "kron":
+                    zero = f.new_zeros(shapes[K + i], dtype=self.statistics_dtype)
+                    G[i] = GramRows(zero[:0]) if self.low_rank[i] else zero  # type: ignore[assignment]
         return [a for a in A if a is not None] + G, B, terms  # type: ignore[operator]
+
+    def _check_uses(self, sites: list[Site | None], f: Tensor) -> None:
+        """Refuse a shared parameter used in the forward pass more often than by the planned layers that
+        were called (e.g. also directly in a module's own forward): such a use would be missing from the sum.
+        The uses are counted in the autograd graph below f, as the edges into the parameter's gradient
+        accumulator (one per operation that reads it: a Linear's product, an embedding's lookup)."""
+        tensors = dict(self.model.named_parameters())
+        wanted = {id(tensors[n]): n for n in self.shared}
+        wanted.update({id(self._pass_tensors[n]): n for n in self.shared if n in self._pass_tensors})
+        count = dict.fromkeys(self.shared, 0)
+        seen: set[Any] = set()
+        stack = [f.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                if var is not None and id(var) in wanted:
+                    count[wanted[id(var)]] += 1
+                stack.append(nxt)
+        for n in self.shared:
+            layers = {lp.label for (lp, spec), site in zip(self.blocks, sites) if site is not None and n in spec.names}
+            if count[n] > len(layers):
+                raise UnsupportedModelError(
+                    f"{self.method}: parameter {n!r} (shared by modules {', '.join(map(repr, self.structure.shared_parameters[n]))}) "
+                    f"is read {count[n]} times in the forward pass, but only {len(layers)} of those reads are layers "
+                    f"the Kronecker engine takes ({', '.join(sorted(layers)) or 'none'}); the others (a module using "
+                    "it directly in its own forward) would be missing from its curvature; freeze it "
+                    "(requires_grad_(False)), untie the weights, or use an exact or diagonal curvature")
 
     def _sharing(self, spec: BlockSpec) -> WeightSharing:
         return self.weight_sharing if spec.sharing == "any" else "expand"
@@ -554,6 +633,8 @@ class KroneckerEstimator(CurvatureEstimator):
         where: dict[int, int] = {}
         feeds: list[list[int]] = []
         for i, s in enumerate(sites):
+            if s is None:
+                continue
             if id(s.output) not in where:
                 where[id(s.output)] = len(outs)
                 outs.append(s.output)
@@ -617,7 +698,7 @@ class KroneckerEstimator(CurvatureEstimator):
         if self.keep_per_sample:
             wt = torch.tensor(weights, dtype=f.dtype, device=f.device)
             self.per_sample = {spec.label: PerSample(self._per_sample_inputs(spec, site), torch.stack(p), wt)
-                               for (_, spec), site, p in zip(self.blocks, sites, per)}
+                               for (_, spec), site, p in zip(self.blocks, sites, per) if site is not None}
         return G
 
     def _closed_form_root(self, sites: list[Site], idx: list[int], f: Tensor) -> bool:
@@ -757,12 +838,89 @@ class KroneckerEstimator(CurvatureEstimator):
         blocks = []
         for (_, spec), A, G in zip(self.blocks, means[:K], means[K:]):
             if isinstance(G, GramRows):
-                G = LowRankFactor.from_rows(G.rows)  # type: ignore[assignment]
+                rows = G.rows
+                G = (LowRankFactor.from_rows(rows) if rows.shape[0] else  # type: ignore[assignment]
+                     LowRankFactor.scalar(rows.shape[1], 0.0, rows))
             explicit = spec.index is not None
             blocks.append(KroneckerBlock.from_gram(G, A, spec.weight, spec.bias, scale_G=scale, index=spec.index,
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
+        self.members = [[i] for i in range(len(blocks))]
+        if self.shared:
+            blocks = self._sum_shared(blocks)
         return KroneckerOperator(self.layout, blocks)
+
+    def shared_per_sample(self, members: Sequence[int], block: KroneckerBlock) -> PerSample:
+        """The per-sample rows (``keep_per_sample``) of a sum block of a shared parameter (:meth:`_sum_shared`)
+        as per-sample gradients (V, B, P) of its entries: each use's ``dW_{n,v} = sum_r g_{n,v,r} a_{n,r}^T``
+        placed at its entries and summed over the uses (a use not called in the batch adds nothing)."""
+        sub = sub_layout(self.layout, block.names)
+        u: Tensor | None = None
+        weights = None
+        for j in members:
+            spec = self.blocks[j][1]
+            ps = self.per_sample.get(spec.label)
+            if ps is None:
+                continue
+            weights = ps.weights
+            if ps.inputs is None:  # per-sample gradients of a (1, P) block
+                dW = ps.vectors
+            else:
+                a = ps.inputs
+                if spec.ids:  # one-hot rows; -1 selects nothing
+                    a = torch.nn.functional.one_hot(a.clamp_min(0), spec.in_features).to(ps.vectors.dtype)
+                    a = a * (ps.inputs >= 0)[..., None]
+                dW = torch.einsum("vbro,bri->vboi", ps.vectors, a.to(ps.vectors.dtype)).flatten(2)
+            pos = block_positions(sub, spec.weight, spec.bias, spec.index, dW.device).reshape(-1)
+            if u is None:
+                u = dW.new_zeros(*dW.shape[:2], sub.dim)
+            u[..., pos] += dW
+        assert u is not None and weights is not None
+        return PerSample(None, u, weights)
+
+    def _sum_shared(self, blocks: list[KroneckerBlock]) -> list[KroneckerBlock]:
+        """The blocks with each shared parameter's uses replaced by their sum (docs/architecture.md, "Shared
+        and tied weights"): the blocks that read a shared parameter form one group
+        (:func:`curvkit.layerkinds.shared_groups`), which becomes ONE exact dense block
+        (:func:`~curvkit.linalg.kron.dense_sum`, labelled :func:`curvkit.layerkinds.sum_label`) when it has at
+        most :data:`SHARED_DENSE_LIMIT` entries, and is refused above, naming the fixes. Uses that saw no data
+        (a module never called: zero factors) are left out of the sum where the others cover its parameters."""
+        out: list[KroneckerBlock] = []
+        self.members = layerkinds.shared_groups(self.plans, self.shared)
+        for members in self.members:
+            if len(members) == 1:
+                out.append(blocks[members[0]])
+                continue
+            names = {n for j in members for n in blocks[j].names}
+            live = [j for j in members if _nonzero(blocks[j])]
+            terms = [blocks[j] for j in (live if live and {n for j in live for n in blocks[j].names} == names
+                                         else members)]
+            out.append(dense_sum(self.layout, terms, layerkinds.sum_label(self.plans, members)))
+        return out
+
+    def _check_shared(self) -> None:
+        """Refuse, at construction, a sum of a shared parameter's uses that :meth:`_sum_shared` cannot hold: more
+        than :data:`SHARED_DENSE_LIMIT` entries, or more than two parameters (a weight shared by two layers with
+        biases of their own)."""
+        shapes = {p: math.prod(t.shape) for p, t in self.structure.model.named_parameters()}
+        for members in layerkinds.shared_groups(self.plans, self.shared):
+            if len(members) == 1:
+                continue
+            names = {n for j in members for n in self.blocks[j][1].names}
+            size = sum(shapes[n] for n in names)
+            label = layerkinds.sum_label(self.plans, members)
+            lp = self.blocks[members[0]][0]
+            tied = ", ".join(sorted(n for n in names if n in self.shared))
+            fix = ("untie the weights (e.g. a Hugging Face model built with config.tie_word_embeddings=False), "
+                   "freeze the shared parameter (requires_grad_(False)), or use an exact or diagonal curvature")
+            if len(names) > 2:
+                raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
+                             f"({label}), which read {len(names)} parameters together ({', '.join(sorted(names))}); "
+                             "the sum block of a shared parameter holds a weight and one bias", fix)
+            if size > SHARED_DENSE_LIMIT:
+                raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
+                             f"({label}); their sum has {size} entries, more than SHARED_DENSE_LIMIT = "
+                             f"{SHARED_DENSE_LIMIT}, and is held as one exact dense block", fix)
 
 
 #: the layer kinds whose statistics read only a layer's inputs and output gradients (never its weight), so they

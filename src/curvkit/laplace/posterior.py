@@ -577,6 +577,9 @@ class Laplace:
                             bool(b.get("factored", True))) for b in specs]
         names = self._ordered({n for b in factors for n in b.names})
         layers = {self._layer_of[n] for n in names}
+        shared = [n for n in names if n in read_model(self.model).shared_parameters] if len(layers) > 1 else []
+        if shared:  # the sum of a shared parameter's uses (a tied head's bias with it)
+            layers = {self._layer_of[shared[0]]}  # the prior precision of the shared parameter's layer
         if len(layers) != 1:
             raise ValueError(f"Kronecker blocks over {names} span the layers "
                              f"{[self.layer_names[i] for i in sorted(layers)]}; one prior precision per block is needed")

@@ -218,11 +218,29 @@ def _glm_setup(post: Any) -> dict[str, Any]:
         for b in post.blocks:
             for fac, term in zip(b.factors, b.glm_terms(N, lam)):
                 by_key[(fac.weight_name, fac.label if fac.index is not None else None)] = term
-        setup["plans"] = plans
-        setup["terms"] = [by_key[(spec.weight, spec.label if spec.index is not None else None)]
-                          for lp in plans for spec in lp.blocks]
+        # a sum of a shared parameter's uses (one dense block, no use's own) takes Jacobian rows, and so do the
+        # other blocks of the layers that use it
+        def key(spec: Any) -> tuple[str, str | None]:
+            return spec.weight, spec.label if spec.index is not None else None
+
+        rows: set[str] = set()
+        while True:
+            dropped = {n for lp in plans if any(key(spec) not in by_key or rows & set(spec.names) for spec in lp.blocks)
+                       for spec in lp.blocks for n in spec.names}
+            grown = rows | {n for b in post.blocks if dropped & set(b.layout.names) for n in b.layout.names}
+            if grown == rows:
+                break
+            rows = grown
+        setup["plans"] = [lp for lp in plans if not rows & {n for spec in lp.blocks for n in spec.names}]
+        setup["terms"] = [by_key[key(spec)] for lp in setup["plans"] for spec in lp.blocks]
+        setup["generic"] = [(list(b.layout.names), b.generic_term(N, lam)) for b in post.blocks
+                            if rows & set(b.layout.names)]
         return setup
-    plans = [lp for lp in plans if not lp.handler.per_sample_copies]  # raw parameters: Jacobian rows
+    # raw parameters take Jacobian rows, and so do the layers that read a shared parameter (a tied weight's
+    # variance has the cross terms between its uses, which blocks read one use at a time do not)
+    shared = set(structure.shared_parameters)
+    plans = [lp for lp in plans if not lp.handler.per_sample_copies
+             and not shared & {n for spec in lp.blocks for n in spec.names}]
     covered = {n for lp in plans for spec in lp.blocks for n in spec.names}
     variances = torch.empty(post.layout.dim, dtype=post.dtype, device=post.device)
     for b, idx in zip(post.blocks, post._block_index):

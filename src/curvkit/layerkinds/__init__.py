@@ -33,7 +33,9 @@ per-sample fallback unless a handler is registered for it). A new kind is one mo
 
 :func:`plan` reads a model (through :func:`curvkit.structure.read_model`) into :class:`LayerPlan` entries:
 one per module that owns trainable parameters, with its handler and blocks. Frozen parameters get no
-block; a parameter shared by two modules (weight tying), a module registered under two names, random or
+block. A parameter shared by several modules (weight tying) is planned once per module that holds it (each
+one USE, :attr:`LayerPlan.optional`; :func:`shared_groups` groups their blocks, whose curvature is the sum of
+their terms: docs/architecture.md, "Shared and tied weights"). A module registered under two names, random or
 sample-coupling modules, and a parameter a module uses around planned layers of its own (not replayable;
 without a leading dimension of size 1) are refused with an :class:`~curvkit.structure.UnsupportedModelError`
 that names the module and says how to fix it.
@@ -76,8 +78,11 @@ __all__ = [
     "UnfoldedSite",
     "handler_for",
     "plan",
+    "refuse_shared",
     "register",
     "registered",
+    "shared_groups",
+    "sum_label",
 ]
 
 _REGISTRY: dict[type[nn.Module], LayerHandler] = {}
@@ -133,6 +138,9 @@ class LayerPlan:
     handler: LayerHandler
     blocks: list[BlockSpec]
     info: LayerInfo
+    #: the layer is one use of a parameter that several modules share (weight tying): a pass in which it is
+    #: not called (T5's ``shared`` embedding beside its ``encoder.embed_tokens`` alias) gives it no statistics
+    optional: bool = False
 
 
 def _get(module: nn.Module, path: str) -> Any:
@@ -163,9 +171,18 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
     if batch_statistics != "couple":
         structure.require_independent_samples(what, BATCH_STATISTICS_HINT if batch_statistics == "refuse" else "")
     trainable = set(structure.trainable)
-    owned: dict[str, str] = {}  # canonical parameter name -> the layer that owns it
+    shared = set(structure.shared_parameters)
+    owned: dict[str, list[nn.Module]] = {}  # canonical parameter name -> the modules of the plans that own it
     infos = {lay.label: lay for lay in structure.layers}
     out: list[LayerPlan] = []
+
+    def taken(name: str, module: nn.Module) -> bool:
+        """Whether a plan already owns ``name`` for ``module``: any plan for an unshared parameter; for a
+        shared one (each owner module is a use of its own) a plan of this module or of a module around it
+        (an attention module owns its ``out_proj``'s parameters)."""
+        holders = owned.get(name, [])
+        return bool(holders) and (name not in shared or any(_inside(module, h) for h in holders))
+
     for mname, mod in structure.modules:
         label = mname or "<root>"
         handler, _ = handler_for(mod)
@@ -177,29 +194,32 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
             p = _get(mod, path)
             cname = structure.canonical_name(p) if p is not None else None
             names[path] = cname if cname in trainable else None
-        if not any(n is not None for n in names.values()) or all(n in owned for n in names.values() if n):
+        if not any(n is not None for n in names.values()) or all(taken(n, mod) for n in names.values() if n):
             continue
         handler.check(mod, label, what)
         blocks = handler.blocks(mod, label, names, what)
         for n in names.values():
             if n is not None:
-                owned[n] = label
+                owned.setdefault(n, []).append(mod)
         info = infos.get(label) or LayerInfo(label, mod, structure.kind_of(mod), None, None,
                                               tuple(n for n in names.values() if n is not None))
         out.append(LayerPlan(label, mod, handler, blocks, info))
     for lay in structure.layers:
-        loose = [n for n in lay.params if n not in owned]
+        loose = [n for n in lay.params if not taken(n, lay.module)]
         if not loose:
             continue
         handler, _ = handler_for(lay.module)
         params = dict(lay.module.named_parameters(recurse=False))
         attrs = {structure.canonical_name(t): a for a, t in params.items()}
+        inner = [lp.label for lp in out if lp.module is not lay.module and _inside(lp.module, lay.module)]
+        aliases = [n for n in loose if n in shared and any(_inside(h, lay.module) for h in owned.get(n, []))]
+        if aliases and len(aliases) == len(loose):  # an alias of a parameter a planned layer inside uses
+            continue  # (RoBERTa's lm_head.bias is lm_head.decoder.bias); a use of its own is caught at run time
         if handler is not None or isinstance(lay.module, (nn.ParameterList, nn.ParameterDict)):
             # a registered kind with parameters its handler does not know; a container never called itself
             _refuse_unowned(what, lay, loose, raw)
         leading_one = all(params[attrs[n]].dim() >= 2 and params[attrs[n]].shape[0] == 1 for n in loose)
-        inner = [lp.label for lp in out if lp.module is not lay.module and _inside(lp.module, lay.module)]
-        if raw and leading_one and inner:  # a class token used around planned layers: substitute copies
+        if raw and leading_one and inner and not shared.intersection(loose):  # a class token around planned layers
             for n in loose:
                 ph = ParameterHandler(attrs[n])
                 out.append(LayerPlan(n, lay.module, ph, ph.blocks(lay.module, lay.label, {attrs[n]: n}, what), lay))
@@ -208,9 +228,13 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
             _refuse_unowned(what, lay, loose, raw, inner)
         mh = ModuleHandler([attrs[n] for n in loose])
         names = {attrs[n]: n for n in loose}
+        for n in loose:
+            owned.setdefault(n, []).append(lay.module)
         out.append(LayerPlan(lay.label, lay.module, mh, mh.blocks(lay.module, lay.label, names, what), lay))
     if not out:
         raise UnsupportedModelError(f"{what}: {type(structure.model).__name__} has no trainable parameters")
+    for lp in out:
+        lp.optional = any(n in shared for spec in lp.blocks for n in spec.names)
     return out
 
 
@@ -245,10 +269,51 @@ def _refuse_sharing(structure: ModelStructure, what: str) -> None:
         raise refuse(what, name or "<root>", modules[name], f"is registered under {len(aliases)} names "
                      f"({', '.join(aliases)}), so it runs more than once per forward pass and its input and "
                      "output gradient cannot be paired", "use one module per call")
+
+
+def refuse_shared(structure: ModelStructure, what: str) -> None:
+    """Raise for a trainable parameter shared by several modules (weight tying), for the routes that keep one
+    Kronecker posterior per layer and no sum of terms (the Kronecker filters), naming the parameter, its
+    modules and the fixes."""
+    modules = dict(structure.modules)
     for pname, owners in structure.shared_parameters.items():
         uses = ", ".join(f"{o!r} ({type(modules[o if o != '<root>' else '']).__name__})" for o in owners)
         raise UnsupportedModelError(
-            f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); a Kronecker block belongs "
-            "to one use, not to the tied parameter; untie the weights (e.g. causal_lm(tie_weights=False), or a "
-            "Hugging Face model built with config.tie_word_embeddings=False), freeze the shared parameter "
-            "(requires_grad_(False)) or use an exact operator")
+            f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); {what} keeps one Kronecker "
+            "posterior per layer, not a sum of its uses' terms; untie the weights (e.g. causal_lm(tie_weights="
+            "False), or a Hugging Face model built with config.tie_word_embeddings=False), freeze the shared "
+            "parameter (requires_grad_(False)), or use GaussNewton / Laplace(structure='kron'), which take tied "
+            "weights")
+
+
+def shared_groups(plans: list[LayerPlan], shared: set[str] | list[str]) -> list[list[int]]:
+    """The blocks of ``plans`` (global positions, in block order) grouped by the shared parameters they read:
+    the blocks of all uses of a shared parameter (and, through them, the other parameters they read, a tied
+    head's bias) form one group, whose curvature is the SUM of their terms; every other block is a group of
+    its own. Groups are listed in the order of their first block."""
+    specs = [spec for lp in plans for spec in lp.blocks]
+    parent = list(range(len(specs)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        for n in spec.names:
+            if n in shared:
+                if n in first:
+                    parent[root(i)] = root(first[n])
+                else:
+                    first[n] = i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(specs)):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def sum_label(plans: list[LayerPlan], members: list[int]) -> str:
+    """The label of the sum block of a group of :func:`shared_groups`: its uses' block labels joined by ' + '."""
+    specs = [spec for lp in plans for spec in lp.blocks]
+    return " + ".join(specs[i].label for i in members)

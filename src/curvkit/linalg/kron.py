@@ -106,11 +106,13 @@ __all__ = [
     "StridedIndex",
     "block_matrix",
     "block_positions",
+    "dense_sum",
     "factor_from_state",
     "factor_state",
     "index_from_state",
     "index_state",
     "kron_matvec",
+    "pair_in_view",
     "psd_eigh",
     "stable_eigh",
     "standard_index",
@@ -642,3 +644,57 @@ class BlockDiagonalOperator(CurvatureOperator):
                 raise NotPositiveDefiniteError(f"block {b.weight_name!r} is not positive definite; increase the damping")
             total = total + val
         return total
+
+
+# ---------------------------------------------------------------------------------------------- sums of blocks
+def dense_sum(layout: ParamLayout, terms: Sequence[KroneckerBlock], label: str | None = None) -> KroneckerBlock:
+    """The exact sum of blocks that read the same parameters (the uses of a shared parameter, each in its own
+    matrix view: an embedding's ``G_e (x) diag(counts)`` of ``W^T`` and a tied head's ``G_h (x) A_h`` of
+    ``[W | b]``) as ONE plain-matrix block ``[[1]] (x) M`` (``factored=False``): M (P, P) over the entries of
+    their parameters (at most two: a weight and a bias) in ``layout`` order, ``M = sum_t P_t^T (G_t (x) A_t)
+    P_t`` with P_t the placement of term t's ``W_hat`` entries. Every consumer of a plain-matrix block (exact
+    damping, eigendecomposition, log-determinant, sampling, GLM terms) then takes the sum exactly; P x P
+    floats are formed, so callers keep P small (:data:`curvkit.curvature.estimators.SHARED_DENSE_LIMIT`)."""
+    names = sorted({n for b in terms for n in b.names}, key=list(layout.names).index)
+    if len(names) > 2:
+        raise ValueError(f"dense_sum: the terms read {len(names)} parameters ({', '.join(names)}); a block holds a "
+                         "weight and a bias at most")
+    sub = sub_layout(layout, names)
+    first = terms[0]
+    M = first.A.new_zeros(sub.dim, sub.dim)
+    for b in terms:
+        pos = block_positions(sub, b.weight_name, b.bias_name, b.index, M.device).reshape(-1)
+        A = torch.diag(b.A) if b.A.dim() == 1 else b.A
+        M[pos[:, None], pos[None, :]] += torch.kron(_dense(b.G), A)
+    index = torch.arange(sub.dim, device=M.device)[None, :]
+    return KroneckerBlock.from_gram(M.new_ones(1, 1), M, names[0], names[1] if len(names) > 1 else None,
+                                    index=index, label=label, factored=False)
+
+
+def pair_in_view(first: KroneckerBlock, second: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Two uses' Kronecker terms of one weight as ``(G1, A1, G2, A2)`` in the view of ``first``, for
+    :class:`KroneckerPairEigh` (``G1 (x) A1 + G2 (x) A2`` on ``first``'s ``W_hat``, exactly the sum of the two
+    blocks on their entries).
+
+    ``first`` is a whole weight in its standard view ``[W.reshape(out, -1) | b]`` (index None: a tied head, with
+    or without its bias); ``second`` is the same weight in the standard view (G2, A2 as they are) or in the
+    TRANSPOSED view (an embedding's ``G_e (x) diag(counts)`` of ``W^T``: ``W^T``'s ``G (x) A`` is ``A (x) G`` on
+    ``W``, so ``G2`` = its A, the counts, a vector, and ``A2`` = its G), with no bias of its own: a bias column of
+    ``first`` reads as a zero row and column of ``A2`` (the second use does not read the bias). Anything else is
+    a ValueError (callers sum such terms densely, :func:`dense_sum`)."""
+    what = f"pair_in_view({first.name!r}, {second.name!r})"
+    if first.index is not None or second.weight_name != first.weight_name or second.bias_name is not None:
+        raise ValueError(f"{what}: needs the first term in the standard view of a whole weight and the second on "
+                         "the same weight without a bias of its own")
+    s_index = second.index
+    if s_index is None:
+        G2, A2 = second.G, second.A
+    elif isinstance(s_index, StridedIndex) and s_index.transposed and s_index.shape == (first.in_dim - int(
+            first.bias_name is not None), first.out_dim) and not s_index.bias:
+        G2, A2 = second.A, _dense(second.G)
+    else:
+        raise ValueError(f"{what}: the second term's view ({s_index}) is neither the standard nor the whole "
+                         "transposed view of the first's weight")
+    if first.bias_name is not None:  # the second use does not read the bias: a zero row and column
+        A2 = torch.nn.functional.pad(torch.diag(A2) if A2.dim() == 1 else A2, (0, 1, 0, 1))
+    return first.G, first.A, G2, A2

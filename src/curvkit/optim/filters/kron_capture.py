@@ -151,6 +151,7 @@ def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optim
     parameters) selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer
     whose weight is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
     structure = read_model(model)
+    layerkinds.refuse_shared(structure, optimiser)
     plans = layerkinds.plan(structure, optimiser)
     allow_conv = nn.Conv2d in tuple(supported)
     names = {id(p): n for n, p in model.named_parameters()}

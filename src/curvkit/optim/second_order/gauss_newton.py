@@ -250,8 +250,8 @@ class GaussNewton(CurvatureOptimizer):
         model: the network (every trainable parameter in a layer kind of :mod:`curvkit.layerkinds`: Linear
             with or without weight sharing, convolutions incl. grouped, Embedding, normalisation layers,
             MultiheadAttention, raw (1, ...) parameters; ``kfra`` needs an MLP chain
-            ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``); unsupported modules and tied weights are
-            named in the error. It must return one tensor of logits (B, [*P,] C).
+            ``nn.Sequential([Flatten,] Linear, act, ..., Linear)``; a tied weight gets the sum of its uses' terms,
+            docs/architecture.md "Shared and tied weights"); unsupported modules are named in the error. It must return one tensor of logits (B, [*P,] C).
         likelihood: the loss head (:mod:`curvkit.likelihoods`), e.g. ``BernoulliBCE('mean')`` for an
             autoencoder, ``CrossEntropy('mean')``, ``Gaussian('mean')``, ``BernoulliMixture('mean')``.
         curvature: ``'auto'`` (default: :func:`default_curvature`, KFAC for a model with a vocabulary-sized
