@@ -109,10 +109,17 @@ class Poisson(Likelihood):
     def output_fisher_sqrt(self, f):  # natural parameter: F_L = H_L = diag(exp f)
         return torch.diag_embed(f.exp().sqrt())
 
+    def mean(self, f):  # the rate: what the Laplace MC predictive averages
+        return f.exp()
+
+    def predictive_nll_terms(self, prediction, y):
+        return (prediction - y * prediction.log() + torch.lgamma(y + 1)).sum(-1)
+
 
 def test_a_new_likelihood_is_one_class():
-    """The Poisson head above through the exact GGN and type-2 Fisher operators (equal to dense J^T H J) and
-    KFLR (equal to the exact GGN block of one datum, Lemma 3.21), float64, 1e-10."""
+    """The Poisson head above through the exact GGN and type-2 Fisher operators (equal to dense J^T H J), KFLR
+    (equal to the exact GGN block of one datum, Lemma 3.21), float64, 1e-10, and a Kronecker Laplace posterior
+    (evidence, MC predictive; the probit link refused in words: it needs a logistic link)."""
     from torch import nn
     from torch.func import functional_call, jacrev
 
@@ -134,3 +141,11 @@ def test_a_new_likelihood_is_one_class():
     G1 = torch.einsum("cp,cd,dq->pq", Jf[0], H[0], Jf[0])
     last = slice(G.shape[0] - 10, G.shape[0])  # the output layer's weight and bias: an exact block
     torch.testing.assert_close(one[last, last], G1[last, last], **TOL)
+    from curvkit.laplace import Laplace
+
+    post = Laplace(model, lik, structure="kron", curvature="kflr", prior_precision=1.0).fit((X, y))
+    assert torch.isfinite(post.log_marginal_likelihood())
+    rate = post.predict(X, "mc", num_samples=8, generator=torch.Generator().manual_seed(0))
+    assert rate.shape == (5, 2) and bool((rate > 0).all())
+    with pytest.raises(NotImplementedError, match="probit approximation needs a softmax or sigmoid link"):
+        post.predict(X, "glm", link="probit")

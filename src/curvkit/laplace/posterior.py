@@ -71,7 +71,6 @@ the same keys, and per key the dtype and shape).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
@@ -98,7 +97,7 @@ from curvkit.laplace._subset import (
     traced_forward,
 )
 from curvkit.laplace.operators import BlockSumOperator
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian, Likelihood
+from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
 from curvkit.linalg.kron import factor_from_state, factor_state, index_from_state, index_state
 from curvkit.linalg.layout import ParamLayout
@@ -173,15 +172,9 @@ def _check_positive_entries(name: str, value: Tensor) -> None:
 
 
 def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    """Per-sample log-likelihood (B,) (the sum over a sample's counted positions), with the Gaussian
-    normaliser included (the evidence needs it)."""
-    ll = -likelihood.nll_per_sample(f, y)
-    if isinstance(likelihood, Gaussian) and not likelihood.include_normaliser:
-        keep = likelihood.mask(y)
-        positions = (torch.full_like(ll, math.prod(f.shape[1:-1])) if keep is None
-                     else keep.reshape(f.shape[0], -1).sum(1).to(ll.dtype))
-        ll = ll - 0.5 * f.shape[-1] * math.log(2 * math.pi * likelihood.sigma**2) * positions
-    return ll
+    """Per-sample log-likelihood (B,) (the sum over a sample's counted positions), with every normaliser
+    included (the evidence needs it): the likelihood's own :meth:`~curvkit.likelihoods.Likelihood.log_likelihood`."""
+    return likelihood.log_likelihood(f, y)
 
 
 def _check_finite_batch(i: int, X: Inputs, y: Tensor, dtypes: frozenset[torch.dtype] = frozenset()) -> None:
@@ -268,8 +261,9 @@ class Laplace:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
-        if not isinstance(likelihood, (CrossEntropy, BernoulliBCE, Gaussian)):
-            raise TypeError("likelihood must be a curvkit CrossEntropy, BernoulliBCE or Gaussian, got "
+        if not isinstance(likelihood, Likelihood) or type(likelihood).mean is Likelihood.mean:
+            raise TypeError("likelihood must be a curvkit Likelihood with a predictive mean (mean(f): CrossEntropy, "
+                            f"BernoulliBCE, Gaussian or a head of your own that defines it), got "
                             f"{type(likelihood).__name__}")
         if structure not in ("kron", "diag", "full"):
             raise ValueError(f"structure must be 'kron', 'diag' or 'full', got {structure!r}")

@@ -42,7 +42,6 @@ from curvkit import layerkinds
 from curvkit.laplace._glm import GLMTerm, GradTerm, SpectralTerm
 from curvkit.laplace._jacobians import engine_variance, generic_variance, new_variance
 from curvkit.laplace._subset import only_trainable
-from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.linalg.kron import BlockIndex
 from curvkit.structure import UnsupportedModelError, differentiable, read_model
 from curvkit.validation import (
@@ -124,11 +123,7 @@ def _check_inputs(post: Any, X: Any) -> Inputs:
 
 def _link(post: Any, f: Tensor) -> Tensor:
     """Output -> the likelihood's mean parameter (probabilities; the mean itself for regression)."""
-    if isinstance(post.likelihood, CrossEntropy):
-        return f.softmax(-1)
-    if isinstance(post.likelihood, BernoulliBCE):
-        return torch.sigmoid(f)
-    return f
+    return post.likelihood.mean(f)
 
 
 def predictive_function(post: Any, samples: Tensor, batch_size: int | None = None) -> Callable[[Inputs], Tensor]:
@@ -172,7 +167,7 @@ def mc_predictive(post: Any, X: Inputs, num_samples: int = 100, generator: torch
         K = int(samples.shape[0])
         groups = (samples[i:i + group] for i in range(0, K, group))
     structure = read_model(post.model)
-    regression = isinstance(post.likelihood, Gaussian)
+    regression = post.likelihood.regression
     chunks = _chunks(X, batch_size)
     acc: list[Any] = [0.0] * len(chunks)
     sq: list[Any] = [0.0] * len(chunks)
@@ -373,7 +368,7 @@ def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit
         raise ValueError(f"sampler must be 'auto', 'covariance' or 'jvp', got {sampler!r}")
     S = integer("num_samples", num_samples)
     X = _check_inputs(post, X)
-    if not isinstance(lik, Gaussian) and (sampler == "jvp" or sampler == "auto") and \
+    if not lik.regression and (sampler == "jvp" or sampler == "auto") and \
             _by_jvp(link, sampler, _output_shape(post, X)):
         deltas = post.sample(S, generator) - post.mean
         out_jvp = []
@@ -383,19 +378,19 @@ def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit
                 out_jvp.append(_link(post, fs).mean(0))
             else:  # probit with the variances of J delta (mean zero) estimated from the S draws
                 V = (fs - f).square().mean(0)
-                out_jvp.append(_link(post, f / torch.sqrt(1.0 + math.pi / 8 * V)))
+                out_jvp.append(lik.probit_mean(f, V))
         return torch.cat(out_jvp)
     setup = _glm_setup(post)
-    diagonal = isinstance(lik, Gaussian) or link == "probit"
+    diagonal = lik.regression or link == "probit"
     out: list[Tensor] = []
     variances: list[Tensor] = []
     for xb in _chunks(X, batch_size):
         f, V = _variance_batch(post, setup, xb, diagonal)
-        if isinstance(lik, Gaussian):
+        if lik.regression:
             out.append(f)
-            variances.append(V + lik.sigma**2)
+            variances.append(lik.predictive_variance(V))
         elif link == "probit":
-            out.append(_link(post, f / torch.sqrt(1.0 + math.pi / 8 * V.clamp_min(0))))
+            out.append(lik.probit_mean(f, V.clamp_min(0)))
         else:
             C = f.shape[-1]
             jitter = 1e-10 * (1 + V.diagonal(dim1=-2, dim2=-1).abs().amax(-1))[..., None, None]
@@ -403,7 +398,7 @@ def glm_predictive(post: Any, X: Inputs, link: Literal["probit", "mc"] = "probit
             z = torch.randn(S, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
             fs = f + (L @ z[..., None]).squeeze(-1)
             out.append(_link(post, fs).mean(0))
-    if isinstance(lik, Gaussian):
+    if lik.regression:
         return torch.cat(out), torch.cat(variances)
     return torch.cat(out)
 
@@ -415,21 +410,7 @@ def predictive_nll(post: Any, prediction: Any, y: Tensor) -> float:
     likelihood's ``ignore_index``/``ignore_value``, left out)."""
     lik = post.likelihood
     y = y.to(post.device)
-    if isinstance(lik, CrossEntropy):
-        lik.check(prediction.detach(), y)  # class indices of the right shape and range
-    if isinstance(lik, Gaussian):
-        mean, var = prediction
-        yv = y.to(mean.dtype).reshape(mean.shape)
-        terms = (0.5 * ((yv - mean) ** 2 / var + torch.log(2 * math.pi * var))).sum(-1)
-    elif isinstance(lik, CrossEntropy):
-        p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
-        safe = y.long() if lik.ignore_index is None else y.long().masked_fill(y == lik.ignore_index, 0)
-        terms = -torch.log(p.gather(-1, safe[..., None]))[..., 0]
-    else:
-        p = prediction.clamp_min(torch.finfo(prediction.dtype).tiny)
-        q = (1 - prediction).clamp_min(torch.finfo(prediction.dtype).tiny)
-        yv = y.to(p.dtype)
-        terms = -(yv * p.log() + (1 - yv) * q.log()).sum(-1)
+    terms = lik.predictive_nll_terms(prediction, y)
     keep = lik.mask(y)
     if keep is None:
         return float(terms.mean())

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 
-from curvkit.likelihoods import CrossEntropy, Likelihood
+from curvkit.likelihoods import Likelihood
 from curvkit.structure import read_model
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -81,18 +81,7 @@ def likelihood_loss(lik: Likelihood) -> LossFn:
     :class:`~curvkit.likelihoods.CrossEntropy` without padding it uses ``log_softmax`` + ``gather`` over the
     last (class) dimension, several times faster under ``vmap`` than ``F.cross_entropy`` (which has no
     batching rule of its own); logits (B, *P, C) with targets (B, *P) give one term per position."""
-    if isinstance(lik, CrossEntropy) and lik.ignore_index is None:
-
-        def ce(f: Tensor, y: Tensor) -> Tensor:
-            nll = -f.log_softmax(-1).gather(-1, y.long().unsqueeze(-1))
-            return nll.sum() * lik.scale(nll.numel())
-
-        return ce
-
-    def loss(f: Tensor, y: Tensor) -> Tensor:
-        return lik.nll_per_sample(f, y).sum() * lik.scale(lik.num_terms(f, y))
-
-    return loss
+    return lik.vmap_loss()
 
 
 def _check_posterior(mu: Mapping[str, Tensor], sigma: Mapping[str, Tensor]) -> None:
