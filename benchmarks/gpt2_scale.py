@@ -21,7 +21,7 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   holds the model's own parameters instead of a copy (as curvlinops' operators do);
 * ``curvlinops GGN`` / ``curvlinops Hessian``: ``GGNLinearOperator`` / ``HessianLinearOperator`` on the
   same model with the logits flattened to (tokens, vocabulary) and the targets to (tokens,);
-* ``curvkit KFAC expand`` / ``curvkit KFAC reduce``: ``KroneckerEstimator(method="kfac")`` (one Monte
+* ``curvkit KFAC expand`` / ``curvkit KFAC reduce``: ``KroneckerEstimator(curvature="kfac")`` (one Monte
   Carlo label per token) on EVERY layer (GPT-2's ``Conv1D`` as transposed Linear blocks, LayerNorm exact
   2 x 2 blocks, both embeddings with diagonal input factors, ``lm_head``), ``update`` + ``operator()``
   (the factors, incl. the thin eigendecomposition of ``lm_head``'s low-rank output factor: no

@@ -12,7 +12,7 @@ Rows, all in ONE process, each timed as a ratio to a gradient pass measured in t
 ``OMP_WAIT_POLICY=PASSIVE`` unless set; peak memory: the increase of the resident set during the call):
 
 * ``gradient``: loss + gradient of every parameter (math attention, as the curvature passes run);
-* ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(method="kfac")`` ``update`` + ``operator()`` on
+* ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(curvature="kfac")`` ``update`` + ``operator()`` on
   EVERY parameter (norms and the 32k head included); where the engine refused a module (LlamaRMSNorm before
   the per-sample fallback of issue 30 §1), the row records the refusal and the next rows run with those
   parameters frozen, with their coverage;

@@ -6,7 +6,7 @@ shared CPU; ``--layers 12`` is GPT-2-small), batch ``--batch`` x ``--tokens`` ra
 for the float32 model and for the model cast to bfloat16 (curvkit's default precision policy: passes in bf16,
 statistics, factors, inverses and the posterior in float32):
 
-* ``KFAC``: ``KroneckerEstimator(method="kfac")`` on every layer, ``update`` + ``operator()``;
+* ``KFAC``: ``KroneckerEstimator(curvature="kfac")`` on every layer, ``update`` + ``operator()``;
 * ``LoRA Laplace``: rank-8 ``peft`` LoRA adapters (float32 in both arms: peft keeps them float32 on a bf16
   base, the Laplace-LoRA setting) on every ``attn.c_attn``, everything else frozen (bf16 base in the bf16 arm);
   ``Laplace(structure="kron", curvature="kfac").fit`` then the log marginal likelihood.

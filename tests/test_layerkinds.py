@@ -771,7 +771,7 @@ def test_ids_without_batch_dimension_are_shared_by_every_sample():
 
 def test_kfra_refusal_names_the_module_and_points_to_kflr():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
-    with pytest.raises(ValueError, match=r"module '1' \(LayerNorm\).*method='kflr'"):
+    with pytest.raises(ValueError, match=r"module '1' \(LayerNorm\).*curvature='kflr'"):
         KroneckerEstimator(model, CrossEntropy(), "kfra")
 
 

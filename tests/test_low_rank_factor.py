@@ -172,7 +172,7 @@ def test_auto_keeps_only_the_wide_output_layer_low_rank(monkeypatch: pytest.Monk
 def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _lm()[0]
     lik = CrossEntropy("mean")
-    with pytest.raises(ValueError, match=r"output_factor='low_rank' needs .*'kfac'.*got method='kflr'"):
+    with pytest.raises(ValueError, match=r"output_factor='low_rank' needs .*'kfac'.*got curvature='kflr'"):
         KroneckerEstimator(model, lik, "kflr", output_factor="low_rank")
     with pytest.raises(UnsupportedModelError, match=r"keep_per_sample.*output_factor='dense'"):
         KroneckerEstimator(model, lik, "kfac", output_factor="low_rank", keep_per_sample=True)
@@ -183,7 +183,7 @@ def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
         est.require_weight_matrix_blocks("GaussNewton")
     monkeypatch.setattr(estimators, "LOW_RANK_OUTPUTS", 32)
     with pytest.raises(UnsupportedModelError, match=r"kflr: module 'lm_head' \(Linear\) has 40 outputs.*"
-                       r"method='kfac'.*output_factor='dense' to form it anyway"):
+                       r"curvature='kfac'.*output_factor='dense' to form it anyway"):
         KroneckerEstimator(model, lik, "kflr")  # auto: the wide layer's factor would be dense and full rank
     KroneckerEstimator(model, lik, "kflr", output_factor="dense")  # forming it anyway is allowed
 

@@ -149,3 +149,24 @@ def test_laplace_penalty_speaks_laplaces_words():
         LaplacePenalty(curvature="kron", structure="diag", reduction="sum")
     with pytest.raises(ValueError, match="structure must be"):
         LaplacePenalty(structure="full", reduction="sum")  # type: ignore[arg-type]
+
+
+def test_the_curvature_source_is_named_curvature_everywhere():
+    """The estimators name their curvature source ``curvature`` as GaussNewton and Laplace do (issue 32); the
+    former ``method=`` keyword still works for one release, with a DeprecationWarning, and means the same."""
+    from curvkit.curvature import DiagonalEstimator
+
+    for entry in (KroneckerEstimator, EKFACEstimator, DiagonalEstimator, GaussNewton, Laplace, LaplacePenalty):
+        assert "curvature" in inspect.signature(entry.__init__).parameters, entry.__name__
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    data = (torch.randn(5, 3, dtype=D64), torch.randint(0, 2, (5,)))
+    lik = CrossEntropy()
+    for cls, source in ((KroneckerEstimator, "kflr"), (EKFACEstimator, "kfac"), (DiagonalEstimator, "empirical")):
+        new = cls(model, lik, curvature=source).update(data).operator().to_dense()
+        with pytest.warns(DeprecationWarning, match=r"method=\.\.\.\) is renamed curvature="):
+            old = cls(model, lik, method=source).update(data).operator().to_dense()
+        torch.testing.assert_close(old, new, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="name one option"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cls(model, lik, curvature="projection", method=source)

@@ -28,18 +28,20 @@ Options (docs/architecture.md has the definitions):
 
 The curvature SOURCE (``kfac``, ``kflr``, ...) and the STRUCTURE (``kron``, ``diag``, ``full``) are arguments
 of the entry points, not of this configuration: their defaults depend on what the entry point is for (the
-estimator's Monte Carlo ``kfac``, Gauss-Newton's ``'auto'``, Laplace's exact ``kflr``).
+estimator's Monte Carlo ``kfac``, Gauss-Newton's ``'auto'``, Laplace's exact ``kflr``). The source has one name
+everywhere, ``curvature`` (the estimators' former ``method=`` is deprecated: :func:`renamed_method`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from curvkit.validation import integer
 
-__all__ = ["CurvatureConfig", "resolve_config"]
+__all__ = ["CurvatureConfig", "renamed_method", "resolve_config"]
 
 WeightSharing = Literal["expand", "reduce"]
 BlockStructure = Literal["full", "diag"]
@@ -109,3 +111,17 @@ def resolve_config(config: CurvatureConfig | None, given: dict[str, Any], what: 
         raise ValueError(f"{what}: {', '.join(clash)} differ from config={config}; pass the options either as "
                          "keywords or in config")
     return config
+
+
+def renamed_method(curvature: Any, method: Any, who: str, default: Any) -> Any:
+    """The curvature source of an estimator, named ``curvature`` as in GaussNewton and Laplace; the former
+    keyword ``method=`` still works for one release with a ``DeprecationWarning`` (given beside a different,
+    non-default ``curvature``: an error). Positional calls (``KroneckerEstimator(model, likelihood, "kflr")``)
+    are unchanged."""
+    if method is None:
+        return curvature
+    warnings.warn(f"{who}(method=...) is renamed curvature=... (as in GaussNewton and Laplace); the old name goes in "
+                  "the next release", DeprecationWarning, stacklevel=3)
+    if curvature != default and curvature != method:
+        raise ValueError(f"{who}: curvature={curvature!r} and method={method!r} name one option; pass curvature only")
+    return method

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature.config import renamed_method
 from curvkit.curvature.estimator import CurvatureEstimator
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import CurvatureOperator, DiagonalOperator
@@ -34,9 +35,11 @@ class DiagonalEstimator(CurvatureEstimator):
     batch's diagonal is summed in the statistics dtype over its samples and over the batches.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood, method: DiagonalMethod = "ggn", *,
+    def __init__(self, model: nn.Module, likelihood: Likelihood, curvature: DiagonalMethod = "ggn", *,
                  mc_samples: int = 1, ema: float | None = None, seed: int = 0, distributed: Any = None,
-                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+                 statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 method: DiagonalMethod | None = None):
+        method = renamed_method(curvature, method, "DiagonalEstimator", "ggn")
         if method not in ("ggn", "mc_fisher", "empirical"):
             raise ValueError(f"unknown diagonal method {method!r}; use 'ggn', 'mc_fisher' or 'empirical'")
         self.method = method

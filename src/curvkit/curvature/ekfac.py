@@ -32,7 +32,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from curvkit.curvature.config import CurvatureConfig, Distribution, NormStructure, WeightSharing
+from curvkit.curvature.config import (
+    CurvatureConfig,
+    Distribution,
+    NormStructure,
+    WeightSharing,
+    renamed_method,
+)
 from curvkit.curvature.estimator import CurvatureEstimator
 from curvkit.curvature.estimators import (
     KroneckerEstimator,
@@ -68,11 +74,13 @@ class EKFACEstimator(CurvatureEstimator):
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood,
-                 method: Literal["kflr", "kfac", "projection", "empirical"] = "kflr", *,
+                 curvature: Literal["kflr", "kfac", "projection", "empirical"] = "kflr", *,
                  basis: KroneckerOperator | None = None, ema: float | None = None, mc_samples: int = 1,
                  seed: int = 0, weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
                  parameter_structure: NormStructure = "diag", distribution: Distribution = "rademacher",
-                 config: CurvatureConfig | None = None):
+                 config: CurvatureConfig | None = None,
+                 method: Literal["kflr", "kfac", "projection", "empirical"] | None = None):
+        method = renamed_method(curvature, method, "EKFACEstimator", "kflr")
         _refuse_sharded_parameters(model)  # FSDP2: the Kronecker estimator only (not verified here)
         if method == "kfra":
             raise ValueError("EKFAC needs per-sample output vectors; kfra propagates batch means only: use "

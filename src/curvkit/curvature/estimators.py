@@ -54,6 +54,7 @@ from curvkit.curvature.config import (
     NormStructure,
     OutputFactor,
     WeightSharing,
+    renamed_method,
     resolve_config,
 )
 from curvkit.curvature.diagonal_estimator import DiagonalEstimator
@@ -90,7 +91,7 @@ class OptionWords:
     ``sampled`` names the methods whose output factor is exactly low rank, ``dense`` forces a dense output
     factor (None: the caller has no such option; the refusal then offers freezing the layer)."""
 
-    sampled: str = "method='kfac' or 'empirical'"
+    sampled: str = "curvature='kfac' or 'empirical'"
     dense: str | None = "output_factor='dense'"
 
 
@@ -194,14 +195,16 @@ class KroneckerEstimator(CurvatureEstimator):
         layers: the :class:`~curvkit.structure.LayerInfo` of every planned layer.
     """
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood, method: KroneckerMethod = "kfac", *,
+    def __init__(self, model: nn.Module, likelihood: Likelihood, curvature: KroneckerMethod = "kfac", *,
                  weight_sharing: WeightSharing = "expand", norm_structure: NormStructure = "full",
                  parameter_structure: NormStructure = "diag", mc_samples: int = 1,
                  distribution: Distribution = "rademacher", ema: float | None = None, seed: int = 0,
                  generator: torch.Generator | None = None, keep_per_sample: bool = False, distributed: Any = None,
                  output_factor: OutputFactor = "auto", batch_statistics: BatchStatistics = "refuse",
                  statistics_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
-                 option_words: OptionWords = OptionWords(), config: CurvatureConfig | None = None):
+                 option_words: OptionWords = OptionWords(), config: CurvatureConfig | None = None,
+                 method: KroneckerMethod | None = None):
+        method = renamed_method(curvature, method, "KroneckerEstimator", "kfac")
         if method not in ("kfac", "kflr", "kfra", "projection", "empirical"):
             raise ValueError(f"unknown Kronecker method {method!r}; use 'kfac', 'kflr', 'kfra', 'projection' "
                              "or 'empirical'")
@@ -273,7 +276,7 @@ class KroneckerEstimator(CurvatureEstimator):
         size = f"{n} outputs: a dense output factor would hold {n}^2 floats ({n * n * 4 / 2**30:.1f} GiB in float32)"
         if self.method in ("kflr", "kfra") and self.output_factor == "low_rank":
             raise ValueError(f"output_factor='low_rank' needs a method whose output factor is a sum of few outer "
-                             f"products ('kfac', 'empirical' or 'projection'), got method={self.method!r}")
+                             f"products ('kfac', 'empirical' or 'projection'), got curvature={self.method!r}")
         words, freeze = self._words, "freeze the layer (requires_grad_(False))"
         if self.method in ("kflr", "kfra"):
             how = (f"use {words.sampled}, whose output factor is exactly low rank and kept as a thin "
@@ -431,7 +434,7 @@ class KroneckerEstimator(CurvatureEstimator):
                              f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
         if self.method == "kfra" and f.dim() != 2:
             raise ValueError(f"kfra: the recursion needs (batch, outputs) outputs, got shape {tuple(f.shape)}; use "
-                             "method='kflr' or 'kfac' for outputs with positions")
+                             "curvature='kflr' or 'kfac' for outputs with positions")
         self.likelihood.check(f.detach(), y)
         sites = cap.sites()  # None: one use of a shared parameter that this pass did not call
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
@@ -946,7 +949,7 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> 
             "ranks' statistics are summed: the factors of all the data, on every rank)")
     if method == "kfra":
         raise UnsupportedModelError("kfra on an FSDP2-sharded model: the recursion reads the weights, which are "
-                                    "shards; use method='kflr' or 'kfac'")
+                                    "shards; use curvature='kflr' or 'kfac'")
     for lp in plans:
         if lp.handler.kind not in SHARDED_KINDS:
             raise UnsupportedModelError(

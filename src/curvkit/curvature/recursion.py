@@ -260,5 +260,5 @@ def kfra_chain(structure: Any) -> Any:
     try:
         return structure.mlp_chain("kfra", frozen=True)
     except UnsupportedModelError as exc:
-        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; method='kflr' "
+        raise UnsupportedModelError(f"{exc}. KFRA's recursion is defined on MLP chains only; curvature='kflr' "
                                     "(exact output factors) or 'kfac' (Monte Carlo) take every layer kind") from exc
