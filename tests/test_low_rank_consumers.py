@@ -201,8 +201,8 @@ def test_continual_kronecker_penalty_equals_the_dense_factor(monkeypatch: pytest
 def test_kfac_natural_gradient_equals_the_dense_factor(monkeypatch: pytest.MonkeyPatch, which: str,
                                                        inverse: str) -> None:
     def run(model: nn.Module, X: Any, y: Any) -> list[torch.Tensor]:
-        opt = NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy(), fisher="kfac", lr=0.1,
-                              kronecker_inverse=inverse)  # type: ignore[arg-type]
+        opt = NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy(), curvature="kfac", lr=0.1,
+                              inversion=inverse)  # type: ignore[arg-type]
         for _ in range(2):
             opt.zero_grad()
             CrossEntropy()(model(X), y).backward()
@@ -268,7 +268,7 @@ def test_a_head_above_the_real_threshold_runs_through_every_consumer() -> None:
     pen.consolidate(model, [(X, y)])
     assert torch.isfinite(pen.loss(model))
     m = copy.deepcopy(model)
-    ng = NaturalGradient(m.parameters(), model=m, likelihood=CrossEntropy(), fisher="kfac")
+    ng = NaturalGradient(m.parameters(), model=m, likelihood=CrossEntropy(), curvature="kfac")
     CrossEntropy()(m(X), y).backward()
     ng.step(batch=(X, y))
     assert all(torch.isfinite(p).all() for p in m.parameters())

@@ -191,7 +191,7 @@ def test_fisher_equals_ggn_and_exact_ngd_step():
     F = FisherOperator(net, lik, (X, y)).to_dense()
     assert torch.allclose(F, G, atol=1e-12)
     before = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.1, alpha=0.05, fisher="exact")
+    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.1, alpha=0.05, curvature="exact")
     opt.zero_grad()
     nn.functional.cross_entropy(net(X), y).backward()
     g = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
@@ -211,8 +211,8 @@ def test_kfac_ngd_step_is_the_damped_kronecker_step_and_decreases_loss(inverse, 
     trace; five steps lower the loss."""
     net, X, y = _mlp()
     lik = CrossEntropy()
-    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.5, alpha=0.1, fisher="kfac",
-                          kronecker_inverse=inverse, fisher_ema=ema)
+    opt = NaturalGradient(net.parameters(), model=net, likelihood=lik, lr=0.5, alpha=0.1, curvature="kfac",
+                          inversion=inverse, fisher_ema=ema)
     first = float(nn.functional.cross_entropy(net(X), y).detach())
     K = kfac(net, lik, (X, y), seed=0)
     opt.zero_grad()

@@ -291,7 +291,7 @@ def test_mean_field_optimisers_refuse_nan_gradients_without_changing_state(cls):
 def test_natural_gradient_and_kaldi_refuse_nan_gradients():
     X, y = _data()
     model = _nan_grad_model()
-    ng = NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy(), fisher="exact")
+    ng = NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy(), curvature="exact")
     kaldi = KaldiNGD(model.parameters(), lr=0.1)
     w0 = model[0].weight.detach().clone()
     for opt, kw in ((ng, {"batch": (X, y)}), (kaldi, {})):

@@ -170,3 +170,27 @@ def test_the_curvature_source_is_named_curvature_everywhere():
         with pytest.raises(ValueError, match="name one option"), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             cls(model, lik, curvature="projection", method=source)
+
+
+def test_natural_gradient_speaks_the_same_words():
+    """NaturalGradient names its Fisher representation ``curvature`` and its Kronecker damping ``inversion``, as
+    GaussNewton does; the former ``fisher=`` / ``kronecker_inverse=`` still work for one release (warned) and
+    give the same step."""
+    from curvkit.optim import NaturalGradient
+
+    assert {"curvature", "inversion"} <= set(inspect.signature(NaturalGradient.__init__).parameters)
+    assert {"curvature", "inversion"} <= set(inspect.signature(GaussNewton.__init__).parameters)
+    data = (torch.randn(6, 3, dtype=D64), torch.randint(0, 2, (6,)))
+    steps = []
+    for kwargs in ({"curvature": "kfac", "inversion": "eigen"}, {"fisher": "kfac", "kronecker_inverse": "eigen"}):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt = NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy(), lr=0.1, **kwargs)
+        assert len([w for w in seen if issubclass(w.category, DeprecationWarning)]) == (2 if "fisher" in kwargs else 0)
+        opt.zero_grad()
+        CrossEntropy()(model(data[0]), data[1]).backward()
+        opt.step(batch=data)
+        steps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(steps[0], steps[1], atol=0, rtol=0)

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from curvkit.validation import integer
 
-__all__ = ["CurvatureConfig", "renamed_method", "resolve_config"]
+__all__ = ["CurvatureConfig", "renamed_method", "renamed_option", "resolve_config"]
 
 WeightSharing = Literal["expand", "reduce"]
 BlockStructure = Literal["full", "diag"]
@@ -113,15 +113,20 @@ def resolve_config(config: CurvatureConfig | None, given: dict[str, Any], what: 
     return config
 
 
+def renamed_option(value: Any, old: Any, who: str, name: str, old_name: str, default: Any) -> Any:
+    """An option under its one name (``name``); its former keyword ``old_name`` still works for one release with a
+    ``DeprecationWarning`` (given beside a different, non-default ``value``: an error)."""
+    if old is None:
+        return value
+    warnings.warn(f"{who}({old_name}=...) is renamed {name}=...; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=4)
+    if value != default and value != old:
+        raise ValueError(f"{who}: {name}={value!r} and {old_name}={old!r} name one option; pass {name} only")
+    return old
+
+
 def renamed_method(curvature: Any, method: Any, who: str, default: Any) -> Any:
     """The curvature source of an estimator, named ``curvature`` as in GaussNewton and Laplace; the former
-    keyword ``method=`` still works for one release with a ``DeprecationWarning`` (given beside a different,
-    non-default ``curvature``: an error). Positional calls (``KroneckerEstimator(model, likelihood, "kflr")``)
-    are unchanged."""
-    if method is None:
-        return curvature
-    warnings.warn(f"{who}(method=...) is renamed curvature=... (as in GaussNewton and Laplace); the old name goes in "
-                  "the next release", DeprecationWarning, stacklevel=3)
-    if curvature != default and curvature != method:
-        raise ValueError(f"{who}: curvature={curvature!r} and method={method!r} name one option; pass curvature only")
-    return method
+    keyword ``method=`` still works for one release (:func:`renamed_option`). Positional calls
+    (``KroneckerEstimator(model, likelihood, "kflr")``) are unchanged."""
+    return renamed_option(curvature, method, who, "curvature", "method", default)

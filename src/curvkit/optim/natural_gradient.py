@@ -8,7 +8,7 @@ i.e. the paper's κ). As κ -> ∞ the step tends to SGD with learning rate η/�
 :class:`curvkit.optim.kaldi_ngd.KaldiNGD` (what the paper's authors ran) there is no norm preservation;
 the Fisher is re-estimated on every step's minibatch (or averaged with ``fisher_ema``).
 
-Fisher representations (``fisher=``):
+Fisher representations (``curvature=``; formerly ``fisher=``):
 * ``"exact"`` - :class:`curvkit.curvature.FisherOperator` (type-2 Fisher, exact expectation over the
   model's predictive; for softmax cross-entropy this is the GGN), made dense: O(d²) memory, for small
   models (d <= ``max_exact_dim``).
@@ -19,7 +19,7 @@ Fisher representations (``fisher=``):
   MLP it diverges within five steps at batch 32 and 64 for α = 0.1 and α = 1. The default inverse is
   therefore the factored Tikhonov damping every KFAC implementation uses (thesis Eq. 4.25,
   (G + sqrt(κ)/π I)^{-1} (x) (A + π sqrt(κ) I)^{-1}, trace-norm π), which damps those directions by
-  sqrt(κ) times the other factor's scale; ``kronecker_inverse='eigen'`` gives the exact (F + κI)^{-1}.
+  sqrt(κ) times the other factor's scale; ``inversion='eigen'`` gives the exact (F + κI)^{-1}.
   The factors are averaged over steps (``fisher_ema=0.9``), which fills the rank a small batch lacks.
   Measured (MNIST 784-100-10, lr 1e-2, α = 0.1, 4,096 examples): full-data loss 0.28 / 0.22 / 0.28 / 0.38
   at batch 32 / 64 / 128 / 256 with both; without averaging 12.2 at batch 32 (0.29-0.79 otherwise).
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature.config import renamed_option
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
@@ -52,12 +53,16 @@ def paper_kappa(trace_f: float, d: int, alpha: float, epsilon: float) -> float:
 
 
 def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: float, epsilon: float,
-                     damping: float = 0.0, kronecker_inverse: str = "factored") -> tuple[Tensor, float]:
+                     damping: float = 0.0, inversion: str = "factored",
+                     kronecker_inverse: str | None = None) -> tuple[Tensor, float]:
     """(F + κI)⁻¹ g with the paper's κ (plus ``damping``), for a dense (d, d) matrix or any operator.
 
-    A Kronecker F is inverted with factored Tikhonov damping by default (``kronecker_inverse``, thesis
+    A Kronecker F is inverted with factored Tikhonov damping by default (``inversion``, as GaussNewton's; thesis
     Eq. 4.25 with the trace-norm split): see :class:`NaturalGradient`. Returns the flat (d,) direction and κ.
+    (``kronecker_inverse``: the former name of ``inversion``, deprecated.)
     """
+    inversion = renamed_option(inversion, kronecker_inverse, "damped_direction", "inversion", "kronecker_inverse",
+                               "factored")
     if isinstance(fisher, Tensor):
         fisher = DenseOperator(ParamLayout.from_tensors([grad]), fisher)
     d = fisher.layout.dim
@@ -66,7 +71,7 @@ def damped_direction(fisher: CurvatureOperator | Tensor, grad: Tensor, alpha: fl
         raise ValueError("the damping kappa is 0 (alpha = 0 or a zero Fisher with epsilon = 0, and no damping); "
                          "the Fisher may be singular: use alpha > 0 and epsilon > 0")
     if isinstance(fisher, KroneckerOperator):
-        return fisher.solve(grad.to(fisher.dtype), damping=kappa, method=kronecker_inverse), kappa  # type: ignore[arg-type]
+        return fisher.solve(grad.to(fisher.dtype), damping=kappa, method=inversion), kappa  # type: ignore[arg-type]
     return fisher.solve(grad.to(fisher.dtype), damping=kappa), kappa
 
 
@@ -82,10 +87,12 @@ class NaturalGradient(CurvatureOptimizer):
             of a 784-100-10 MNIST MLP, α = 0.01 puts κ ~ 2e-6 below the Kronecker approximation's error and
             the run diverges within three steps at lr 1e-2 (measured), while α = 0.1 trains.
         damping: an absolute floor added to κ (>= 0; default 0, the paper's κ).
-        fisher: ``"exact"`` | ``"kfac"`` | ``"auto"``.  fisher_ema: decay of the moving average of the KFAC
+        curvature: ``"exact"`` | ``"kfac"`` | ``"auto"`` (the Fisher's representation; the former ``fisher=``
+            is deprecated).  fisher_ema: decay of the moving average of the KFAC
             factors across steps (default 0.9, the thesis's factor averaging; None: the current minibatch
             only). The exact route always uses the current minibatch, as the paper.
-        kronecker_inverse: ``"factored"`` (default) or ``"eigen"`` for the KFAC route (module docstring).
+        inversion: ``"factored"`` (default) or ``"eigen"`` for the KFAC route (module docstring), as
+            GaussNewton's ``inversion`` (the former ``kronecker_inverse=`` is deprecated).
         momentum, nesterov: torch-SGD momentum on the preconditioned direction.
         seed: seed of the KFAC label sampler.
 
@@ -95,8 +102,12 @@ class NaturalGradient(CurvatureOptimizer):
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, likelihood: Likelihood | None = None,
                  lr: float = 1e-2, alpha: float = 0.1, epsilon: float = 1e-10, damping: float = 0.0,
-                 fisher: str = "auto", fisher_ema: float | None = 0.9, kronecker_inverse: str = "factored",
-                 momentum: float = 0.0, nesterov: bool = False, max_exact_dim: int = 3000, seed: int = 0):
+                 curvature: str = "auto", fisher_ema: float | None = 0.9, inversion: str = "factored",
+                 momentum: float = 0.0, nesterov: bool = False, max_exact_dim: int = 3000, seed: int = 0,
+                 fisher: str | None = None, kronecker_inverse: str | None = None):
+        fisher = renamed_option(curvature, fisher, "NaturalGradient", "curvature", "fisher", "auto")
+        kronecker_inverse = renamed_option(inversion, kronecker_inverse, "NaturalGradient", "inversion",
+                                           "kronecker_inverse", "factored")
         if isinstance(params, nn.Module) and isinstance(model, Likelihood) and likelihood is None:
             likelihood, model = model, None  # the former NaturalGradient(model, likelihood, ...) form
         params, model = legacy_model_first(type(self).__name__, params, model)
@@ -104,9 +115,9 @@ class NaturalGradient(CurvatureOptimizer):
             raise TypeError("NaturalGradient needs the model and a curvkit likelihood: "
                             "NaturalGradient(model.parameters(), model=model, likelihood=CrossEntropy())")
         if fisher not in ("exact", "kfac", "auto"):
-            raise ValueError(f"fisher must be 'exact', 'kfac' or 'auto', got {fisher!r}")
+            raise ValueError(f"curvature must be 'exact', 'kfac' or 'auto', got {fisher!r}")
         if kronecker_inverse not in ("factored", "eigen"):
-            raise ValueError(f"kronecker_inverse must be 'factored' or 'eigen', got {kronecker_inverse!r}")
+            raise ValueError(f"inversion must be 'factored' or 'eigen', got {kronecker_inverse!r}")
         self.kronecker_inverse = kronecker_inverse
         positive("lr", lr)
         nonnegative("alpha", alpha)
@@ -135,8 +146,8 @@ class NaturalGradient(CurvatureOptimizer):
         if kind == "auto":
             kind = "exact" if self.layout_.dim <= max_exact_dim else "kfac"
         if kind == "exact" and self.layout_.dim > max_exact_dim:
-            raise ValueError(f"fisher='exact' builds a dense {self.layout_.dim}^2 matrix; d exceeds "
-                             f"max_exact_dim={max_exact_dim}: use fisher='kfac'")
+            raise ValueError(f"curvature='exact' builds a dense {self.layout_.dim}^2 matrix; d exceeds "
+                             f"max_exact_dim={max_exact_dim}: use curvature='kfac'")
         self.fisher_kind = kind
         self._estimator: Any = None
         if kind == "kfac":

@@ -465,7 +465,7 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         ema_f = hp["ema"] if isinstance(hp["ema"], float) else None
         self.estimator = KroneckerEstimator(
-            self.model, self.likelihood, method=source,  # type: ignore[arg-type]
+            self.model, self.likelihood, curvature=source,  # type: ignore[arg-type]
             ema=ema_f, generator=self._generator, distributed=self.distributed, config=self.config,
             statistics_dtype=self.statistics_dtype, option_words=_WORDS)
         self.source, self.source_reason = source, reason
