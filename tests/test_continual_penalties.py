@@ -47,7 +47,7 @@ def test_diagonal_fisher_matches_dense_reference():
 @pytest.mark.parametrize("fisher", ["empirical", "true"])
 def test_ewc_zero_before_and_exact_quadratic_after_first_task(fisher):
     model, X, y = _tiny()
-    ewc = EWC(lam=3.0, fisher=fisher)
+    ewc = EWC(lam=3.0, curvature=fisher)
     assert float(ewc.loss(model)) == 0.0  # before any boundary
     ewc.on_task_end(model, (X, y))
     assert float(ewc.loss(model).detach()) == 0.0  # at the anchor

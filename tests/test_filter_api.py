@@ -27,7 +27,7 @@ from curvkit.optim.filters.mapping import regime, rmsprop_fixed_point
 
 FACTORISED = {
     "natgrad": lambda ps: BFNatGrad(ps, batch_size=8),
-    "rmsprop": lambda ps: BFRMSProp(ps, lr=1e-2, sigma2=0.5, batch_size=8, fisher="centered"),
+    "rmsprop": lambda ps: BFRMSProp(ps, lr=1e-2, sigma2=0.5, batch_size=8, curvature="centered"),
     "rmsprop_ss": lambda ps: BFRMSPropSS(ps, lr=1e-2, sigma2=0.5, batch_size=8),
     "adam": lambda ps: BFAdam(ps, lr=1e-2, sigma2=0.5, batch_size=8),
     "adam_ss": lambda ps: BFAdamSS(ps, lr=1e-2, combine=True, eta_w=1e-3, batch_size=8),
@@ -116,7 +116,7 @@ def test_posterior_mean_swaps_in_the_stored_mean_and_restores_the_prior(kind, ma
 @pytest.mark.parametrize(("factory", "match"), [
     (lambda ps: BFRMSProp(ps, lr=-1.0), "lr"),
     (lambda ps: BFRMSProp(ps, sigma2=0.0), "sigma2"),
-    (lambda ps: BFRMSProp(ps, fisher="bogus"), "fisher"),
+    (lambda ps: BFRMSProp(ps, curvature="bogus"), "fisher"),
     (lambda ps: BFRMSProp(ps, drift="linear"), "drift"),
     (lambda ps: BFRMSProp(ps, reduction="avg"), "reduction"),
     (lambda ps: BFRMSPropSS(ps, beta2=1.0), "beta2"),
@@ -152,7 +152,7 @@ def test_runtime_errors_are_clear(make_mlp):
         opt.step(batch_size=8)
     next(net.parameters()).grad.zero_()
     with pytest.raises(ValueError, match="fisher_diag"):
-        BFRMSProp(net.parameters(), fisher="given", batch_size=8).step()
+        BFRMSProp(net.parameters(), curvature="given", batch_size=8).step()
     net2 = make_mlp((5, 4, 3), "tanh")
     kf = KFBayes(net2.parameters(), model=net2, batch_size=8)
     with pytest.raises(RuntimeError, match="step"):

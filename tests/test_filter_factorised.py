@@ -43,7 +43,7 @@ def test_k1_single_bayes_step():
     assert opt.mean.item() == pytest.approx((1 / 6) * (1 / 0.5 + 4 * 3), abs=1e-12)
     # factorised natural gradient takes the same step
     q = _param([1.0])
-    nat = BFNatGrad([q], s0=0.5, fisher="given", reduction="sum")
+    nat = BFNatGrad([q], s0=0.5, curvature="given", reduction="sum")
     (0.5 * 4.0 * (q - 3.0).pow(2).sum()).backward()
     nat.step(fisher_diag=[torch.tensor([4.0], dtype=DT)])
     assert q.item() == pytest.approx(7 / 3, abs=1e-12)
@@ -69,7 +69,7 @@ def test_k2_scalar_rmsprop_filter_is_exact_kalman():
     x = torch.randn(T, generator=gen, dtype=DT)
     y = 0.7 * x + math.sqrt(s2) * torch.randn(T, generator=gen, dtype=DT)
     p = _param([0.1])
-    opt = BFRMSProp([p], lr=eta, sigma2=sigma2, s0=0.9, drift="paper", fisher="given", reduction="sum")
+    opt = BFRMSProp([p], lr=eta, sigma2=sigma2, s0=0.9, drift="paper", curvature="given", reduction="sum")
     ref = _textbook_scalar_kf(x.tolist(), y.tolist(), 0.1, 0.9, a, eta**2, s2)
     for t in range(T):
         p.grad = None
@@ -81,7 +81,7 @@ def test_k2_scalar_rmsprop_filter_is_exact_kalman():
 
     # the empirical Fisher (e = g) is *not* the exact filter
     q = _param([0.1])
-    emp = BFRMSProp([q], lr=eta, sigma2=sigma2, s0=0.9, drift="paper", fisher="empirical", reduction="sum")
+    emp = BFRMSProp([q], lr=eta, sigma2=sigma2, s0=0.9, drift="paper", curvature="empirical", reduction="sum")
     for t in range(T):
         q.grad = None
         (0.5 * (y[t] - q * x[t]).pow(2).sum() / s2).backward()
@@ -123,7 +123,7 @@ def test_k2_dense_filter_is_exact_kalman_with_drift():
 # ----------------------------------------------------------------------------------------------- K3
 def test_k3_natural_gradient_limit():
     p = _param([0.0])
-    opt = BFNatGrad([p], s0=1.0, fisher="given", reduction="sum")
+    opt = BFNatGrad([p], s0=1.0, curvature="given", reduction="sum")
     for e in (1.0, 2.0, 3.0):
         p.grad = torch.zeros_like(p)
         opt.step(fisher_diag=[torch.tensor([e * e], dtype=DT)])
@@ -138,7 +138,7 @@ def test_k4_rmsprop_deterministic_fixed_point():
     ps = [_param([0.0]) for _ in cases]
     groups = [{"params": [p], "lr": eta, "s0": eta / math.sqrt(E) * (1 - eta * math.sqrt(E) / 2)}
               for p, (eta, E, _) in zip(ps, cases)]
-    opt = BFRMSProp(groups, fisher="given", reduction="sum")
+    opt = BFRMSProp(groups, curvature="given", reduction="sum")
     fis = [torch.tensor([E], dtype=DT) for _, E, _ in cases]
     for _ in range(8000):
         for p in ps:
@@ -157,7 +157,7 @@ def test_k4_rmsprop_stochastic_steady_state():
     eta, E, n = 1e-2, 1.0, 4000
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(n, dtype=DT))
-    opt = BFRMSProp([p], lr=eta, s0=eta, fisher="given", reduction="sum")
+    opt = BFRMSProp([p], lr=eta, s0=eta, curvature="given", reduction="sum")
     acc, count = torch.zeros(n, dtype=DT), 0
     for t in range(1500):
         p.grad = torch.zeros_like(p)
@@ -176,7 +176,7 @@ def test_k5_finite_sigma2_fixed_point(E, exact):
     eta, sigma2 = 1e-3, 0.1
     p = _param([0.0])
     opt = BFRMSProp([p], lr=eta, sigma2=sigma2, s0=rmsprop_fixed_point(eta, E, sigma2), drift="paper",
-                    fisher="given", reduction="sum")
+                    curvature="given", reduction="sum")
     for _ in range(4000):
         p.grad = torch.zeros_like(p)
         opt.step(fisher_diag=[torch.tensor([E], dtype=DT)])
@@ -192,7 +192,7 @@ def test_k6_adam_ss_is_lagged_adam():
     gen = torch.Generator().manual_seed(3)
     signs = torch.randint(0, 2, (T,), generator=gen).to(DT) * 2 - 1
     p = _param([0.0])
-    opt = BFAdamSS([p], lr=eta, eta_p=eta_p, eps=0.0, fisher="empirical", reduction="sum")
+    opt = BFAdamSS([p], lr=eta, eta_p=eta_p, eps=0.0, curvature="empirical", reduction="sum")
     q = _param([0.0])
     ref = torch.optim.Adam([q], lr=eta, betas=(1 - eta_p, 0.999), eps=0.0)
     m, beta1 = 0.0, 1 - eta_p
@@ -251,7 +251,7 @@ def test_k8_exact_momentum_filter_matches_dare_and_not_closed_forms():
     eta, eta_p = 1e-3, 0.1
     Es = [1e6, 1e7]
     p = torch.nn.Parameter(torch.zeros(len(Es), dtype=DT))
-    opt = BFAdam([p], lr=eta, eta_p=eta_p, s0=1e-6, fisher="given", reduction="sum")
+    opt = BFAdam([p], lr=eta, eta_p=eta_p, s0=1e-6, curvature="given", reduction="sum")
     for _ in range(3000):
         p.grad = torch.zeros_like(p)
         opt.step(fisher_diag=[torch.tensor(Es, dtype=DT)])
@@ -269,7 +269,7 @@ def test_k8_exact_momentum_filter_matches_dare_and_not_closed_forms():
 @pytest.mark.parametrize(("G", "expect"), [(1e3, 8.3212e-4), (3e3, 7.0235e-4)])
 def test_k8_exact_filter_effective_lr_is_not_eta(G, expect):
     p = _param([0.0])
-    opt = BFAdam([p], lr=1e-3, eta_p=0.1, s0=1e-6, fisher="empirical", reduction="sum")
+    opt = BFAdam([p], lr=1e-3, eta_p=0.1, s0=1e-6, curvature="empirical", reduction="sum")
     prev = 0.0
     for _ in range(3000):
         _set_grad(p, torch.tensor([G]))
@@ -285,7 +285,7 @@ def test_k10_invariants_rmsprop_filter():
     eta, sigma2 = 0.05, 0.2
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.ones(50, dtype=DT))
-    opt = BFRMSProp([p], lr=eta, sigma2=sigma2, drift="paper", fisher="empirical", reduction="sum")
+    opt = BFRMSProp([p], lr=eta, sigma2=sigma2, drift="paper", curvature="empirical", reduction="sum")
     a = eta**2 / (2 * sigma2)
     for _ in range(50):
         _set_grad(p, torch.randn(50, generator=gen, dtype=DT) * 3)
@@ -302,7 +302,7 @@ def test_k10_invariants_rmsprop_filter():
     torch.testing.assert_close(opt.state[p]["mu_post"], mu * (1 - a) ** 1, atol=1e-15, rtol=0)
     # sigma2 = inf, e = 0: s grows by exactly eta^2
     q = _param([0.0])
-    o2 = BFRMSProp([q], lr=eta, s0=0.01, fisher="given", reduction="sum")
+    o2 = BFRMSProp([q], lr=eta, s0=0.01, curvature="given", reduction="sum")
     for k in range(1, 4):
         q.grad = torch.zeros_like(q)
         o2.step(fisher_diag=[torch.zeros(1, dtype=DT)])
@@ -312,7 +312,7 @@ def test_k10_invariants_rmsprop_filter():
 def test_k10_gradient_is_taken_at_the_prior_mean():
     eta, eta_p, sigma2 = 0.1, 0.3, 0.5
     p = _param([0.4, -0.2])
-    opt = BFAdam([p], lr=eta, eta_p=eta_p, sigma2=sigma2, fisher="empirical", reduction="sum")
+    opt = BFAdam([p], lr=eta, eta_p=eta_p, sigma2=sigma2, curvature="empirical", reduction="sum")
     a = eta**2 / (2 * sigma2)
     seen = []
 

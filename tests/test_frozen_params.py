@@ -253,8 +253,8 @@ def test_natural_gradient_accepts_model_parameters_with_a_frozen_base(fisher):
     model, ref = module_lora(), module_lora()
     snap = frozen_snapshot(model)
     lik = CrossEntropy()
-    opt = NaturalGradient(model.parameters(), model=model, likelihood=lik, fisher=fisher, fisher_ema=None)
-    ref_opt = NaturalGradient(_trainable(ref), model=ref, likelihood=lik, fisher=fisher, fisher_ema=None)
+    opt = NaturalGradient(model.parameters(), model=model, likelihood=lik, curvature=fisher, fisher_ema=None)
+    ref_opt = NaturalGradient(_trainable(ref), model=ref, likelihood=lik, curvature=fisher, fisher_ema=None)
     for m, o in ((model, opt), (ref, ref_opt)):
         for X, y in _batches(2):
             o.zero_grad()
@@ -282,7 +282,7 @@ def test_continual_learners_and_penalties_leave_frozen_parameters_alone():
     shapes = [tuple(p.shape) for p in _trainable(model)]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     layers = ["0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"]
-    for penalty, covered in ((EWC(lam=10.0), shapes), (EWC(lam=10.0, fisher="true", online=True, gamma=0.9), shapes),
+    for penalty, covered in ((EWC(lam=10.0), shapes), (EWC(lam=10.0, curvature="true", online=True, gamma=0.9), shapes),
                              (SynapticIntelligence(c=0.5), shapes),
                              (LaplacePenalty(structure="kron", lam=1.0, task_size=32), layers),
                              (LaplacePenalty(structure="diag", lam=1.0, task_size=32), sorted(names))):

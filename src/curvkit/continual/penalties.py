@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature.config import renamed_option
 from curvkit.curvature.diagonal_estimator import DiagonalEstimator
 from curvkit.likelihoods import CrossEntropy
 from curvkit.linalg.operator import DiagonalOperator
@@ -115,17 +116,19 @@ class EWC(Penalty):
             F~ <- gamma F~ + F^(K),  theta* <- theta at the end of task K,
             R(theta) = (lam / 2) sum_i F~_i (theta_i - theta*_i)^2
 
-    ``fisher`` selects the empirical (true labels) or true (model-sampled, exact expectation) Fisher; the
+    ``curvature`` (formerly ``fisher``, deprecated) selects the empirical (true labels) or true (model-sampled, exact expectation) Fisher; the
     Fisher is computed on the ``data`` the boundary hook receives. ``gamma = 1`` makes online EWC sum all
     Fishers with a single anchor; ``gamma < 1`` decays old tasks' importance geometrically.
     """
 
-    def __init__(self, lam: float, fisher: FisherKind = "empirical", online: bool = False, gamma: float = 1.0,
-                 chunk_size: int = 64):
+    def __init__(self, lam: float, curvature: FisherKind = "empirical", online: bool = False, gamma: float = 1.0,
+                 chunk_size: int = 64,
+                 fisher: FisherKind | None = None):
+        fisher = renamed_option(curvature, fisher, "EWC", "curvature", "fisher", "empirical")
         if not lam >= 0:
             raise ValueError(f"lam must be >= 0, got {lam}")
         if fisher not in ("empirical", "true"):
-            raise ValueError(f"fisher must be 'empirical' or 'true', got {fisher!r}")
+            raise ValueError(f"curvature must be 'empirical' or 'true', got {fisher!r}")
         if not 0 <= gamma <= 1:
             raise ValueError(f"gamma must be in [0, 1], got {gamma}")
         if not online and gamma != 1.0:

@@ -111,11 +111,11 @@ def build_learner(method: str, seed: int, proto: Protocol, device: torch.device)
     if method == "adam":
         return TorchLearner(model, adam)
     if method == "ewc":
-        return TorchLearner(model, adam, EWC(lam=5000.0, fisher="empirical"))
+        return TorchLearner(model, adam, EWC(lam=5000.0, curvature="empirical"))
     if method == "ewc-true":
-        return TorchLearner(model, adam, EWC(lam=5000.0, fisher="true"))
+        return TorchLearner(model, adam, EWC(lam=5000.0, curvature="true"))
     if method == "online-ewc":
-        return TorchLearner(model, adam, EWC(lam=5000.0, fisher="empirical", online=True, gamma=1.0))
+        return TorchLearner(model, adam, EWC(lam=5000.0, curvature="empirical", online=True, gamma=1.0))
     if method == "si":
         return TorchLearner(model, adam, SynapticIntelligence(c=0.1, xi=1e-3))
     raise ValueError(f"unknown method {method!r}")

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from curvkit.curvature.config import renamed_option
 from curvkit.optim.base import GroupChecks, check_step_extras
 from curvkit.optim.filters._base import (
     FilterOptimizer,
@@ -196,8 +197,10 @@ class BFNatGrad(_Factorised):
     """Factorised natural gradient, static optimum (Eqs. 13-14). ``s0``: initial variance
     (default ``lr_sgd / batch_size``)."""
 
-    def __init__(self, params: Any, s0: float | None = None, lr_sgd: float = 0.1, fisher: str = "empirical",
-                 reduction: Reduction = "mean", batch_size: int | None = None):
+    def __init__(self, params: Any, s0: float | None = None, lr_sgd: float = 0.1, curvature: str = "empirical",
+                 reduction: Reduction = "mean", batch_size: int | None = None,
+                 fisher: str | None = None):
+        fisher = renamed_option(curvature, fisher, type(self).__name__, "curvature", "fisher", "empirical")
         check_positive("lr_sgd", lr_sgd)
         ls_batch = batch_size or 1
         s_init = stationary_variance(math.inf, s0, lr_sgd, ls_batch)
@@ -217,8 +220,10 @@ class BFRMSProp(_Factorised):
     """Bayesian-filtering RMSProp: the exact per-weight Kalman filter with drift (Eqs. 8-12)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, sigma2: float = math.inf, s0: float | None = None,
-                 lr_sgd: float = 0.1, fisher: str = "empirical", drift: str = "exp",
-                 reduction: Reduction = "mean", batch_size: int | None = None):
+                 lr_sgd: float = 0.1, curvature: str = "empirical", drift: str = "exp",
+                 reduction: Reduction = "mean", batch_size: int | None = None,
+                 fisher: str | None = None):
+        fisher = renamed_option(curvature, fisher, type(self).__name__, "curvature", "fisher", "empirical")
         check_positive("lr", lr)
         check_positive("sigma2", sigma2, allow_inf=True)
         check_positive("lr_sgd", lr_sgd)
@@ -248,9 +253,11 @@ class BFRMSPropSS(_Factorised):
     and so is ``eps`` (the paper has none: its sigma^2 bounds the step)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, sigma2: float = math.inf, beta2: float = 0.999,
-                 eps: float = 1e-8, bias_correction: bool = True, fisher: str = "empirical",
+                 eps: float = 1e-8, bias_correction: bool = True, curvature: str = "empirical",
                  drift: str = "exp", reduction: Reduction = "mean", batch_size: int | None = None,
-                 lr_sgd: float = 0.1):
+                 lr_sgd: float = 0.1,
+                 fisher: str | None = None):
+        fisher = renamed_option(curvature, fisher, type(self).__name__, "curvature", "fisher", "empirical")
         check_positive("lr", lr)
         check_positive("sigma2", sigma2, allow_inf=True)
         check_unit_interval("beta2", beta2)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvkit.curvature.config import renamed_option
 from curvkit.optim.filters._base import (
     Reduction,
     check_positive,
@@ -77,7 +78,9 @@ class BFAdam(_Factorised):
 
     def __init__(self, params: Any, lr: float = 1e-3, eta_p: float = 0.1, eta_w: float = 0.0,
                  sigma2: float = math.inf, s0: float | None = None, lr_sgd: float = 0.1,
-                 fisher: str = "empirical", reduction: Reduction = "mean", batch_size: int | None = None):
+                 curvature: str = "empirical", reduction: Reduction = "mean", batch_size: int | None = None,
+                 fisher: str | None = None):
+        fisher = renamed_option(curvature, fisher, type(self).__name__, "curvature", "fisher", "empirical")
         check_positive("lr", lr)
         check_unit_interval("eta_p", eta_p)
         check_positive("eta_w", eta_w, allow_zero=True)
@@ -144,8 +147,10 @@ class BFAdamSS(_Factorised):
 
     def __init__(self, params: Any, lr: float = 1e-3, eta_p: float = 0.1, eta_w: float = 0.0,
                  sigma2: float = math.inf, beta2: float = 0.999, eps: float = 1e-8,
-                 bias_correction: bool = True, combine: bool = False, fisher: str = "empirical",
-                 reduction: Reduction = "mean", batch_size: int | None = None, lr_sgd: float = 0.1):
+                 bias_correction: bool = True, combine: bool = False, curvature: str = "empirical",
+                 reduction: Reduction = "mean", batch_size: int | None = None, lr_sgd: float = 0.1,
+                 fisher: str | None = None):
+        fisher = renamed_option(curvature, fisher, type(self).__name__, "curvature", "fisher", "empirical")
         check_positive("lr", lr)
         check_unit_interval("eta_p", eta_p)
         check_positive("eta_w", eta_w, allow_zero=True)
