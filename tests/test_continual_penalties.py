@@ -30,18 +30,18 @@ def _tiny(seed=0):
 
 def test_diagonal_fisher_matches_dense_reference():
     model, X, y = _tiny()
-    op = diagonal_fisher(model, X, y, kind="empirical", chunk_size=3)
+    op = diagonal_fisher(model, X, y, curvature="empirical", chunk_size=3)
     assert isinstance(op, DiagonalOperator) and op.layout.names == ("0.weight", "0.bias", "2.weight", "2.bias")
     emp = op.flat
     ref = dense_empirical_fisher(model, CrossEntropy("mean"), (X, y)).diagonal()
     torch.testing.assert_close(emp, ref, rtol=1e-10, atol=1e-12)
-    true = diagonal_fisher(model, X, kind="true", chunk_size=4).flat
+    true = diagonal_fisher(model, X, curvature="true", chunk_size=4).flat
     ref_true = dense_fisher_categorical(model, (X, y), reduction="mean").diagonal()
     torch.testing.assert_close(true, ref_true, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="labels"):
-        diagonal_fisher(model, X, None, kind="empirical")
-    with pytest.raises(ValueError, match="kind"):
-        diagonal_fisher(model, X, y, kind="hessian")  # type: ignore[arg-type]
+        diagonal_fisher(model, X, None, curvature="empirical")
+    with pytest.raises(ValueError, match="curvature must be"):
+        diagonal_fisher(model, X, y, curvature="hessian")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "true"])
@@ -51,7 +51,7 @@ def test_ewc_zero_before_and_exact_quadratic_after_first_task(fisher):
     assert float(ewc.loss(model)) == 0.0  # before any boundary
     ewc.on_task_end(model, (X, y))
     assert float(ewc.loss(model).detach()) == 0.0  # at the anchor
-    F = diagonal_fisher(model, X, y, kind=fisher).tensors
+    F = diagonal_fisher(model, X, y, curvature=fisher).tensors
     anchor = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():

@@ -47,18 +47,21 @@ def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def diagonal_fisher(
-    model: nn.Module, X: Tensor, y: Tensor | None = None, kind: FisherKind = "empirical", chunk_size: int = 64,
+    model: nn.Module, X: Tensor, y: Tensor | None = None, curvature: FisherKind = "empirical", chunk_size: int = 64,
+    kind: FisherKind | None = None,
 ) -> DiagonalOperator:
     """Diagonal Fisher of a softmax classifier, averaged over the N examples (formulas in the module doc),
     as the engine's :class:`~curvkit.linalg.operator.DiagonalOperator` over the trainable parameters.
 
-    ``X``: (N, ...) inputs; ``y``: (N,) labels (needed for ``kind='empirical'``). ``kind='true'`` is the
+    ``X``: (N, ...) inputs; ``y``: (N,) labels (needed for ``curvature='empirical'``). ``curvature='true'`` is the
     exact expectation over the model's labels, which for softmax cross-entropy is the GGN diagonal (thesis
     Eqs. 3.37-3.38): :class:`~curvkit.curvature.diagonal_estimator.DiagonalEstimator` with ``method='ggn'``
-    (``'empirical'`` for the empirical Fisher), over chunks of ``chunk_size`` examples.
+    (``'empirical'`` for the empirical Fisher), over chunks of ``chunk_size`` examples. (``kind``: the former name
+    of ``curvature``, deprecated.)
     """
+    kind = renamed_option(curvature, kind, "diagonal_fisher", "curvature", "kind", "empirical")
     if kind not in ("empirical", "true"):
-        raise ValueError(f"kind must be 'empirical' or 'true', got {kind!r}")
+        raise ValueError(f"curvature must be 'empirical' or 'true', got {kind!r}")
     if kind == "empirical" and (y is None or y.shape[0] != X.shape[0]):
         raise ValueError("the empirical Fisher needs labels y of shape (N,) matching X")
     if X.shape[0] == 0:
@@ -147,7 +150,7 @@ class EWC(Penalty):
 
     def on_task_end(self, model: nn.Module, data: tuple[Tensor, Tensor]) -> None:
         X, y = data
-        F = diagonal_fisher(model, X, y, kind=self.fisher, chunk_size=self.chunk_size).tensors
+        F = diagonal_fisher(model, X, y, curvature=self.fisher, chunk_size=self.chunk_size).tensors
         anchor = [p.detach().clone() for _, p in _named_trainable(model)]
         if self.online and self.fishers:
             self.fishers = [[self.gamma * old + new for old, new in zip(self.fishers[0], F)]]

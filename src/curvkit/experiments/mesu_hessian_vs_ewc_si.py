@@ -117,8 +117,8 @@ def _estimates(method: str, learner: Learner, model64: nn.Module, Xh: torch.Tens
         return {ESTIMATES[method][0]: learner.optimizer.curvature().flat.double().numpy()}
     assert isinstance(learner, TorchLearner) and isinstance(learner.penalty, SynapticIntelligence)
     omega, Omega = learner.penalty.importance(learner.model)
-    return {"ewc_fisher_emp": diagonal_fisher(model64, Xh, yh, kind="empirical").flat.numpy(),
-            "ewc_fisher_true": diagonal_fisher(model64, Xh, kind="true", chunk_size=32).flat.numpy(),
+    return {"ewc_fisher_emp": diagonal_fisher(model64, Xh, yh, curvature="empirical").flat.numpy(),
+            "ewc_fisher_true": diagonal_fisher(model64, Xh, curvature="true", chunk_size=32).flat.numpy(),
             "si_omega": _flat(omega), "si_Omega": _flat(Omega)}
 
 
