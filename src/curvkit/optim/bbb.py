@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from curvkit.likelihoods import Likelihood
 from curvkit.linalg.operator import DiagonalOperator
-from curvkit.optim.meanfield import MeanFieldOptimizer
-from curvkit.posterior.sampling import LossFn
+from curvkit.optim.meanfield import MeanFieldOptimizer, MeanFieldOptions
 
 
 class BBBSGD(MeanFieldOptimizer):
@@ -35,18 +33,10 @@ class BBBSGD(MeanFieldOptimizer):
         model: nn.Module | None = None,
         lr: float,
         sigma_init: float = 0.04,
-        mc_samples: int = 10,
-        loss_fn: LossFn | Likelihood | None = None,
-        sigma_min: float | None = None,
-        max_ratio: float | None = None,
-        seed: int = 0,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-        distributed: Any = None,
+        **options: Unpack[MeanFieldOptions],
     ):
-        defaults = dict(lr=lr, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
-        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
-                         generator=generator, chunk_size=chunk_size, distributed=distributed)
+        defaults = dict(lr=lr, sigma_init=sigma_init)
+        super().__init__(params, defaults, model=model, **options)
 
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         return -group["lr"] * g_mu, sigma - group["lr"] * g_sigma

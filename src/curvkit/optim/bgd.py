@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from curvkit.likelihoods import Likelihood
-from curvkit.optim.meanfield import MeanFieldOptimizer
-from curvkit.posterior.sampling import LossFn
+from curvkit.optim.meanfield import MeanFieldOptimizer, MeanFieldOptions
 
 
 class BGD(MeanFieldOptimizer):
@@ -45,18 +44,10 @@ class BGD(MeanFieldOptimizer):
         model: nn.Module | None = None,
         eta: float = 1.0,
         sigma_init: float = 0.04,
-        mc_samples: int = 10,
-        loss_fn: LossFn | Likelihood | None = None,
-        sigma_min: float | None = None,
-        max_ratio: float | None = None,
-        seed: int = 0,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-        distributed: Any = None,
+        **options: Unpack[MeanFieldOptions],
     ):
-        defaults = dict(eta=eta, sigma_init=sigma_init, sigma_min=sigma_min, max_ratio=max_ratio)
-        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
-                         generator=generator, chunk_size=chunk_size, distributed=distributed)
+        defaults = dict(eta=eta, sigma_init=sigma_init)
+        super().__init__(params, defaults, model=model, **options)
 
     def _deltas(self, group: dict[str, Any], sigma: Tensor, g_mu: Tensor, g_sigma: Tensor) -> tuple[Tensor, Tensor]:
         d_mu = -group["eta"] * sigma * sigma * g_mu

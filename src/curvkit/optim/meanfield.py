@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -107,6 +107,21 @@ def _warn_if_mean(loss_fn: Any, cls: str) -> None:
             MeanReductionWarning, stacklevel=4)
 
 
+class MeanFieldOptions(TypedDict, total=False):
+    """The keyword arguments every mean-field optimiser (:class:`~curvkit.optim.MESU`, :class:`~curvkit.optim.BGD`,
+    :class:`~curvkit.optim.BBBSGD`) takes beside its own hyperparameters, with one meaning and one default each
+    (documented on :class:`MeanFieldOptimizer`; ``sigma_min``/``max_ratio`` are per-group safeguards)."""
+
+    mc_samples: int
+    loss_fn: LossFn | Likelihood | None
+    sigma_min: float | None
+    max_ratio: float | None
+    seed: int
+    generator: torch.Generator | None
+    chunk_size: int | None
+    distributed: Any
+
+
 class MeanFieldOptimizer(CurvatureOptimizer):
     """Base class; see the module docstring. Subclasses implement :meth:`_deltas` and
     :meth:`_state_hessian` and validate their own hyperparameters in :meth:`_check_group`.
@@ -116,8 +131,8 @@ class MeanFieldOptimizer(CurvatureOptimizer):
             trainable parameters. Parameters of ``model`` left out stay deterministic (never sampled,
             never updated); so do frozen ones (``requires_grad=False``), which are dropped from the groups
             (``model.parameters()`` of a model with a frozen base is fine: :mod:`curvkit.optim.base`).
-        defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``, ``sigma_min``,
-            ``max_ratio``).
+        defaults: per-group hyperparameters (subclass-specific plus ``sigma_init``).
+        sigma_min, max_ratio: optional per-group safeguards (default off; module docstring).
         model: the module whose parameters are the posterior means mu (required: the vectorised step
             evaluates it at sampled weights).
         mc_samples: K, Monte Carlo samples per step (>= 1).
@@ -150,11 +165,14 @@ class MeanFieldOptimizer(CurvatureOptimizer):
         model: nn.Module | None,
         mc_samples: int = 10,
         loss_fn: LossFn | Likelihood | None = None,
+        sigma_min: float | None = None,
+        max_ratio: float | None = None,
         seed: int = 0,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
         distributed: Any = None,
     ):
+        defaults = {**defaults, "sigma_min": sigma_min, "max_ratio": max_ratio}
         params, model = legacy_model_first(type(self).__name__, params, model)
         if model is None:
             raise TypeError(f"{type(self).__name__} needs the model: {type(self).__name__}(model.parameters(), "

@@ -39,12 +39,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from curvkit.likelihoods import Likelihood
-from curvkit.optim.meanfield import MeanFieldOptimizer
-from curvkit.posterior.sampling import LossFn
+from curvkit.optim.meanfield import MeanFieldOptimizer, MeanFieldOptions
 
 
 class MESU(MeanFieldOptimizer):
@@ -88,26 +86,16 @@ class MESU(MeanFieldOptimizer):
         sigma_prior: float = 0.04,
         sigma_res: float = 10.0,
         sigma_init: float | None = None,
-        mc_samples: int = 10,
-        loss_fn: LossFn | Likelihood | None = None,
         regularize: bool = True,
-        sigma_min: float | None = None,
-        max_ratio: float | None = None,
-        seed: int = 0,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-        distributed: Any = None,
+        **options: Unpack[MeanFieldOptions],
     ):
         self.regularize = bool(regularize)
         defaults = dict(
             sigma_prior=sigma_prior,
             sigma_res=sigma_res,
             sigma_init=sigma_init,  # None: the group's sigma_prior
-            sigma_min=sigma_min,
-            max_ratio=max_ratio,
         )
-        super().__init__(params, defaults, model=model, mc_samples=mc_samples, loss_fn=loss_fn, seed=seed,
-                         generator=generator, chunk_size=chunk_size, distributed=distributed)
+        super().__init__(params, defaults, model=model, **options)
 
     POSITIVE = ("sigma_prior", "sigma_res")
 
