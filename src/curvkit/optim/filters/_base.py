@@ -168,7 +168,7 @@ FISHER_MODES = ("empirical", "centered", "given")
 def check_fisher_mode(mode: str) -> str:
     if mode not in FISHER_MODES:
         raise ValueError(
-            f"fisher must be one of {FISHER_MODES}, got {mode!r} ('empirical': e = g as in Adam/RMSProp; "
+            f"curvature must be one of {FISHER_MODES}, got {mode!r} ('empirical': e = g as in Adam/RMSProp; "
             "'centered': e = g - EMA(g); 'given': pass fisher_diag=[...] to step(), e.g. squared "
             "sampled-label gradients of the summed loss)"
         )
@@ -192,7 +192,7 @@ def fisher_square(mode: str, g: Tensor, state: dict[str, Any], given: Tensor | N
         state["g_avg"].mul_(center_beta).add_(g, alpha=1 - center_beta)
         return e * e
     if given is None:
-        raise ValueError("fisher='given' needs step(fisher_diag=[...]) with one tensor per parameter")
+        raise ValueError("curvature='given' needs step(fisher_diag=[...]) with one tensor per parameter")
     if given.shape != g.shape:
         raise ValueError(f"fisher_diag for {name} has shape {tuple(given.shape)}, expected {tuple(g.shape)}")
     if not all_finite(given) or bool((given < 0).any()):

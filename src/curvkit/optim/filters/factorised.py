@@ -15,7 +15,7 @@ Per weight, with g the ascent gradient of the summed log-likelihood at the curre
 * :class:`BFRMSPropSS` (the steady state after Eq. 14, extended to a finite sigma^2): s from the fixed point
   with a running v ~ <e^2>,
       1/s = 1/(2 sigma^2) + sqrt(1/(4 sigma^4) + (v_hat + eps)/eta^2)   (sigma^2 = inf: s = eta/sqrt(v_hat + eps)).
-  With sigma^2 = inf, fisher='empirical', bias_correction=False, eps=0 it is torch RMSprop(lr=eta, alpha=beta2, eps=0).
+  With sigma^2 = inf, curvature='empirical', bias_correction=False, eps=0 it is torch RMSprop(lr=eta, alpha=beta2, eps=0).
 
 Hyperparameter names: ``lr`` is eta (the steady-state Adam/RMSProp learning rate; a torch LR scheduler
 may change it), ``sigma2`` the stationary prior variance (``inf``: no decay; AdamW mapping in

@@ -254,7 +254,7 @@ class KFBayes(_KroneckerBase):
         with ``drift='paper'``, :class:`~.factorised.BFNatGrad` when eta = 0): s_prior = decay^2 s + eta^2,
         s <- 1 / (1/s_prior + g^2), W_post = W + s g, next prior mean decay W_post, with s_0 = ``s0`` (the
         Kronecker layers' initial per-weight variance) and the Fisher sample e = g, the minibatch's ascent
-        gradient in summed units (the factorised filters' ``fisher='empirical'``)."""
+        gradient in summed units (the factorised filters' ``curvature='empirical'``)."""
         grp = self._group()
         if not st:
             st["s"] = torch.full_like(g, grp["s0"])

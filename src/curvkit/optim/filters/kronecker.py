@@ -63,7 +63,7 @@ modules in training mode). The Kronecker posterior is kept on the layers these e
 Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped or 1-D
 convolutions, raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
 the factorised equations (Sec. 2.1.1) with the Fisher sample e = g, the minibatch's ascent gradient in summed
-units (the factorised filters' ``fisher='empirical'``; per-example gradients of arbitrary layers are not
+units (the factorised filters' ``curvature='empirical'``; per-example gradients of arbitrary layers are not
 captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W + s g) (s_0 = ``s0``);
 KFWhiten v = EMA_beta(g^2), W <- W + eta g / sqrt(v_hat + damping mean(v_hat)) (with its momentum and decay).
 ``diagonal`` lists those parameters; ``curvature()`` gives them exact diagonal blocks ``[[1]] (x) diag(1/s)``,
