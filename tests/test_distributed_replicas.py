@@ -116,7 +116,9 @@ def replica_worker(rank: int, world: int, names: tuple[str, ...], placements: tu
     torch.manual_seed(100 + rank)  # a different global RNG per rank: nothing may depend on it
     lik = CrossEntropy("mean")
     for placement in placements:
-        red = Reducer(timeout=60, placement=placement, blocking_wait=blocking_wait)  # type: ignore[arg-type]
+        fraction = 1 / world if placement == "hybrid" else None  # hybrid: each inverse on 1/fraction ranks
+        red = Reducer(timeout=60, placement=placement, blocking_wait=blocking_wait,  # type: ignore[arg-type]
+                      grad_worker_fraction=fraction)
         for name in names:
             if placement != "comm-opt" and not name.startswith("GN-"):
                 continue
