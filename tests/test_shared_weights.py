@@ -254,9 +254,11 @@ def test_plan_gives_every_use_its_blocks_and_frozen_ties_none():
     assert not est.shared and "lm_head" not in [lp.label for lp in est.plans]
 
 
-def test_a_large_sum_is_refused_with_the_fixes():
+def test_a_large_tied_head_is_a_pair_block_not_a_refusal():
+    """Above SHARED_DENSE_LIMIT a tied embedding and head are kept as a sum of two Kronecker terms
+    (tests/test_shared_pairs.py holds the consumers)."""
     model = NanoGPT(vocab=700, dim=6).to(D64)  # 4200 entries > SHARED_DENSE_LIMIT
-    with pytest.raises(ValueError, match=r"'wte' \(Embedding\) shares wte.weight with 1 other use\(s\) \(wte \+ "
-                                         r"lm_head\); their sum has 4200 entries, more than SHARED_DENSE_LIMIT.*"
-                                         r"untie.*freeze"):
-        KroneckerEstimator(model, CrossEntropy("sum"))
+    X, y = _ids(2, 3, 0), _ids(2, 3, 1)
+    op = KroneckerEstimator(model, CrossEntropy("sum")).update((X, y)).operator()
+    (b,) = [b for b in op.blocks if "wte.weight" in b.names]
+    assert b.pair and b.name == "wte + lm_head" and b.second[0].shape == (700,)

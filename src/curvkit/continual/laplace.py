@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from curvkit import layerkinds, precision
 from curvkit.continual.learners import TorchLearner
 from curvkit.continual.penalties import Penalty
+from curvkit.curvature import estimators
 from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
 from curvkit.curvature.diagonal_estimator import DiagonalEstimator
 from curvkit.curvature.estimators import KroneckerEstimator, OptionWords, wide_blocks
@@ -315,6 +316,12 @@ class LaplacePenalty(Penalty):
                         # a shared parameter's uses: one dense block, their sum (curvkit.linalg.kron.dense_sum)
                         names = sorted({n for i in members for n in specs[i].names}, key=order.index)
                         size = sum(int(model.get_parameter(n).numel()) for n in names)
+                        if size > estimators.SHARED_DENSE_LIMIT:
+                            raise ValueError(
+                                f"Kronecker Laplace penalty: {', '.join(names)} are shared by "
+                                f"{layerkinds.sum_label(plans, members)} and have {size} entries, more than "
+                                f"SHARED_DENSE_LIMIT = {estimators.SHARED_DENSE_LIMIT}; the penalty holds a shared parameter's "
+                                "uses as one dense block only: freeze or untie it, or use structure='diag'")
                         device = model.get_parameter(names[0]).device
                         blocks.append(PenaltyBlock(layerkinds.sum_label(plans, members), names[0],
                                                    names[1] if len(names) > 1 else None,
@@ -454,8 +461,8 @@ class LaplacePenalty(Penalty):
             if callable(select) and previous is not None:
                 select(previous)
         if self.structure == "kron":
-            stats = {est.blocks[m[0]][1].label if len(m) == 1 else layerkinds.sum_label(est.plans, m): (b.G, b.A)
-                     for m, b in zip(est.members, op.blocks)}
+            stats = {est.blocks[m[0]][1].label if len(m) == 1 else layerkinds.sum_label(est.plans, m):
+                     (b.single("Kronecker Laplace penalty").G, b.A) for m, b in zip(est.members, op.blocks)}
         else:
             stats = dict(zip(op.layout.names, op.tensors))
         return stats, int(est.num_terms)

@@ -63,7 +63,15 @@ from curvkit.curvature.recursion import activation_derivatives, kfra_chain
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator, LowRankFactor, block_positions, dense_sum
+from curvkit.linalg.kron import (
+    KroneckerBlock,
+    KroneckerOperator,
+    LowRankFactor,
+    StridedIndex,
+    block_positions,
+    dense_sum,
+    pair_in_view,
+)
 from curvkit.linalg.operator import sub_layout
 from curvkit.structure import (
     UnsupportedModelError,
@@ -886,8 +894,12 @@ class KroneckerEstimator(CurvatureEstimator):
         and tied weights"): the blocks that read a shared parameter form one group
         (:func:`curvkit.layerkinds.shared_groups`), which becomes ONE exact dense block
         (:func:`~curvkit.linalg.kron.dense_sum`, labelled :func:`curvkit.layerkinds.sum_label`) when it has at
-        most :data:`SHARED_DENSE_LIMIT` entries, and is refused above, naming the fixes. Uses that saw no data
-        (a module never called: zero factors) are left out of the sum where the others cover its parameters."""
+        most :data:`SHARED_DENSE_LIMIT` entries. Above that, two uses of one whole weight (:func:`_pair_order`:
+        a tied head and its embedding, GPT-2's 50,257 x 768) become ONE block that is the sum of two Kronecker
+        terms, ``G (x) A + G2 (x) A2`` in the first use's view (:func:`~curvkit.linalg.kron.pair_in_view`;
+        :attr:`~curvkit.linalg.kron.KroneckerBlock.second`), exact and never dense; anything else is refused at
+        construction, naming the fixes. Uses that saw no data (a module never called: zero factors) are left out
+        of the sum where the others cover its parameters."""
         out: list[KroneckerBlock] = []
         self.members = layerkinds.shared_groups(self.plans, self.shared)
         for members in self.members:
@@ -898,19 +910,36 @@ class KroneckerEstimator(CurvatureEstimator):
             live = [j for j in members if _nonzero(blocks[j])]
             terms = [blocks[j] for j in (live if live and {n for j in live for n in blocks[j].names} == names
                                          else members)]
-            out.append(dense_sum(self.layout, terms, layerkinds.sum_label(self.plans, members)))
+            label = layerkinds.sum_label(self.plans, members)
+            if self._entries(names) <= SHARED_DENSE_LIMIT:
+                out.append(dense_sum(self.layout, terms, label))
+                continue
+            order = _pair_order([self.blocks[j][1] for j in members])
+            assert order is not None  # checked at construction (_check_shared)
+            first, second = (blocks[members[i]] for i in order)
+            if len(terms) == 1:  # one use saw no data: the other's term alone (it reads every entry)
+                t = terms[0]
+                out.append(KroneckerBlock(t.G, t.A, t.weight_name, t.bias_name, t.index, label))
+                continue
+            G1, A1, G2, A2 = pair_in_view(first, second)
+            out.append(KroneckerBlock(G1, A1, first.weight_name, first.bias_name, first.index, label,
+                                      second=(G2, A2)))
         return out
+
+    def _entries(self, names: set[str] | Sequence[str]) -> int:
+        """The number of entries of the parameters ``names``."""
+        return sum(self.structure.model.get_parameter(n).numel() for n in names)
 
     def _check_shared(self) -> None:
         """Refuse, at construction, a sum of a shared parameter's uses that :meth:`_sum_shared` cannot hold: more
-        than :data:`SHARED_DENSE_LIMIT` entries, or more than two parameters (a weight shared by two layers with
-        biases of their own)."""
-        shapes = {p: math.prod(t.shape) for p, t in self.structure.model.named_parameters()}
+        than two parameters (a weight shared by two layers with biases of their own), or more than
+        :data:`SHARED_DENSE_LIMIT` entries in uses that are not two Kronecker terms of one weight
+        (:func:`_pair_order`)."""
         for members in layerkinds.shared_groups(self.plans, self.shared):
             if len(members) == 1:
                 continue
             names = {n for j in members for n in self.blocks[j][1].names}
-            size = sum(shapes[n] for n in names)
+            size = self._entries(names)
             label = layerkinds.sum_label(self.plans, members)
             lp = self.blocks[members[0]][0]
             tied = ", ".join(sorted(n for n in names if n in self.shared))
@@ -920,10 +949,29 @@ class KroneckerEstimator(CurvatureEstimator):
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}), which read {len(names)} parameters together ({', '.join(sorted(names))}); "
                              "the sum block of a shared parameter holds a weight and one bias", fix)
-            if size > SHARED_DENSE_LIMIT:
+            if size > SHARED_DENSE_LIMIT and _pair_order([self.blocks[j][1] for j in members]) is None:
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}); their sum has {size} entries, more than SHARED_DENSE_LIMIT = "
-                             f"{SHARED_DENSE_LIMIT}, and is held as one exact dense block", fix)
+                             f"{SHARED_DENSE_LIMIT} (held as one exact dense block up to there), and above it only "
+                             "two uses of one whole weight (one in its standard view, e.g. a tied head and its "
+                             "embedding) are kept as a sum of two Kronecker terms", fix)
+
+
+def _pair_order(specs: Sequence[BlockSpec]) -> tuple[int, int] | None:
+    """(first, second) positions of two uses of one weight that a pair block holds
+    (:func:`curvkit.linalg.kron.pair_in_view`): the first in the weight's standard view (index None: a Linear
+    head, with or without a bias), the second on the same weight without a bias, in the standard view or the
+    whole transposed one (an embedding table); None for anything else."""
+    if len(specs) != 2 or specs[0].weight != specs[1].weight:
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        first, second = specs[i], specs[j]
+        if first.index is not None or first.form != "kron" or second.form != "kron" or second.bias is not None:
+            continue
+        if second.index is None or (isinstance(second.index, StridedIndex) and second.index.transposed
+                                    and not second.index.bias):
+            return i, j
+    return None
 
 
 #: the layer kinds whose statistics read only a layer's inputs and output gradients (never its weight), so they

@@ -32,7 +32,9 @@ from torch import Tensor
 from curvkit.laplace._glm import FactoredTerm, GLMTerm, GradTerm, SpectralTerm, SumTerm
 from curvkit.linalg.kron import (
     BlockIndex,
+    FactoredPairInverse,
     KroneckerOperator,
+    KroneckerPairEigh,
     LowRankFactor,
     factor_state,
     index_state,
@@ -43,7 +45,7 @@ from curvkit.linalg.krylov import NotPositiveDefiniteError
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, DenseOperator, DiagonalOperator
 
-__all__ = ["DenseBlock", "DiagonalBlock", "KroneckerBlock", "PosteriorBlock"]
+__all__ = ["DenseBlock", "DiagonalBlock", "KroneckerBlock", "PosteriorBlock", "factors_state"]
 
 
 def _chol(M: Tensor, what: str) -> Tensor:
@@ -74,6 +76,57 @@ def _positive_vector(v: Tensor, what: str) -> Tensor:
     if not bool((v > 0).all()):
         raise NotPositiveDefiniteError(f"{what} is not positive definite; increase the prior precision or N")
     return v
+
+
+def _generalised_eigvals(M1: Tensor, M2: Tensor) -> tuple[Tensor, Tensor]:
+    """(eigenvalues w of ``M2^{-1/2} M1 M2^{-1/2}``, log det M2) for symmetric M1 and positive definite M2,
+    either a vector (diagonal), differentiable in both (the marginal likelihood's gradient in N and lambda)."""
+    if M2.dim() == 1:
+        s = _positive_vector(M2, "a damped factor").rsqrt()
+        w = M1 * s * s if M1.dim() == 1 else torch.linalg.eigvalsh(s[:, None] * M1 * s[None, :])
+        return w, torch.log(M2).sum()
+    L = _chol(M2, "a damped factor")
+    Li = torch.linalg.solve_triangular(L, torch.eye(L.shape[0], dtype=L.dtype, device=L.device), upper=False)
+    M1d = torch.diag(M1) if M1.dim() == 1 else M1
+    return torch.linalg.eigvalsh(Li @ M1d @ Li.T), 2 * torch.log(L.diagonal()).sum()
+
+
+def _pair_logdet(b: KFactors, pi: float, N: Tensor, lam: Tensor) -> Tensor:
+    """``log det`` of a pair block's factored-form precision (:meth:`KroneckerBlock._pair`),
+    ``in_aug log det G2' + out log det A2' + sum_ij log(g_i a_j + 1)`` with g, a the generalised eigenvalues of
+    ``(N G, G2')`` and ``(A, A2')`` (:class:`~curvkit.linalg.kron.KroneckerPairEigh`), written with
+    differentiable operations in N and lambda. A low-rank G ``U diag(s) U^T`` (c = 0) gives its r nonzero
+    ``g`` from the r x r matrix ``(U sqrt(N s))^T G2'^{-1} (U sqrt(N s))``; the other ``out - r`` are 0 and add
+    nothing."""
+    assert b.second is not None
+    sN, sl = N.sqrt(), lam.sqrt()
+    G2, A2 = b.second
+    G2d = sN * G2 + (sl / pi) * (torch.ones_like(G2) if G2.dim() == 1 else torch.eye(b.out_dim, dtype=G2.dtype,
+                                                                                   device=G2.device))
+    A2d = sN * A2 + (pi * sl) * (torch.ones_like(A2) if A2.dim() == 1 else torch.eye(b.in_dim, dtype=A2.dtype,
+                                                                                   device=A2.device))
+    a, ldA = _generalised_eigvals(b.A, A2d)
+    if isinstance(b.G, LowRankFactor):
+        if b.G.c != 0:
+            raise ValueError(f"{b.name!r}: a low-rank first output factor of a pair must be exactly low rank (c = 0)")
+        K = b.G.U * (N * b.G.s.clamp_min(0)).sqrt()
+        if G2d.dim() == 1:
+            W = K * _positive_vector(G2d, "a damped factor").rsqrt()[:, None]
+            ldG = torch.log(G2d).sum()
+        else:
+            L = _chol(G2d, "a damped factor")
+            W = torch.linalg.solve_triangular(L, K, upper=False)
+            ldG = 2 * torch.log(L.diagonal()).sum()
+        g = torch.linalg.eigvalsh(W.T @ W)
+    else:
+        g, ldG = _generalised_eigvals(N * b.G, G2d)
+    return b.in_dim * ldG + b.out_dim * ldA + torch.log1p(torch.outer(g, a)).sum()
+
+
+def factors_state(b: KFactors) -> dict[str, Any]:
+    """One Kronecker block's factors, names, view and second term as plain tensors (a state_dict's form)."""
+    return {"G": factor_state(b.G), "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
+            "index": index_state(b.index), "label": b.label, "factored": b.factored, "second": b.second}
 
 
 class PosteriorBlock:
@@ -140,6 +193,10 @@ class KroneckerBlock(PosteriorBlock):
             raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {form!r}")
         self.form, self.layer, self.factors = form, layer, factors
         KroneckerOperator(layout, factors)  # checks the blocks against the layout: shapes, every entry once
+        if form == "exact":
+            for b in factors:
+                b.single("Kronecker Laplace with prior_form='exact' (N C + lam I has no closed form for a sum of two "
+                         "Kronecker terms; prior_form='factored' takes it)")
         self.balance = bool(balance)
         self.pis = [self._pi(b) for b in factors]
         self.views = [BlockIndex(layout, b.weight_name, b.bias_name, self.device, b.index) for b in factors]
@@ -148,8 +205,9 @@ class KroneckerBlock(PosteriorBlock):
         """The trace-norm split of Eq. 4.27 (``balance``), 1 otherwise (omega = 1 of Eq. 5.14)."""
         if not (self.balance and b.factored):
             return 1.0
-        tG = float(b.G.trace()) / b.out_dim
-        tA = float(b.A.sum() if b.diagonal_input else b.A.trace()) / b.in_dim
+        G, A = b.second if b.second is not None else (b.G, b.A)  # a pair: the term that carries the prior
+        tG = float(G.sum() if G.dim() == 1 else G.trace()) / b.out_dim
+        tA = float(A.sum() if A.dim() == 1 else A.trace()) / b.in_dim
         return math.sqrt(tA / tG) if tG > 0 and tA > 0 else 1.0
 
     @functools.cached_property
@@ -162,6 +220,8 @@ class KroneckerBlock(PosteriorBlock):
         (out, r)); its complement is :attr:`_rest`."""
         out: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
         for b in self.factors:
+            if b.pair:  # no Kronecker eigenbasis (:meth:`_pair`); refused with prior_form='exact'
+                continue
             if isinstance(b.G, LowRankFactor):
                 lG, QG = b.G.s.clamp_min(0), b.G.U
             else:
@@ -183,6 +243,22 @@ class KroneckerBlock(PosteriorBlock):
     def _eye(self, n: int) -> Tensor:
         return torch.eye(n, dtype=self.dtype, device=self.device)
 
+    def _pair(self, j: int, N: float | Tensor, lam: Tensor) -> KroneckerPairEigh:
+        """A pair block's precision in the factored form, the prior carried by the second term (Eq. 5.14 applied
+        to it): ``N G (x) A + (sqrt(N) G2 + sqrt(lam)/pi I) (x) (sqrt(N) A2 + pi sqrt(lam) I)``, through
+        :class:`~curvkit.linalg.kron.KroneckerPairEigh` (cached per N and lambda)."""
+        b, pi = self.factors[j], self.pis[j]
+        assert b.second is not None
+        G2, A2 = b.second
+        n, l = float(N), float(lam[self.layer])
+
+        def build() -> KroneckerPairEigh:
+            sN = math.sqrt(n)
+            G1 = b.G * n if isinstance(b.G, LowRankFactor) else n * b.G
+            return KroneckerPairEigh.of(G1, b.A, sN * G2, sN * A2, damping=l, pi=pi, what=repr(b.name))
+
+        return self._cached(("pair", j, n, l), build)  # type: ignore[no-any-return]
+
     def damped(self, N: float, lam: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per block the precision factors ``(P_G, P_A)`` of the factored form (Eq. 5.14; ``P_A`` a vector for
         a diagonal A); a ``factored=False`` block gives ``([[1]], N g A + lam I)``."""
@@ -190,6 +266,9 @@ class KroneckerBlock(PosteriorBlock):
         sl = math.sqrt(l)
         out = []
         for b, pi in zip(self.factors, self.pis):
+            if b.second is not None:  # N G (x) A; the prior rides on the second term (:meth:`_pair`)
+                out.append((b.G * N if isinstance(b.G, LowRankFactor) else N * b.G, b.A))
+                continue
             if not b.factored:
                 g = float(b.G[0, 0])
                 PA = N * g * b.A + (l if b.diagonal_input else l * self._eye(b.in_dim))
@@ -207,6 +286,9 @@ class KroneckerBlock(PosteriorBlock):
         def build() -> list[tuple[Tensor, Tensor]]:
             out = []
             for b, (PG, PA) in zip(self.factors, self.damped(N, lam)):
+                if b.pair:  # no Cholesky factors: :meth:`_pair`
+                    out.append((PG, PA))
+                    continue
                 LG = PG if isinstance(PG, LowRankFactor) else _chol(PG, f"the output factor of {b.name!r}")
                 LA = (_positive_vector(PA, f"the input factor of {b.name!r}").sqrt() if PA.dim() == 1
                       else _chol(PA, f"the input factor of {b.name!r}"))
@@ -222,15 +304,27 @@ class KroneckerBlock(PosteriorBlock):
     def precision(self, N: float, lam: Tensor) -> CurvatureOperator:
         if self.form == "factored":
             blocks = [KFactors.from_gram(PG, PA, b.weight_name, b.bias_name, index=b.index, label=b.label,
-                                         factored=b.factored) for b, (PG, PA) in zip(self.factors, self.damped(N, lam))]
+                                         factored=b.factored, second=self._second(b, pi, N, lam))
+                      for b, pi, (PG, PA) in zip(self.factors, self.pis, self.damped(N, lam))]
             return KroneckerOperator(self.layout, blocks)
         blocks = [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=N, index=b.index, label=b.label,
                                      factored=b.factored) for b in self.factors]
         return KroneckerOperator(self.layout, blocks, damping=float(lam[self.layer]))
 
+    def _second(self, b: KFactors, pi: float, N: float, lam: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A pair block's damped second term ``(sqrt(N) G2 + sqrt(lam)/pi I, sqrt(N) A2 + pi sqrt(lam) I)``."""
+        if b.second is None:
+            return None
+        sN, sl = math.sqrt(N), math.sqrt(float(lam[self.layer]))
+        G2, A2 = b.second
+        return (sN * G2 + (sl / pi) * (torch.ones_like(G2) if G2.dim() == 1 else self._eye(b.out_dim)),
+                sN * A2 + (pi * sl) * (torch.ones_like(A2) if A2.dim() == 1 else self._eye(b.in_dim)))
+
     def covariance(self, N: float, lam: Tensor) -> CurvatureOperator:
         if self.form == "exact":
             return self.precision(N, lam).inverse()
+        if any(b.pair for b in self.factors):
+            return FactoredPairInverse(self.precision(N, lam))  # type: ignore[arg-type]
         blocks = []
         for b, (LG, LA) in zip(self.factors, self._cholesky(N, lam)):
             iA = 1.0 / LA**2 if LA.dim() == 1 else torch.cholesky_inverse(LA)
@@ -242,7 +336,12 @@ class KroneckerBlock(PosteriorBlock):
     def logdet(self, N: Tensor, lam: Tensor) -> Tensor:
         l = lam[self.layer]
         total = torch.zeros((), dtype=self.dtype, device=self.device)
-        for b, pi, (lG, _, lA, _), (rest, c) in zip(self.factors, self.pis, self._eigen, self._rest):
+        eigen = iter(self._eigen)
+        for b, pi, (rest, c) in zip(self.factors, self.pis, self._rest):
+            if b.pair:
+                total = total + _pair_logdet(b, pi, N, l)
+                continue
+            lG, _, lA, _ = next(eigen)
             if self.form == "exact" or not b.factored:  # the exact spectrum N lG lA^T + lam
                 total = total + torch.log(N * torch.outer(lG, lA) + l).sum()
                 if rest:  # a low-rank G's complement: eigenvalue c, multiplicity out - r
@@ -268,6 +367,9 @@ class KroneckerBlock(PosteriorBlock):
         for j, (b, view) in enumerate(zip(self.factors, self.views)):
             Z = torch.randn(num_samples, b.out_dim, b.in_dim, dtype=self.dtype, device=self.device,
                             generator=generator)
+            if b.pair:  # W_G [Z / sqrt(g a^T + 1)] W_A^T (KroneckerPairEigh.sample)
+                view.scatter(self._pair(j, N, lam).sample(Z.permute(1, 2, 0)), out.T)
+                continue
             if chol is not None:
                 LG, LA = chol[j]
                 X = _g_half_solve(LG, Z, f"the output factor of {b.name!r}")
@@ -292,6 +394,11 @@ class KroneckerBlock(PosteriorBlock):
         terms: list[GLMTerm] = []
         spectra = self._spectra(N, lam) if self.form == "exact" else None
         for j, (b, (_, PA)) in enumerate(zip(self.factors, self.damped(N, lam))):
+            if b.pair:
+                raise ValueError(f"the linearised (GLM) predictive: block {b.name!r} is the sum of two Kronecker "
+                                 "terms (a parameter used in two places, e.g. a tied embedding and output layer), "
+                                 "whose Jacobian rows come from both uses; use predict(X, method='mc') (samples of "
+                                 "the posterior), or freeze or untie the shared parameter")
             if not b.factored:
                 terms.append(GradTerm(chol=_chol(PA, f"the block of {b.name!r}")) if PA.dim() == 2 else
                              GradTerm(inverse=1.0 / _positive_vector(PA, f"the block of {b.name!r}")))
@@ -315,8 +422,7 @@ class KroneckerBlock(PosteriorBlock):
         return GradTerm(dense=self.covariance(N, lam).to_dense())
 
     def state(self) -> dict[str, Any]:
-        return {"blocks": [{"G": factor_state(b.G), "A": b.A, "weight": b.weight_name, "bias": b.bias_name, "index": index_state(b.index),
-                            "label": b.label, "factored": b.factored} for b in self.factors]}
+        return {"blocks": [factors_state(b) for b in self.factors]}
 
 
 # ---------------------------------------------------------------------------------------------- diagonal

@@ -99,7 +99,7 @@ class KroneckerSource:
         est = self.estimator
         n = float(est.num_data)
         return [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=1.0 / n, index=b.index,
-                                   label=b.label, factored=b.factored) for b in est.operator().blocks]
+                                   label=b.label, factored=b.factored, second=b.second) for b in est.operator().blocks]
 
 
 class DiagonalSource:

@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from curvkit import precision
 from curvkit.curvature._graph import warn_unused
 from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
-from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock
+from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock, factors_state
 from curvkit.laplace._curvature import (
     ELEMENT_METHODS,
     KRON_METHODS,
@@ -99,7 +99,7 @@ from curvkit.laplace._subset import (
 from curvkit.laplace.operators import BlockSumOperator
 from curvkit.likelihoods import Likelihood
 from curvkit.linalg.kron import KroneckerBlock as KFactors
-from curvkit.linalg.kron import factor_from_state, factor_state, index_from_state, index_state
+from curvkit.linalg.kron import factor_from_state, index_from_state
 from curvkit.linalg.layout import ParamLayout
 from curvkit.linalg.operator import CurvatureOperator, _indices, sub_layout
 from curvkit.structure import LayerInfo, curvature_kernels, differentiable, read_model, uncompiled
@@ -530,9 +530,7 @@ class Laplace:
         for group in _components(sources["kron"].blocks()):
             layer = self._layer_of[group[0].weight_name]
             stats.append({"type": "kron", "layer": self.layer_names[layer],
-                          "blocks": [{"G": factor_state(b.G), "A": b.A, "weight": b.weight_name, "bias": b.bias_name,
-                                      "index": index_state(b.index), "label": b.label, "factored": b.factored}
-                                     for b in group]})
+                          "blocks": [factors_state(b) for b in group]})
         return stats
 
     def _ordered(self, names: Iterable[str]) -> list[str]:
@@ -568,7 +566,9 @@ class Laplace:
             specs = list(s["blocks"])
         factors = [KFactors(factor_from_state(b["G"], self.device), b["A"].to(self.device), b["weight"], b.get("bias"),
                             index_from_state(b.get("index"), self.device), b.get("label"),
-                            bool(b.get("factored", True))) for b in specs]
+                            bool(b.get("factored", True)),
+                            None if b.get("second") is None else tuple(t.to(self.device) for t in b["second"]))
+                   for b in specs]
         names = self._ordered({n for b in factors for n in b.names})
         layers = {self._layer_of[n] for n in names}
         shared = [n for n in names if n in read_model(self.model).shared_parameters] if len(layers) > 1 else []

@@ -37,6 +37,12 @@ class KroneckerBlock:
         factored: False for a plain matrix block written as ``[[g]] (x) A`` with a (1, 1) ``G`` (the exact
             or diagonal block of a normalisation layer or of raw parameters): damping is then added to
             the block exactly, never split between the factors.
+        second: None, or a second Kronecker term ``(G2, A2)`` on the SAME matrix view, so that the block is
+            ``G (x) A + G2 (x) A2`` (a weight used in two places, e.g. a tied embedding and output layer:
+            :func:`curvkit.linalg.kron.pair_in_view`). ``G2`` is (out, out) or an (out,) vector (a diagonal
+            output factor: an embedding's token counts), ``A2`` (in_aug, in_aug) or (in_aug,). Only for
+            ``factored=True`` blocks; damped inverses and log-determinants go through
+            :class:`~curvkit.linalg.factors.KroneckerPairEigh`.
 
     ``G`` and ``A`` are validated (square - or a vector for A -, finite, symmetric up to rounding) and
     stored symmetrised. Their agreement with the parameter shapes is checked by :class:`KroneckerOperator`.
@@ -49,6 +55,7 @@ class KroneckerBlock:
     index: Index | None = None
     label: str | None = None
     factored: bool = True
+    second: tuple[Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
         what = f"KroneckerBlock({self.name!r})"
@@ -67,11 +74,14 @@ class KroneckerBlock:
                              f"{tuple(self.G.shape)}")
         self.G = self.G if low_rank else _symmetrise(self.G)
         self.A = self.A.clone() if self.A.dim() == 1 else _symmetrise(self.A)
+        if self.second is not None:
+            self.second = _check_second(self.second, self.out_dim, self.in_dim, self.factored, what)
 
     @classmethod
     def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
                   scale_G: float = 1.0, scale_A: float = 1.0, *, index: Index | None = None,
-                  label: str | None = None, factored: bool = True) -> KroneckerBlock:
+                  label: str | None = None, factored: bool = True,
+                  second: tuple[Tensor, Tensor] | None = None) -> KroneckerBlock:
         """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
         ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
         several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
@@ -82,6 +92,7 @@ class KroneckerBlock:
         blk.A = A * scale_A if A.dim() == 1 else _symmetrise(A, 0.5 * scale_A)
         blk.weight_name, blk.bias_name = weight_name, bias_name
         blk.index, blk.label, blk.factored = index, label, factored
+        blk.second = None if second is None else (second[0] * scale_G, second[1] * scale_A)
         return blk
 
     @property
@@ -112,9 +123,45 @@ class KroneckerBlock:
     def names(self) -> tuple[str, ...]:
         return (self.weight_name,) if self.bias_name is None else (self.weight_name, self.bias_name)
 
-    def with_factors(self, G: Tensor, A: Tensor) -> KroneckerBlock:
+    @property
+    def pair(self) -> bool:
+        """The block is a sum of two Kronecker terms (:attr:`second`)."""
+        return self.second is not None
+
+    def with_factors(self, G: Tensor, A: Tensor, second: tuple[Tensor, Tensor] | None = None) -> KroneckerBlock:
         """The same block (names, index, label, kind) with other factors (validated)."""
-        return KroneckerBlock(G, A, self.weight_name, self.bias_name, self.index, self.label, self.factored)
+        return KroneckerBlock(G, A, self.weight_name, self.bias_name, self.index, self.label, self.factored, second)
+
+    def scaled(self, s: float) -> KroneckerBlock:
+        """``s`` times the block: every term's output factor times ``s``."""
+        second = None if self.second is None else (s * self.second[0], self.second[1])
+        return self.with_factors(s * self.G, self.A, second)
+
+    def single(self, what: str) -> KroneckerBlock:
+        """This block, checked to be ONE Kronecker term: a route that reads ``G`` and ``A`` alone calls it, so
+        a sum of two terms is refused by name instead of losing its second term."""
+        if self.second is not None:
+            raise ValueError(f"{what}: block {self.name!r} is the sum of two Kronecker terms (a parameter used in "
+                             "two places, e.g. a tied embedding and output layer), which this route does not take; "
+                             "freeze or untie the shared parameter, or use GaussNewton, the Kronecker operator or "
+                             "Kronecker Laplace (prior_form='factored'), which take it")
+        return self
+
+
+def _check_second(second: tuple[Tensor, Tensor], out: int, in_aug: int, factored: bool,
+                  what: str) -> tuple[Tensor, Tensor]:
+    """The second term of a pair block, validated: shapes (vectors: diagonal factors), finite, symmetric."""
+    if not factored:
+        raise ValueError(f"{what}: a second Kronecker term needs a factored block")
+    G2, A2 = second
+    for M, n, side in ((G2, out, "G2"), (A2, in_aug, "A2")):
+        if M.shape not in ((n,), (n, n)):
+            raise ValueError(f"{what}: the second term's {side} must be ({n},) or ({n}, {n}), got {tuple(M.shape)}")
+        if M.dim() == 1:
+            _check_diagonal_factor(M, f"{what}.{side}")
+        else:
+            _check_square_symmetric(M, f"{what}.{side}")
+    return (G2.clone() if G2.dim() == 1 else _symmetrise(G2), A2.clone() if A2.dim() == 1 else _symmetrise(A2))
 
 
 @dataclass

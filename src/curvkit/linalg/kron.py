@@ -95,6 +95,7 @@ __all__ = [
     "BlockIndex",
     "BlockView",
     "DenseBlock",
+    "FactoredPairInverse",
     "Index",
     "KroneckerBlock",
     "KroneckerEigh",
@@ -112,6 +113,7 @@ __all__ = [
     "index_from_state",
     "index_state",
     "kron_matvec",
+    "pair_eigh",
     "pair_in_view",
     "psd_eigh",
     "stable_eigh",
@@ -168,12 +170,21 @@ class KroneckerOperator(CurvatureOperator):
                 )
         self._eigh: list[KroneckerEigh] | None = None
 
+    @property
+    def has_pairs(self) -> bool:
+        """Some block is a sum of two Kronecker terms (:attr:`KroneckerBlock.second`)."""
+        return any(b.pair for b in self.blocks)
+
     # ------------------------------------------------------------------ products and closed forms
     def _matmat(self, M: Tensor) -> Tensor:
         M = M.to(self.dtype)
         out = torch.empty_like(M)
         for b, ix in zip(self.blocks, self._index):
-            ix.scatter(_sandwich(b.G, ix.gather(M), b.A), out)
+            X = ix.gather(M)
+            Y = _sandwich(b.G, X, b.A)
+            if b.second is not None:
+                Y = Y + _term(*b.second, X)
+            ix.scatter(Y, out)
         return out + self.damping * M if self.damping != 0 else out
 
     def to_dense(self) -> Tensor:
@@ -182,7 +193,11 @@ class KroneckerOperator(CurvatureOperator):
         D = torch.zeros(d, d, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
             A = torch.diag(b.A) if b.diagonal_input else b.A
-            D[ix.perm[:, None], ix.perm[None, :]] = torch.kron(_dense(b.G).contiguous(), A.contiguous())
+            K = torch.kron(_dense(b.G).contiguous(), A.contiguous())
+            if b.second is not None:
+                G2, A2 = (torch.diag(M) if M.dim() == 1 else M for M in b.second)
+                K = K + torch.kron(G2.contiguous(), A2.contiguous())
+            D[ix.perm[:, None], ix.perm[None, :]] = K
         if self.damping != 0:
             D.diagonal().add_(self.damping)
         return D
@@ -191,7 +206,10 @@ class KroneckerOperator(CurvatureOperator):
         """Exact: the diagonal of ``G (x) A`` is ``vec_row(outer(diag G, diag A))``."""
         flat = torch.empty(self.layout.dim, dtype=self.dtype, device=self.device)
         for b, ix in zip(self.blocks, self._index):
-            ix.scatter(torch.outer(b.G.diagonal(), _diag(b.A)), flat[:, None])
+            d = torch.outer(b.G.diagonal(), _diag(b.A))
+            if b.second is not None:
+                d = d + torch.outer(_diag(b.second[0]), _diag(b.second[1]))
+            ix.scatter(d, flat[:, None])
         return DiagonalOperator.from_flat(self.layout, flat + self.damping)
 
     def trace(self, method: TraceMethod = "exact", num_probes: int = 100,
@@ -200,31 +218,23 @@ class KroneckerOperator(CurvatureOperator):
         """``sum_l tr(G_l) tr(A_l) + damping * d`` for ``method='exact'``; estimators otherwise."""
         if method != "exact":
             return super().trace(method, num_probes, generator, distribution)
-        t = sum((b.G.trace() * _trace(b.A) for b in self.blocks), torch.zeros((), dtype=self.dtype,
-                                                                              device=self.device))
+        t = sum((b.G.trace() * _trace(b.A) + (_trace(b.second[0]) * _trace(b.second[1]) if b.second is not None else 0)
+                 for b in self.blocks), torch.zeros((), dtype=self.dtype, device=self.device))
         return t + self.damping * self.layout.dim
 
     def eigh(self) -> list[KroneckerEigh]:
-        """Per-block eigendecompositions of the factors (cached; the damping is NOT included)."""
+        """Per-block eigendecompositions of the factors (cached; the damping is NOT included). Refused for a
+        block that is a sum of two Kronecker terms (it has no Kronecker eigenbasis)."""
         if self._eigh is None:
-            out = []
-            for b in self.blocks:
-                rest: tuple[int, float] = (0, 0.0)
-                if isinstance(b.G, LowRankFactor):  # already a thin eigendecomposition
-                    lG, QG, rest = b.G.s, b.G.U, (b.G.complement, b.G.c)
-                else:
-                    lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
-                if b.diagonal_input:
-                    out.append(KroneckerEigh(lG, QG, b.A.clone(), None, *rest))
-                    continue
-                lA, QA = stable_eigh(b.A, f"factor A of {b.name!r}")
-                out.append(KroneckerEigh(lG, QG, lA, QA, *rest))
-            self._eigh = out
+            self._eigh = [_block_eigh(b.single("the factors' eigendecomposition")) for b in self.blocks]
         return self._eigh
 
     def eigenvalues(self, k: int = 1, which: Literal["largest", "smallest"] = "largest",
                     num_iter: int | None = None, generator: torch.Generator | None = None) -> Tensor:
-        """Exact top-k (or bottom-k) eigenvalues from the factors' spectra, in descending order."""
+        """Exact top-k (or bottom-k) eigenvalues from the factors' spectra, in descending order (Lanczos, the
+        general route, when a block is a sum of two terms)."""
+        if self.has_pairs:
+            return super().eigenvalues(k, which, num_iter, generator)
         allv = torch.cat([_spectrum_values(e, e.eigenvalues(self.damping), k) for e in self.eigh()])
         vals = torch.sort(allv, descending=True).values
         return vals[:k] if which == "largest" else vals[-k:]
@@ -239,25 +249,13 @@ class KroneckerOperator(CurvatureOperator):
         negative than the rounding (indefinite factors) are kept and checked as they are.
         """
         delta = self.damping + _check_damping(damping)
-        spectra = []
-        for b, e in zip(self.blocks, self.eigh()):
-            prod = torch.outer(e.G_values, e.A_eigvals)
-            noise = max(prod.shape) * torch.finfo(prod.dtype).eps * float(prod.abs().max())
-            low = float(prod.min())
-            if low >= -noise:
-                prod = torch.where(prod.abs() <= noise, torch.zeros_like(prod), prod)
-            lam = prod + delta
-            ok = (delta > 0 or low > noise) if low >= -noise else bool((lam > 0).all())
-            if not ok:
-                raise NotPositiveDefiniteError(
-                    f"{what}: block {b.name!r} is not positive definite after damping {delta:g} "
-                    f"(smallest eigenvalue {low + delta:.3g}, rounding level {noise:.2g}); increase the damping"
-                )
-            spectra.append(lam)
-        return spectra
+        return [_damped_spectrum(b, e, delta, what) for b, e in zip(self.blocks, self.eigh())]
 
     def _logdet(self, damping: float) -> Tensor:
-        """``log det(C + damping I) = sum_l sum_ij log(lG_i lA_j + delta)`` (raises if not PD)."""
+        """``log det(C + damping I) = sum_l sum_ij log(lG_i lA_j + delta)`` (raises if not PD). A sum of two
+        Kronecker terms plus ``delta I`` has no closed form: with such a block the general (dense) route."""
+        if self.has_pairs:
+            return super()._logdet(damping)
         spectra = self._damped_spectra(damping, "logdet")
         return sum((_spectrum_sum(e, torch.log(s)) for e, s in zip(self.eigh(), spectra)),
                    torch.zeros((), dtype=self.dtype, device=self.device))
@@ -275,8 +273,7 @@ class KroneckerOperator(CurvatureOperator):
         s = float(scale)
         if not math.isfinite(s):
             raise ValueError(f"scale must be finite, got {s}")
-        blocks = [b.with_factors(s * b.G, b.A) for b in self.blocks]
-        return KroneckerOperator(self.layout, blocks, s * self.damping)
+        return KroneckerOperator(self.layout, [b.scaled(s) for b in self.blocks], s * self.damping)
 
     __rmul__ = __mul__
 
@@ -300,11 +297,12 @@ class KroneckerOperator(CurvatureOperator):
             if not b.factored:  # damped exactly (factored_damping): no split
                 out.append(1.0)
                 continue
+            G, A = b.second if b.second is not None else (b.G, b.A)  # a pair: the term that carries the damping
             if norm == "trace":
-                nG, nA = float(b.G.trace()) / b.out_dim, float(_trace(b.A)) / b.in_dim
+                nG, nA = float(_trace(G)) / b.out_dim, float(_trace(A)) / b.in_dim
             else:
-                nG = _fro(b.G) / math.sqrt(b.out_dim)
-                nA = _fro(b.A) / math.sqrt(b.in_dim)
+                nG = _fro(G) / math.sqrt(b.out_dim)
+                nA = _fro(A) / math.sqrt(b.in_dim)
             if not (nG > 0 and nA > 0 and math.isfinite(nG) and math.isfinite(nA)):
                 raise ValueError(
                     f"block {b.name!r}: the {norm}-norm split needs positive finite factor norms, got "
@@ -345,17 +343,21 @@ class KroneckerOperator(CurvatureOperator):
         k = math.sqrt(delta)
         blocks = []
         for b, p in zip(self.blocks, pis):
+            second = None
             # symmetric and finite by construction (validated factors plus a multiple of I): the fast path
             if not b.factored:  # [[g]] (x) A + delta I = [[g]] (x) (A + delta / g I): exact
                 g = float(b.G[0, 0])
                 if not g > 0:
                     raise ValueError(f"block {b.name!r}: its scale {g:g} must be positive to carry damping")
                 G, A = b.G, b.A + (delta / g) * _eye_like(b.A)
+            elif b.second is not None:  # a sum of two terms: the damping rides on the second (KroneckerPairEigh)
+                G, A = b.G, b.A
+                second = (_shift(b.second[0], k / p), b.second[1] + (p * k) * _eye_like(b.second[1]))
             else:
                 G = _shift(b.G, k / p)
                 A = b.A + (p * k) * _eye_like(b.A)
             blocks.append(KroneckerBlock.from_gram(G, A, b.weight_name, b.bias_name, index=b.index, label=b.label,
-                                                   factored=b.factored))
+                                                   factored=b.factored, second=second))
         return KroneckerOperator(self.layout, blocks)
 
     def inverse(self, damping: float = 0.0, method: Literal["eigen", "factored"] = "eigen",
@@ -370,9 +372,11 @@ class KroneckerOperator(CurvatureOperator):
         """
         damping = check_damping(damping)
         if method == "eigen":
-            return KroneckerInverseOperator(self, damping)
+            return super().inverse(damping) if self.has_pairs else KroneckerInverseOperator(self, damping)
         if method == "factored":
             damped = self.factored_damping(damping, pi, norm)
+            if damped.has_pairs:
+                return FactoredPairInverse(damped)
             blocks = []
             for b in damped.blocks:
                 blocks.append(KroneckerBlock.from_gram(_spd_inverse(b.G, f"{b.name!r} G"),
@@ -385,12 +389,17 @@ class KroneckerOperator(CurvatureOperator):
     def solve(self, b: Any, damping: float = 0.0, *, method: Literal["eigen", "factored"] = "eigen",
               tol: float | None = None, max_iter: int | None = None) -> Any:
         """``(C + damping I)^{-1} b`` in closed form (``method`` as :meth:`inverse`; ``tol``/``max_iter``
-        are unused: no iteration)."""
+        are unused: no iteration). With a block that is a sum of two terms, ``method='eigen'`` has no closed
+        form and runs conjugate gradients (``tol``, ``max_iter`` as in :meth:`CurvatureOperator.solve`)."""
         damping = check_damping(damping)
+        if method == "eigen" and self.has_pairs:  # no closed form (:meth:`_solve`): tol / max_iter apply
+            return super().solve(b, damping, tol=tol, max_iter=max_iter)
         inv = self.inverse(damping, method)
         return self._apply_to(b, lambda B: inv._matmat(_finite(B, "solve")), "solve")
 
     def _solve(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
+        if self.has_pairs:  # a sum of two terms plus delta I has no closed form: conjugate gradients
+            return super()._solve(B, damping, tol, max_iter)
         return KroneckerInverseOperator(self, damping)._matmat(B)
 
     def block(self, names: Sequence[str]) -> CurvatureOperator:
@@ -430,10 +439,18 @@ class KroneckerOperator(CurvatureOperator):
             raise ValueError(f"mean_params must be a flat vector of length {self.layout.dim} or a list of "
                              "parameter-shaped tensors")
         S = int(num_samples)
-        spectra = self._damped_spectra(0.0, "sample")
+        if self.has_pairs and self.damping != 0:
+            raise ValueError("sample: a block is a sum of two Kronecker terms, whose Gaussian has a closed form only "
+                             "without the operator's exact damping; put the damping into the factors "
+                             "(factored_damping) and sample from that operator")
         noise = torch.empty(self.layout.dim, S, dtype=self.dtype, device=self.device)
-        for e, lam, ix in zip(self.eigh(), spectra, self._index):
+        eighs = self.eigh() if not self.has_pairs else [None if b.pair else _block_eigh(b) for b in self.blocks]
+        for b, e, ix in zip(self.blocks, eighs, self._index):
             Z = torch.randn(ix.out, ix.in_aug, S, dtype=self.dtype, device=self.device, generator=generator)
+            if e is None:  # a sum of two terms: W_G [Z / sqrt(g a^T + 1)] W_A^T (KroneckerPairEigh.sample)
+                ix.scatter(pair_eigh(b).sample(Z), noise)
+                continue
+            lam = _damped_spectrum(b, e, self.damping, "sample")
             if not e.G_rest:
                 ix.scatter(_sandwich(e.G_eigvecs, Z / lam.sqrt()[:, :, None], _transpose(e.A_eigvecs)), noise)
                 continue
@@ -644,6 +661,73 @@ class BlockDiagonalOperator(CurvatureOperator):
                 raise NotPositiveDefiniteError(f"block {b.weight_name!r} is not positive definite; increase the damping")
             total = total + val
         return total
+
+
+# ---------------------------------------------------------------------------------------------- per block
+def _block_eigh(b: KroneckerBlock) -> KroneckerEigh:
+    """The eigendecompositions of one block's factors (a low-rank G is already one; a diagonal A is its own)."""
+    rest: tuple[int, float] = (0, 0.0)
+    if isinstance(b.G, LowRankFactor):  # already a thin eigendecomposition
+        lG, QG, rest = b.G.s, b.G.U, (b.G.complement, b.G.c)
+    else:
+        lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
+    if b.diagonal_input:
+        return KroneckerEigh(lG, QG, b.A.clone(), None, *rest)
+    lA, QA = stable_eigh(b.A, f"factor A of {b.name!r}")
+    return KroneckerEigh(lG, QG, lA, QA, *rest)
+
+
+def _damped_spectrum(b: KroneckerBlock, e: KroneckerEigh, delta: float, what: str) -> Tensor:
+    """One block's eigenvalues ``outer(lG, lA) + delta``, checked positive (:meth:`KroneckerOperator.
+    _damped_spectra`)."""
+    prod = torch.outer(e.G_values, e.A_eigvals)
+    noise = max(prod.shape) * torch.finfo(prod.dtype).eps * float(prod.abs().max())
+    low = float(prod.min())
+    if low >= -noise:
+        prod = torch.where(prod.abs() <= noise, torch.zeros_like(prod), prod)
+    lam = prod + delta
+    ok = (delta > 0 or low > noise) if low >= -noise else bool((lam > 0).all())
+    if not ok:
+        raise NotPositiveDefiniteError(
+            f"{what}: block {b.name!r} is not positive definite after damping {delta:g} "
+            f"(smallest eigenvalue {low + delta:.3g}, rounding level {noise:.2g}); increase the damping"
+        )
+    return lam
+
+
+def _term(G: Tensor, A: Tensor, X: Tensor) -> Tensor:
+    """``G X[:, :, j] A`` per column of X (out, in_aug, k), either factor possibly a vector (diagonal)."""
+    if G.dim() == 1:
+        return _sandwich(None, G[:, None, None] * X, A)
+    return _sandwich(G, X, A)
+
+
+def pair_eigh(b: KroneckerBlock, damping: float = 0.0, pi: float = 1.0) -> KroneckerPairEigh:
+    """The generalised eigendecomposition of a pair block ``G (x) A + G2 (x) A2`` with factored damping on the
+    second term (:class:`KroneckerPairEigh`: ``G2 + (k/pi) I``, ``A2 + pi k I``, ``k = sqrt(damping)``)."""
+    assert b.second is not None
+    return KroneckerPairEigh.of(b.G, b.A, *b.second, damping=damping, pi=pi, what=repr(b.name))
+
+
+class FactoredPairInverse(CurvatureOperator):
+    """The inverse of a factored-damped Kronecker operator (:meth:`KroneckerOperator.factored_damping`) some of
+    whose blocks are sums of two terms: per block ``G^{-1} (x) A^{-1}`` (one term) or
+    :meth:`KroneckerPairEigh.solve` (two terms, the damping already on the second), through the blocks' index."""
+
+    def __init__(self, damped: KroneckerOperator):
+        super().__init__(damped.layout, damped.dtype, damped.device)
+        self._index = damped._index
+        self._solvers = [pair_eigh(b) if b.pair else (_spd_inverse(b.G, f"{b.name!r} G"),
+                                                      _spd_inverse(b.A, f"{b.name!r} A")) for b in damped.blocks]
+
+    def _matmat(self, M: Tensor) -> Tensor:
+        M = M.to(self.dtype)
+        out = torch.empty_like(M)
+        for solver, ix in zip(self._solvers, self._index):
+            X = ix.gather(M)
+            ix.scatter(solver.solve(X) if isinstance(solver, KroneckerPairEigh) else _sandwich(solver[0], X, solver[1]),
+                       out)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- sums of blocks

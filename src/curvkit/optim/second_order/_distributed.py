@@ -79,6 +79,8 @@ class DistributedKroneckerInverse:
     def __init__(self, op: Any, damping: float, inversion: str, omegas: list[float] | None, distributed: Reducer):
         from curvkit.optim.second_order.direction import parameter_units  # a sibling module
 
+        for b in op.blocks:
+            b.single("data-parallel Gauss-Newton (owner-placed inverses)")
         self.op, self.damping, self.inversion, self.red = op, float(damping), inversion, distributed
         cached = getattr(op, "_curvkit_assignment", None)
         if cached is None:

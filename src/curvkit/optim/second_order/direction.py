@@ -19,6 +19,11 @@ normalisation layer or of raw parameters) and written back into the parameters' 
   output layer, :class:`~curvkit.linalg.kron.LowRankFactor`) is inverted in its thin eigendecomposition,
   ``(U diag(s) U^T + k/omega I)^{-1} = U diag(1/(s + k/omega)) U^T + (omega/k) (I - U U^T)``: O(out r) per
   column, never an (out, out) matrix.
+* A SUM OF TWO Kronecker terms ``G (x) A + G2 (x) A2`` (a weight used in two places, e.g. a tied head and
+  embedding: :attr:`curvkit.linalg.kron.KroneckerBlock.second`) carries the damping on its second term,
+  ``G (x) A + (G2 + k/omega I) (x) (A2 + omega k I)`` with omega from the second term's factors, and is
+  solved exactly in that form by generalised eigendecompositions of the two factor pairs
+  (:class:`~curvkit.linalg.kron.KroneckerPairEigh`; a low-rank G of a vocabulary-sized head stays thin).
 * A PLAIN MATRIX block ``[[g]] (x) A`` (``factored=False``: the exact or diagonal block of a normalisation
   layer's or raw parameters' per-sample gradients) is damped EXACTLY, ``[[g]] (x) (A + delta/g I) = block +
   delta I`` (there are no two factors to split the damping between).
@@ -50,8 +55,10 @@ from torch import Tensor
 from curvkit.linalg.kron import (
     KroneckerBlock,
     KroneckerOperator,
+    KroneckerPairEigh,
     LowRankFactor,
     block_matrix,
+    pair_eigh,
     write_block_matrix,
 )
 from curvkit.linalg.krylov import NotPositiveDefiniteError
@@ -72,7 +79,8 @@ def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "froben
     limit of Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``
     (1.0 for a plain-matrix block, which is damped exactly).
     """
-    zero = [i for i, b in enumerate(op.blocks) if b.factored and not (_trace(b.G) > 0 and _trace(b.A) > 0)]
+    zero = [i for i, b in enumerate(op.blocks)
+            if b.factored and not b.pair and not (_trace(b.G) > 0 and _trace(b.A) > 0)]
     if not zero:
         return op, op.damping_split(norm), []
     def scalar_G(b: KroneckerBlock, c: float) -> Tensor:  # c I in G's form (a low-rank G: rank 0, never (n, n))
@@ -162,10 +170,11 @@ class FactoredInverse:
 
     def __init__(self, op: KroneckerOperator, damping: float, omegas: Sequence[float]):
         damped = damped_blocks(op, damping, omegas)
-        self.blocks = [(b, *cholesky_factors(d)) for b, d in zip(op.blocks, damped.blocks)]
+        self.blocks: list[tuple[KroneckerBlock, Any, Any]] = [
+            (b, pair_eigh(d), None) if d.pair else (b, *cholesky_factors(d)) for b, d in zip(op.blocks, damped.blocks)]
 
     @classmethod
-    def of_blocks(cls, blocks: Sequence[tuple[KroneckerBlock, Tensor, Tensor]]) -> FactoredInverse:
+    def of_blocks(cls, blocks: Sequence[tuple[KroneckerBlock, Any, Any]]) -> FactoredInverse:
         """From (block, L_G, L_A) triples computed elsewhere (the owner ranks of a data-parallel step)."""
         inv = cls.__new__(cls)
         inv.blocks = list(blocks)
@@ -179,7 +188,10 @@ class FactoredInverse:
                 if n not in out:
                     out[n] = torch.zeros(grads[n].shape, dtype=grads[n].dtype, device=grads[n].device)
             X = block_matrix(b, grads)
-            Y = LG @ X if isinstance(LG, LowRankFactor) else torch.cholesky_solve(X, LG)  # G_d^{-1} X
-            Y = Y / LA if LA.dim() == 1 else torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
+            if isinstance(LG, KroneckerPairEigh):  # a sum of two terms, the damping on the second
+                Y = LG.solve(X[:, :, None])[:, :, 0]
+            else:
+                Y = LG @ X if isinstance(LG, LowRankFactor) else torch.cholesky_solve(X, LG)  # G_d^{-1} X
+                Y = Y / LA if LA.dim() == 1 else torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
             write_block_matrix(b, Y, out)
         return out

@@ -1,0 +1,207 @@
+"""Issue 30 §2-3: a tied weight above ``SHARED_DENSE_LIMIT`` (GPT-2's 50,257 x 768 embedding and head) is ONE
+block that is the sum of two Kronecker terms, ``G (x) A + G2 (x) A2`` (``KroneckerBlock.second``), in every
+consumer that takes it: the operator, GaussNewton, KFAC natural gradient and Kronecker Laplace (factored prior).
+
+The limit is lowered here (monkeypatched) so that tiny float64 models take the pair route; the references are
+the same estimator's exact dense sum block (``dense_sum``, the route below the limit) and dense float64 algebra
+on it: the pair block must equal the dense sum entry for entry, and every closed form (the factored-damped
+inverse, log-determinants, samples) must equal its dense counterpart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from curvkit.continual.laplace import LaplacePenalty
+from curvkit.curvature import estimators
+from curvkit.curvature.ekfac import EKFACEstimator
+from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.laplace import Laplace
+from curvkit.likelihoods import CrossEntropy
+from curvkit.optim import GaussNewton, NaturalGradient
+from curvkit.optim.second_order.direction import FactoredInverse
+from tests.test_shared_weights import NanoGPT
+
+D64 = torch.float64
+V = 40
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("float64_default")]
+
+
+def _data(B=3, T=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return NanoGPT(vocab=V, dim=5).to(D64)
+
+
+@pytest.fixture
+def pairs(monkeypatch):
+    """Every shared weight above 10 entries takes the pair route."""
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10)
+
+
+def _operators(monkeypatch, curvature="kflr", **kw):
+    """(pair operator, dense-sum operator) of the same estimator on the same data."""
+    model, data = _model(), _data()
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10**9)
+    dense = KroneckerEstimator(model, CrossEntropy("sum"), curvature, **kw).update(data).operator()
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10)
+    pair = KroneckerEstimator(model, CrossEntropy("sum"), curvature, **kw).update(data).operator()
+    return pair, dense
+
+
+def _pair_block(op):
+    (b,) = [b for b in op.blocks if b.pair]
+    return b
+
+
+@pytest.mark.parametrize("kw", [{}, {"curvature": "kfac", "output_factor": "low_rank", "mc_samples": 3}],
+                         ids=["kflr-dense", "kfac-lowrank"])
+def test_the_pair_block_equals_the_dense_sum_and_its_closed_forms_their_dense_counterparts(monkeypatch, kw):
+    pair, dense = _operators(monkeypatch, **kw)
+    b = _pair_block(pair)
+    assert b.name == "wte + lm_head" and b.low_rank_output == ("output_factor" in kw)
+    D = dense.to_dense()
+    torch.testing.assert_close(pair.to_dense(), D, atol=1e-12, rtol=0)
+    d = D.shape[0]
+    Vs = torch.randn(d, 3, generator=torch.Generator().manual_seed(1), dtype=D64)
+    I = torch.eye(d, dtype=D64)
+    torch.testing.assert_close(pair @ Vs, D @ Vs, atol=1e-12, rtol=0)
+    torch.testing.assert_close(pair.diagonal().flat, D.diagonal(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(pair.trace(), D.trace(), atol=1e-10, rtol=0)
+    torch.testing.assert_close((2.5 * pair).to_dense(), 2.5 * D, atol=1e-11, rtol=0)
+    # exact damping: no closed form for two terms plus delta I -> conjugate gradients / the dense log-determinant
+    torch.testing.assert_close(pair.solve(Vs, damping=0.3), torch.linalg.solve(D + 0.3 * I, Vs), atol=1e-8, rtol=0)
+    torch.testing.assert_close(pair.logdet(0.3), torch.linalg.slogdet(D + 0.3 * I)[1], atol=1e-9, rtol=0)
+    # factored damping rides on the second term: G A + (G2 + k/pi I)(A2 + pi k I), pi from the second term
+    delta = 0.3
+    k = math.sqrt(delta)
+    (pi,) = [p for p, blk in zip(pair.damping_split(), pair.blocks) if blk.pair]
+    G2, A2 = (torch.diag(t) if t.dim() == 1 else t for t in b.second)
+    tG, tA = float(G2.trace()) / b.out_dim, float(A2.trace()) / b.in_dim
+    assert pi == pytest.approx(math.sqrt(tA / tG), rel=1e-12)
+    damped = pair.factored_damping(delta)
+    extra = (torch.kron(G2 + (k / pi) * torch.eye(b.out_dim), A2 + pi * k * torch.eye(b.in_dim))
+             - torch.kron(G2, A2))
+    sl = pair._index[pair.blocks.index(b)].perm
+    want = D.clone()
+    want[sl[:, None], sl[None, :]] += extra
+    Dd = damped.to_dense()
+    others = [i for i in range(d) if i not in set(sl.tolist())]
+    torch.testing.assert_close(Dd[sl][:, sl], want[sl][:, sl], atol=1e-11, rtol=0)
+    torch.testing.assert_close(Dd[others][:, others], pair.factored_damping(delta).to_dense()[others][:, others])
+    inv = pair.inverse(delta, method="factored")
+    torch.testing.assert_close(inv @ Vs, torch.linalg.solve(Dd, Vs), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(pair.solve(Vs, delta, method="factored"), torch.linalg.solve(Dd, Vs), atol=1e-10,
+                               rtol=1e-10)
+    # samples of the damped operator read as a precision: covariance Dd^{-1}
+    S = damped.sample(torch.zeros(d), generator=torch.Generator().manual_seed(0), num_samples=40000)
+    C = torch.linalg.inv(Dd)
+    assert float((S.T @ S / S.shape[0] - C).abs().max()) < 0.05 * float(C.abs().max())
+    with pytest.raises(ValueError, match="sum of two Kronecker terms.*factored_damping"):
+        pair.add_identity(0.1).sample(torch.zeros(d))
+    with pytest.raises(ValueError, match=r"eigendecomposition: block 'wte \+ lm_head' is the sum of two Kronecker"):
+        pair.eigh()
+
+
+def test_gauss_newton_and_natural_gradient_take_the_pair(monkeypatch):
+    pair, _ = _operators(monkeypatch)
+    omegas = pair.damping_split()
+    g = torch.randn(pair.layout.dim, generator=torch.Generator().manual_seed(2), dtype=D64)
+    grads = dict(zip(pair.layout.names, pair.layout.unflatten(g)))
+    d = FactoredInverse(pair, 0.2, omegas).apply(grads)
+    got = pair.layout.flatten([d[n] for n in pair.layout.names])
+    torch.testing.assert_close(got, torch.linalg.solve(pair.factored_damping(0.2, pi=omegas).to_dense(), g),
+                               atol=1e-10, rtol=1e-10)
+    lik = CrossEntropy("sum")
+    for curvature, extra in (("kflr", {}), ("kfac", {"inversion": "eigen"})):
+        model = _model()
+        before = model.wte.weight.detach().clone()
+        opt = GaussNewton([p for p in model.parameters()], model=model, likelihood=lik, curvature=curvature, **extra)
+        assert math.isfinite(float(opt.step(batch=_data())))
+        assert _pair_block(opt._op).name == "wte + lm_head"
+        assert not torch.equal(model.wte.weight.detach(), before)
+    model = _model()
+    X, y = _data()
+    ng = NaturalGradient(model.parameters(), model=model, likelihood=lik, curvature="kfac")
+    lik(model(X), y).backward()
+    before = model.wte.weight.detach().clone()
+    ng.step(batch=(X, y))
+    assert torch.isfinite(model.wte.weight).all() and not torch.equal(model.wte.weight.detach(), before)
+
+
+def test_kronecker_laplace_takes_the_pair_with_the_prior_on_its_second_term(pairs):
+    model, data = _model(), _data()
+    lik = CrossEntropy("sum")
+    post = Laplace(model, lik, "kron", "kflr", prior_precision=0.7).fit(data)
+    (blk,) = [pb for pb in post.blocks if any(f.pair for f in getattr(pb, "factors", []))]
+    (b,) = [f for f in blk.factors if f.pair]
+    N, lam = float(post.num_data), 0.7
+    P = post.precision().to_dense()
+    # the pair's precision block: N G (x) A + (sqrt(N) G2 + sqrt(lam) I) (x) (sqrt(N) A2 + sqrt(lam) I)
+    G1 = b.G.to_dense() if b.low_rank_output else b.G
+    G2, A2 = (torch.diag(t) if t.dim() == 1 else t for t in b.second)
+    A1 = torch.diag(b.A) if b.A.dim() == 1 else b.A
+    sN, sl = math.sqrt(N), math.sqrt(lam)
+    want = N * torch.kron(G1, A1) + torch.kron(sN * G2 + sl * torch.eye(b.out_dim), sN * A2 + sl * torch.eye(b.in_dim))
+    sl_idx = torch.cat([torch.arange(post.layout.slices()[n].start, post.layout.slices()[n].stop) for n in b.names])
+    view = blk.views[blk.factors.index(b)]
+    perm = sl_idx[view.perm] if hasattr(view, "perm") else None
+    if perm is not None:
+        torch.testing.assert_close(P[perm][:, perm], want, atol=1e-10, rtol=1e-12)
+    torch.testing.assert_close(post.log_det_precision(), torch.linalg.slogdet(P)[1], atol=1e-9, rtol=0)
+    v = torch.randn(P.shape[0], 2, generator=torch.Generator().manual_seed(4), dtype=D64)
+    torch.testing.assert_close(post.covariance() @ v, torch.linalg.solve(P, v), atol=1e-10, rtol=1e-10)
+    S = post.sample(20000, generator=torch.Generator().manual_seed(0)) - post.mean[None]
+    i = post.layout.slices()["wte.weight"]
+    cov = torch.linalg.inv(P)[i, i]
+    emp = S[:, i].T @ S[:, i] / S.shape[0]
+    assert float((emp - cov).abs().max()) < 0.08 * float(cov.abs().max())
+    # the marginal likelihood is differentiable in the prior precision through the pair's log-determinant
+    t = torch.tensor(0.7, dtype=D64, requires_grad=True)
+    lml = post.log_marginal_likelihood(prior_precision=t)
+    (grad,) = torch.autograd.grad(lml, t)
+    h = 1e-5
+    fd = (post.log_marginal_likelihood(prior_precision=0.7 + h) - post.log_marginal_likelihood(prior_precision=0.7 - h))
+    torch.testing.assert_close(grad, fd / (2 * h), atol=1e-5, rtol=1e-5)
+    probs = post.predict(data[0], method="mc", num_samples=8, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(torch.as_tensor(probs)).all()
+    with pytest.raises(ValueError, match=r"GLM\) predictive: block 'wte \+ lm_head' is the sum of two.*method='mc'"):
+        post.predict(data[0])
+    with pytest.raises(ValueError, match="prior_form='exact'.*prior_form='factored' takes it"):
+        Laplace(model, lik, "kron", "kflr", prior_form="exact").fit(data)
+
+
+def test_routes_without_the_pair_refuse_it_by_name(pairs):
+    model, data = _model(), _data()
+    with pytest.raises(ValueError, match=r"block 'wte \+ lm_head' is the sum of two Kronecker terms"):
+        EKFACEstimator(model, CrossEntropy("sum")).update(data).operator()
+    pen = LaplacePenalty(likelihood=CrossEntropy("sum"), structure="kron", curvature="kflr", reduction="sum")
+    with pytest.raises(ValueError, match=r"penalty: wte.weight are shared by wte \+ lm_head.*SHARED_DENSE_LIMIT = "
+                                         r"10.*freeze or untie"):
+        pen.consolidate(model, data)
+
+
+def test_two_embeddings_sharing_a_large_table_are_refused(pairs):
+    """No use in the weight's standard view: not a pair (pair_in_view), so refused at construction."""
+
+    class TwoTables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Embedding(V, 5), nn.Embedding(V, 5)
+            self.b.weight = self.a.weight
+            self.head = nn.Linear(5, 3)
+
+        def forward(self, idx):
+            return self.head(self.a(idx) + self.b(idx.flip(1)))
+
+    with pytest.raises(ValueError, match=r"shares a.weight with 1 other use\(s\) \(a \+ b\); their sum has 200 "
+                                         r"entries, more than SHARED_DENSE_LIMIT = 10.*two uses of one whole weight"):
+        KroneckerEstimator(TwoTables().to(D64), CrossEntropy("sum"))
