@@ -179,14 +179,54 @@ def test_kronecker_laplace_takes_the_pair_with_the_prior_on_its_second_term(pair
         Laplace(model, lik, "kron", "kflr", prior_form="exact").fit(data)
 
 
-def test_routes_without_the_pair_refuse_it_by_name(pairs):
+def test_ekfac_refuses_the_pair_by_name(pairs):
     model, data = _model(), _data()
     with pytest.raises(ValueError, match=r"block 'wte \+ lm_head' is the sum of two Kronecker terms"):
         EKFACEstimator(model, CrossEntropy("sum")).update(data).operator()
-    pen = LaplacePenalty(likelihood=CrossEntropy("sum"), structure="kron", curvature="kflr", reduction="sum")
-    with pytest.raises(ValueError, match=r"penalty: wte.weight are shared by wte \+ lm_head.*SHARED_DENSE_LIMIT = "
-                                         r"10.*freeze or untie"):
+
+
+@pytest.mark.parametrize("mode", ["online", "ewc"])
+def test_the_continual_penalty_is_the_quadratic_form_of_the_pair(pairs, mode):
+    """Two tasks: the penalty is ``0.5 sum_t N_t dtheta_t^T C_t dtheta_t`` (no prior; dtheta from the last anchor
+    for 'online', from each task's own for 'ewc') with C_t the pair operator of task t (dense, the reference);
+    its analytic gradient equals autograd's; with one task, memory='summed' equals 'per_task'."""
+    model = _model()
+    tasks = [_data(seed=0), _data(B=2, seed=5)]
+    lik = CrossEntropy("sum")
+    pen = LaplacePenalty(likelihood=lik, structure="kron", curvature="kflr", prior_precision=0.0, reduction="sum",
+                         mode=mode)
+    (lay,) = [lay for lay in pen.layers(model) if lay.pair]
+    assert lay.label == "wte + lm_head" and lay.index is None
+    refs, anchors = [], []
+    g = torch.Generator().manual_seed(7)
+    for data in tasks:
+        est = KroneckerEstimator(model, CrossEntropy("mean"), "kflr").update(data)
+        refs.append((est.num_terms, est.operator().to_dense()))
+        anchors.append([p.detach().clone() for p in model.parameters()])
         pen.consolidate(model, data)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g, dtype=D64))
+    layout = est.layout
+    names = [n for n, _ in model.named_parameters()]
+
+    def flat(tensors):
+        return layout.flatten([tensors[names.index(n)] for n in layout.names])
+
+    theta = flat([p.detach() for p in model.parameters()])
+    want = sum(0.5 * n * (theta - flat(anchors[t if mode == "ewc" else -1])) @ C @ (
+        theta - flat(anchors[t if mode == "ewc" else -1])) for t, (n, C) in enumerate(refs))
+    torch.testing.assert_close(pen.loss(model), want, atol=0, rtol=1e-9)
+    auto = torch.autograd.grad(pen.loss(model), list(model.parameters()))
+    for a, b in zip(pen.gradient(model), auto):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    assert pen.curvature_bound() > 0
+    if mode == "online":
+        one = [LaplacePenalty(likelihood=lik, structure="kron", curvature="kflr", reduction="sum", memory=m)
+               for m in ("per_task", "summed")]
+        for p_ in one:
+            p_.consolidate(_model(), tasks[0])
+        torch.testing.assert_close(one[0].loss(model), one[1].loss(model), atol=0, rtol=1e-12)
 
 
 def test_two_embeddings_sharing_a_large_table_are_refused(pairs):

@@ -129,12 +129,16 @@ class _KroneckerQuadratic(torch.autograd.Function):
 
 def _kron_grad_value(W: Tensor, G: Tensor, A: Tensor, coef: Tensor, anchors: Tensor, lam0: float,
                      prior_anchor: Tensor, rows: bool = False) -> tuple[Tensor, Tensor]:
-    """G (T, o, o), or with ``rows`` the rows R (T, r, o) of a low-rank ``G = R^T R`` (a vocabulary-sized
-    output: never an (o, o) matrix); A (T, i, i) or (T, i) (a diagonal input factor)."""
+    """G (T, o, o) or (T, o) (a diagonal output factor: a pair's token counts), or with ``rows`` the rows R
+    (T, r, o) of a low-rank ``G = R^T R`` (a vocabulary-sized output: never an (o, o) matrix); A (T, i, i) or
+    (T, i) (a diagonal input factor)."""
     dt = G.dtype  # the statistics' (float32 or wider for a bf16/fp16 model: curvkit.precision)
     W, anchors, prior_anchor = W.to(dt), anchors.to(dt), prior_anchor.to(dt)
     D = W - anchors  # (o, i) for one shared anchor, (T, o, i) per task
-    GD = torch.matmul(G.transpose(-1, -2), torch.matmul(G, D)) if rows else torch.matmul(G, D)
+    if rows:
+        GD = torch.matmul(G.transpose(-1, -2), torch.matmul(G, D))
+    else:
+        GD = G[:, :, None] * D if G.dim() == 2 else torch.matmul(G, D)
     M = GD * A[:, None, :] if A.dim() == 2 else torch.matmul(GD, A)  # (T, o, i)
     grad = torch.einsum("t,toi->oi", coef, M)
     if D.dim() == 2:
@@ -171,6 +175,7 @@ class PenaltyBlock:
     weight_name: str
     bias_name: str | None
     index: Index | None
+    pair: bool = False  # a tied weight above SHARED_DENSE_LIMIT: two Kronecker terms (the store's G2, A2)
 
 
 def _batches(data: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
@@ -313,17 +318,19 @@ class LaplacePenalty(Penalty):
                             spec = specs[members[0]]
                             blocks.append(PenaltyBlock(spec.label, spec.weight, spec.bias, spec.index))
                             continue
-                        # a shared parameter's uses: one dense block, their sum (curvkit.linalg.kron.dense_sum)
+                        # a shared parameter's uses: one dense block, their sum (curvkit.linalg.kron.dense_sum),
+                        # or above the limit two Kronecker terms in the first use's view (the estimator's pair)
                         names = sorted({n for i in members for n in specs[i].names}, key=order.index)
                         size = sum(int(model.get_parameter(n).numel()) for n in names)
+                        label = layerkinds.sum_label(plans, members)
                         if size > estimators.SHARED_DENSE_LIMIT:
-                            raise ValueError(
-                                f"Kronecker Laplace penalty: {', '.join(names)} are shared by "
-                                f"{layerkinds.sum_label(plans, members)} and have {size} entries, more than "
-                                f"SHARED_DENSE_LIMIT = {estimators.SHARED_DENSE_LIMIT}; the penalty holds a shared parameter's "
-                                "uses as one dense block only: freeze or untie it, or use structure='diag'")
+                            pair = estimators.pair_order([specs[i] for i in members])
+                            assert pair is not None  # the estimator refuses anything else at construction
+                            first = specs[members[pair[0]]]
+                            blocks.append(PenaltyBlock(label, first.weight, first.bias, first.index, pair=True))
+                            continue
                         device = model.get_parameter(names[0]).device
-                        blocks.append(PenaltyBlock(layerkinds.sum_label(plans, members), names[0],
+                        blocks.append(PenaltyBlock(label, names[0],
                                                    names[1] if len(names) > 1 else None,
                                                    torch.arange(size, device=device)[None, :]))
                     self._layers = blocks
@@ -352,6 +359,9 @@ class LaplacePenalty(Penalty):
                     continue
                 total = total + _KroneckerQuadratic.apply(W, _output(s), s["A"], s["coef"], s["anchor"], self.lam0,
                                                           self._prior_anchor(s["anchor"], W), "GR" in s)
+                if "G2" in s:  # a pair's second term (the prior is counted once, above)
+                    total = total + _KroneckerQuadratic.apply(W, s["G2"], s["A2"], s["coef"], s["anchor"], 0.0, W,
+                                                              False)
         else:
             for n in self._names(model):
                 p = named[n]
@@ -384,6 +394,8 @@ class LaplacePenalty(Penalty):
                 g = self.lam0 * W if s is None else _kron_grad_value(
                     W, _output(s), s["A"], s["coef"], s["anchor"], self.lam0, self._prior_anchor(s["anchor"], W),
                     "GR" in s)[0]
+                if s is not None and "G2" in s:
+                    g = g + _kron_grad_value(W, s["G2"], s["A2"], s["coef"], s["anchor"], 0.0, W)[0]
                 write_block_matrix(lay, g, out)
         else:
             for n in self._names(model):
@@ -462,7 +474,7 @@ class LaplacePenalty(Penalty):
                 select(previous)
         if self.structure == "kron":
             stats = {est.blocks[m[0]][1].label if len(m) == 1 else layerkinds.sum_label(est.plans, m):
-                     (b.single("Kronecker Laplace penalty").G, b.A) for m, b in zip(est.members, op.blocks)}
+                     (b.G, b.A, b.second) for m, b in zip(est.members, op.blocks)}
         else:
             stats = dict(zip(op.layout.names, op.tensors))
         return stats, int(est.num_terms)
@@ -489,7 +501,7 @@ class LaplacePenalty(Penalty):
         per_task_anchor = self.mode == "ewc"
         if self.structure == "kron":
             for lay in self.layers(model):
-                G, A = stats[lay.label]
+                G, A, second = stats[lay.label]
                 a = block_matrix(lay, anchor)
                 if isinstance(G, LowRankFactor):  # a vocabulary-sized output: its rows R, G = R^T R
                     if G.c != 0 or not bool((G.s >= 0).all()):
@@ -498,6 +510,8 @@ class LaplacePenalty(Penalty):
                     new = {"GR": (G.U * G.s.sqrt()).T, "A": A}
                 else:
                     new = {"G": G, "A": A}
+                if second is not None:  # a pair: its second term (G2 an (o,) vector or (o, o), A2) beside it
+                    new.update(G2=second[0], A2=second[1])
                 self.store[lay.label] = self._append(self.store.get(lay.label), new, c, a,
                                                      per_task_anchor, summed=self.memory == "summed")
         else:
@@ -556,7 +570,12 @@ class LaplacePenalty(Penalty):
                 lg = torch.linalg.eigvalsh(s["G"])[:, -1] if R is None else torch.linalg.eigvalsh(
                     R @ R.transpose(1, 2))[:, -1]  # lambda_max(R^T R) = lambda_max(R R^T), (r, r)
                 la = s["A"].amax(-1) if s["A"].dim() == 2 else torch.linalg.eigvalsh(s["A"])[:, -1]  # (T, i): diagonal
-                worst = max(worst, float((s["coef"] * lg * la).sum()))
+                bound = s["coef"] * lg * la
+                if "G2" in s:  # a pair's second term: its own bound, added
+                    G2, A2 = s["G2"], s["A2"]
+                    bound = bound + s["coef"] * (G2.amax(-1) if G2.dim() == 2 else torch.linalg.eigvalsh(G2)[:, -1]) * (
+                        A2.amax(-1) if A2.dim() == 2 else torch.linalg.eigvalsh(A2)[:, -1])
+                worst = max(worst, float(bound.sum()))
             else:
                 worst = max(worst, float((s["coef"].reshape(-1, *[1] * (s["F"].dim() - 1)) * s["F"]).sum(0).max()))
         return (worst + self.lam0) * self._scale()

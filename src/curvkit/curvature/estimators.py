@@ -894,7 +894,7 @@ class KroneckerEstimator(CurvatureEstimator):
         and tied weights"): the blocks that read a shared parameter form one group
         (:func:`curvkit.layerkinds.shared_groups`), which becomes ONE exact dense block
         (:func:`~curvkit.linalg.kron.dense_sum`, labelled :func:`curvkit.layerkinds.sum_label`) when it has at
-        most :data:`SHARED_DENSE_LIMIT` entries. Above that, two uses of one whole weight (:func:`_pair_order`:
+        most :data:`SHARED_DENSE_LIMIT` entries. Above that, two uses of one whole weight (:func:`pair_order`:
         a tied head and its embedding, GPT-2's 50,257 x 768) become ONE block that is the sum of two Kronecker
         terms, ``G (x) A + G2 (x) A2`` in the first use's view (:func:`~curvkit.linalg.kron.pair_in_view`;
         :attr:`~curvkit.linalg.kron.KroneckerBlock.second`), exact and never dense; anything else is refused at
@@ -914,13 +914,9 @@ class KroneckerEstimator(CurvatureEstimator):
             if self._entries(names) <= SHARED_DENSE_LIMIT:
                 out.append(dense_sum(self.layout, terms, label))
                 continue
-            order = _pair_order([self.blocks[j][1] for j in members])
+            order = pair_order([self.blocks[j][1] for j in members])
             assert order is not None  # checked at construction (_check_shared)
-            first, second = (blocks[members[i]] for i in order)
-            if len(terms) == 1:  # one use saw no data: the other's term alone (it reads every entry)
-                t = terms[0]
-                out.append(KroneckerBlock(t.G, t.A, t.weight_name, t.bias_name, t.index, label))
-                continue
+            first, second = (blocks[members[i]] for i in order)  # a use without data: its zero term
             G1, A1, G2, A2 = pair_in_view(first, second)
             out.append(KroneckerBlock(G1, A1, first.weight_name, first.bias_name, first.index, label,
                                       second=(G2, A2)))
@@ -934,7 +930,7 @@ class KroneckerEstimator(CurvatureEstimator):
         """Refuse, at construction, a sum of a shared parameter's uses that :meth:`_sum_shared` cannot hold: more
         than two parameters (a weight shared by two layers with biases of their own), or more than
         :data:`SHARED_DENSE_LIMIT` entries in uses that are not two Kronecker terms of one weight
-        (:func:`_pair_order`)."""
+        (:func:`pair_order`)."""
         for members in layerkinds.shared_groups(self.plans, self.shared):
             if len(members) == 1:
                 continue
@@ -949,7 +945,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}), which read {len(names)} parameters together ({', '.join(sorted(names))}); "
                              "the sum block of a shared parameter holds a weight and one bias", fix)
-            if size > SHARED_DENSE_LIMIT and _pair_order([self.blocks[j][1] for j in members]) is None:
+            if size > SHARED_DENSE_LIMIT and pair_order([self.blocks[j][1] for j in members]) is None:
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}); their sum has {size} entries, more than SHARED_DENSE_LIMIT = "
                              f"{SHARED_DENSE_LIMIT} (held as one exact dense block up to there), and above it only "
@@ -957,7 +953,7 @@ class KroneckerEstimator(CurvatureEstimator):
                              "embedding) are kept as a sum of two Kronecker terms", fix)
 
 
-def _pair_order(specs: Sequence[BlockSpec]) -> tuple[int, int] | None:
+def pair_order(specs: Sequence[BlockSpec]) -> tuple[int, int] | None:
     """(first, second) positions of two uses of one weight that a pair block holds
     (:func:`curvkit.linalg.kron.pair_in_view`): the first in the weight's standard view (index None: a Linear
     head, with or without a bias), the second on the same weight without a bias, in the standard view or the
