@@ -3,12 +3,14 @@
 Model: ``transformers.GPT2LMHeadModel`` from the default ``GPT2Config`` (12 layers, width 768, 12 heads,
 ``n_positions`` 1024, the full 50,257-token vocabulary; about 124 M parameters, 163 M with the untied output
 layer), random weights (seed 0), eager attention, eval mode (no dropout), float32, wrapped by
-``curvkit.hf.HuggingFace``. ``tie_word_embeddings=False``: the Kronecker estimators refuse tied weights (one
-parameter in two layers has no Kronecker block), so the output layer ``lm_head`` is a separate
-(50,257 x 768) weight; the exact products are measured on the same untied model. Batch: 2 sequences of 128
+``curvkit.hf.HuggingFace``. ``tie_word_embeddings=False`` (all but the ``tied`` arms): the output layer ``lm_head`` is a
+separate (50,257 x 768) weight, as in the first runs of this benchmark (when tied weights were refused); the
+exact products are measured on the same untied model. Batch: 2 sequences of 128
 random token ids (seed 1), next-token targets random too, ``position_ids`` with the batch dimension (the
 position embedding's Kronecker block needs per-sample inputs: ``curvkit.hf``). Loss: softmax cross-entropy,
-mean over the 256 tokens.
+mean over the 256 tokens. The ``tied`` arms use GPT-2 as it ships, ``tie_word_embeddings=True`` (124 M
+parameters): the tied ``wte``/``lm_head`` weight is one Kronecker block that is the sum of two terms
+(``KroneckerBlock.second``, docs/architecture.md "Shared and tied weights").
 
 Arms (each in its own fresh process, run one after the other; ``--threads`` torch threads, 2 by default):
 
@@ -30,6 +32,10 @@ Arms (each in its own fresh process, run one after the other; ``--threads`` torc
   factor's eigendecomposition: about 60 dense eigendecompositions of up to 3,073 x 3,073, minutes on this
   CPU).
 
+* ``tied gradient`` / ``tied KFAC expand`` / ``tied GaussNewton`` / ``tied Kronecker Laplace``: the tied model,
+  every parameter trainable: its gradient pass (the unit of these rows), the KFAC operator (expand) and a
+  product, one ``GaussNewton`` step (``curvature='auto'``: KFAC) and a Kronecker Laplace fit then its log
+  marginal likelihood (the pair's log-determinant through the generalised eigendecompositions);
 * ``LoRA gradient`` / ``LoRA Kronecker Laplace`` / ``LoRA GaussNewton``: the model with rank-8 LoRA adapters
   (``curvkit.architectures.add_lora``) on every ``attn.c_attn`` (GPT-2's fused query/key/value ``Conv1D``) and
   every other parameter frozen (294,912 trainable parameters): a gradient pass over the adapters (the unit of
@@ -72,7 +78,7 @@ from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 ARMS = ("gradient", "curvkit GGN", "curvkit GGN uncached", "curvkit GGN reverse", "curvkit GGN live",
         "curvkit GGN live uncached", "curvlinops GGN", "curvlinops Hessian",
         "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient", "LoRA Kronecker Laplace", "LoRA GLM predictive",
-        "LoRA GaussNewton")
+        "LoRA GaussNewton", "tied gradient", "tied KFAC expand", "tied GaussNewton", "tied Kronecker Laplace")
 GLM_SAMPLES = 10
 LORA_RANK = 8
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 300, "n_positions": 64}
@@ -86,7 +92,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], torch.Ten
 
     from curvkit.hf import HuggingFace
 
-    cfg = GPT2Config(**(TINY if spec["tiny"] else {}), tie_word_embeddings=False, attn_implementation="eager")
+    tied = spec["arm"].startswith("tied")
+    cfg = GPT2Config(**(TINY if spec["tiny"] else {}), tie_word_embeddings=tied, attn_implementation="eager")
     torch.manual_seed(0)  # transformers initialises with the global RNG; the worker is its own process
     model = GPT2LMHeadModel(cfg).eval()
     B, T = spec["batch"], spec["tokens"]
@@ -167,11 +174,25 @@ def make_arm(arm: str, hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor,
         data = [(batch["input_ids"], y.reshape(-1))]
         return ((lambda: Op(flat, ce, params, data, check_deterministic=False, num_data=y.shape[0])),
                 (lambda op: op @ v_list))
-    if arm.startswith("curvkit KFAC"):
+    if arm == "tied Kronecker Laplace":  # every parameter, the tied wte/lm_head as one two-term block
+        from curvkit.laplace import Laplace
+        from curvkit.likelihoods import CrossEntropy
+
+        net = Ids(hf)
+        return ((lambda: Laplace(net, CrossEntropy("mean"), structure="kron", curvature="kfac")
+                 .fit([(batch["input_ids"], y)])), (lambda la: la.log_marginal_likelihood().detach()))
+    if arm == "tied GaussNewton":  # every parameter; construction: the optimiser, 'product': one step
+        from curvkit.likelihoods import CrossEntropy
+        from curvkit.optim import GaussNewton
+
+        net = Ids(hf)
+        return ((lambda: GaussNewton(params, model=net, likelihood=CrossEntropy("mean"))),
+                (lambda gn: torch.as_tensor(float(gn.step(batch=(batch["input_ids"], y))))))
+    if arm.startswith("curvkit KFAC") or arm == "tied KFAC expand":
         from curvkit.curvature import KroneckerEstimator
         from curvkit.likelihoods import CrossEntropy
 
-        sharing = arm.rsplit(" ", 1)[1]
+        sharing = arm.rsplit(" ", 1)[1]  # 'tied KFAC expand': the tied head and embedding as one pair block
 
         def construct() -> Any:
             est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing,
@@ -218,7 +239,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         grads.append(time.process_time() - t0)
         walls.append(time.perf_counter() - w0)
     out: dict[str, Any] = {"num_params": d, "grad_s": statistics.median(grads), "grad_wall_s": statistics.median(walls)}
-    if spec["arm"] in ("gradient", "LoRA gradient"):
+    if spec["arm"] in ("gradient", "LoRA gradient", "tied gradient"):
         out["first"] = peak_rss_delta(lambda: gradient_pass(hf, batch, y))
         return out
     construct, product = make_arm(spec["arm"], hf, batch, y, spec)
@@ -278,15 +299,16 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         mem_f = r.get("first", {}).get("peak_delta_mib")
         before = r.get("first", {}).get("rss_before_mib")
         absolute = "-" if mem_f is None or before is None else fmt_mib(mem_f + before)
-        if arm in ("gradient", "LoRA gradient"):
+        if arm in ("gradient", "LoRA gradient", "tied gradient"):
             lines.append(f"| {arm} | {fmt_seconds(g)} = 1x | | | | {fmt_mib(mem_f)} = 1x | | {absolute} | | |")
             continue
 
         def cell(t: float | None, g: float = g) -> str:
             return "-" if t is None else f"{fmt_seconds(t)} ({fmt_ratio(t / g)})"
 
-        unit = (results.get("LoRA gradient", {}).get("first", {}).get("peak_delta_mib") if arm.startswith("LoRA")
-                else gmem)  # a LoRA arm's unit: the gradient pass over the adapters
+        family = arm.split()[0] if arm.startswith(("LoRA", "tied")) else None
+        unit = (results.get(f"{family} gradient", {}).get("first", {}).get("peak_delta_mib") if family
+                else gmem)  # a LoRA arm's unit: the gradient pass over the adapters; a tied arm's: the tied model's
 
         def mcell(m: float | None, unit: float | None = unit) -> str:
             return f"{fmt_mib(m)} ({fmt_ratio(m / unit) if m is not None and unit else '-'})"

@@ -22,7 +22,8 @@ def test_gpt2_scale_tiny_runs_every_arm(tmp_path: Path) -> None:
     import gpt2_scale
 
     arms = ["gradient", "curvkit GGN", "curvkit GGN live", "curvkit KFAC expand", "curvkit KFAC reduce", "LoRA gradient",
-            "LoRA Kronecker Laplace", "LoRA GLM predictive", "LoRA GaussNewton"]
+            "LoRA Kronecker Laplace", "LoRA GLM predictive", "LoRA GaussNewton", "tied gradient", "tied KFAC expand",
+            "tied GaussNewton", "tied Kronecker Laplace"]
     if importlib.util.find_spec("curvlinops") is not None:
         arms.append("curvlinops GGN")
     out, js = tmp_path / "scale.md", tmp_path / "scale.json"
