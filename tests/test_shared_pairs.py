@@ -245,3 +245,39 @@ def test_two_embeddings_sharing_a_large_table_are_refused(pairs):
     with pytest.raises(ValueError, match=r"shares a.weight with 1 other use\(s\) \(a \+ b\); their sum has 200 "
                                          r"entries, more than SHARED_DENSE_LIMIT = 10.*two uses of one whole weight"):
         KroneckerEstimator(TwoTables().to(D64), CrossEntropy("sum"))
+
+
+def test_t5_head_and_two_lookups_of_its_table_are_a_pair_with_the_lookups_merged(pairs):
+    """T5's one embedding: read by ``shared`` (never called), the encoder's and the decoder's lookups and the tied
+    head. Above the limit the lookups are merged into one term (``merge_terms``: G the trace-weighted mean of
+    their G, A the summed counts: KFAC-expand's factors of one lookup at the union of their positions) and
+    paired with the head's: checked against the uses' own blocks, with the trace kept exactly."""
+    from tests.test_shared_weights import build
+
+    model, lik, (X, y), shared, _ = build("t5", B=2, T=3)
+    est = KroneckerEstimator(model, lik, "kflr").update((X, y))
+    op = est.operator()
+    (b,) = [b for b in op.blocks if shared in b.names]
+    assert b.pair and b.name == "model.shared + model.encoder.embed_tokens + model.decoder.embed_tokens + model.lm_head"
+    uses = est.use_blocks(est._means(), est.scale())
+    by_label = {spec.label: blk for (_, spec), blk in zip(est.blocks, uses)}
+    head = by_label["model.lm_head"]
+    lookups = [by_label[f"model.{m}"] for m in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")]
+    assert float(lookups[0].A.sum()) == 0.0  # model.shared itself never runs
+    t = [float(u.A.sum()) for u in lookups]
+    G = sum(w * u.G for w, u in zip(t, lookups)) / sum(t)
+    A = sum(u.A for u in lookups)
+    # in the head's (V, D) view the merged lookup term is diag(A) (x) G (the embedding's W^T term transposed)
+    want = torch.kron(head.G, head.A) + torch.kron(torch.diag(A), G)
+    sl = op._index[op.blocks.index(b)].perm
+    torch.testing.assert_close(op.to_dense()[sl][:, sl], want, atol=1e-12, rtol=0)
+    exact_trace = sum(float(u.G.trace()) * float(u.A.sum()) for u in lookups) + float(head.G.trace() * head.A.trace())
+    assert float(torch.diagonal(want).sum()) == pytest.approx(exact_trace, rel=1e-12)
+    # the consumers take it: a Gauss-Newton step moves the shared table, Laplace fits
+    before = model.get_parameter(shared).detach().clone()
+    opt = GaussNewton([p for p in model.parameters() if p.requires_grad], model=model, likelihood=lik,
+                      curvature="kflr")
+    assert math.isfinite(float(opt.step(batch=(X, y))))
+    assert not torch.equal(model.get_parameter(shared).detach(), before)
+    post = Laplace(model, lik, "kron", "kflr", prior_precision=0.5).fit((X, y))
+    assert torch.isfinite(post.log_marginal_likelihood())

@@ -324,9 +324,14 @@ class LaplacePenalty(Penalty):
                         size = sum(int(model.get_parameter(n).numel()) for n in names)
                         label = layerkinds.sum_label(plans, members)
                         if size > estimators.SHARED_DENSE_LIMIT:
-                            pair = estimators.pair_order([specs[i] for i in members])
-                            assert pair is not None  # the estimator refuses anything else at construction
-                            first = specs[members[pair[0]]]
+                            terms_of = estimators.shared_terms([specs[i] for i in members])
+                            if terms_of is None:
+                                raise ValueError(
+                                    f"Kronecker Laplace penalty: {', '.join(names)} are shared by {label} and have "
+                                    f"{size} entries, more than SHARED_DENSE_LIMIT = {estimators.SHARED_DENSE_LIMIT}, "
+                                    "in uses that are not a head and lookups of its table; freeze or untie the "
+                                    "shared parameter, or use structure='diag'")
+                            first = specs[members[terms_of[0]]]
                             blocks.append(PenaltyBlock(label, first.weight, first.bias, first.index, pair=True))
                             continue
                         device = model.get_parameter(names[0]).device

@@ -845,6 +845,15 @@ class KroneckerEstimator(CurvatureEstimator):
         return self._operator(self._means(), self.scale())
 
     def _operator(self, means: list[Tensor], scale: float) -> KroneckerOperator:
+        blocks = self.use_blocks(means, scale)
+        self.members = [[i] for i in range(len(blocks))]
+        if self.shared:
+            blocks = self._sum_shared(blocks)
+        return KroneckerOperator(self.layout, blocks)
+
+    def use_blocks(self, means: list[Tensor], scale: float) -> list[KroneckerBlock]:
+        """One block per planned block (:attr:`blocks`) from the statistics ``means`` at ``scale``: each use of a
+        shared parameter still its own (:meth:`_sum_shared` sums them for the operator)."""
         K = len(self.blocks)
         blocks = []
         for (_, spec), A, G in zip(self.blocks, means[:K], means[K:]):
@@ -856,10 +865,7 @@ class KroneckerEstimator(CurvatureEstimator):
             blocks.append(KroneckerBlock.from_gram(G, A, spec.weight, spec.bias, scale_G=scale, index=spec.index,
                                                    label=spec.label if explicit else None,
                                                    factored=spec.form == "kron"))
-        self.members = [[i] for i in range(len(blocks))]
-        if self.shared:
-            blocks = self._sum_shared(blocks)
-        return KroneckerOperator(self.layout, blocks)
+        return blocks
 
     def shared_per_sample(self, members: Sequence[int], block: KroneckerBlock) -> PerSample:
         """The per-sample rows (``keep_per_sample``) of a sum block of a shared parameter (:meth:`_sum_shared`)
@@ -914,9 +920,11 @@ class KroneckerEstimator(CurvatureEstimator):
             if self._entries(names) <= SHARED_DENSE_LIMIT:
                 out.append(dense_sum(self.layout, terms, label))
                 continue
-            order = pair_order([self.blocks[j][1] for j in members])
-            assert order is not None  # checked at construction (_check_shared)
-            first, second = (blocks[members[i]] for i in order)  # a use without data: its zero term
+            terms_of = shared_terms([self.blocks[j][1] for j in members])
+            assert terms_of is not None  # checked at construction (_check_shared)
+            first = blocks[members[terms_of[0]]]  # a use without data: its zero term
+            rest = [blocks[members[i]] for i in terms_of[1]]
+            second = rest[0] if len(rest) == 1 else merge_terms(rest)
             G1, A1, G2, A2 = pair_in_view(first, second)
             out.append(KroneckerBlock(G1, A1, first.weight_name, first.bias_name, first.index, label,
                                       second=(G2, A2)))
@@ -929,8 +937,7 @@ class KroneckerEstimator(CurvatureEstimator):
     def _check_shared(self) -> None:
         """Refuse, at construction, a sum of a shared parameter's uses that :meth:`_sum_shared` cannot hold: more
         than two parameters (a weight shared by two layers with biases of their own), or more than
-        :data:`SHARED_DENSE_LIMIT` entries in uses that are not two Kronecker terms of one weight
-        (:func:`pair_order`)."""
+        :data:`SHARED_DENSE_LIMIT` entries in uses that :func:`shared_terms` cannot hold as two Kronecker terms."""
         for members in layerkinds.shared_groups(self.plans, self.shared):
             if len(members) == 1:
                 continue
@@ -945,29 +952,57 @@ class KroneckerEstimator(CurvatureEstimator):
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}), which read {len(names)} parameters together ({', '.join(sorted(names))}); "
                              "the sum block of a shared parameter holds a weight and one bias", fix)
-            if size > SHARED_DENSE_LIMIT and pair_order([self.blocks[j][1] for j in members]) is None:
+            if size > SHARED_DENSE_LIMIT and shared_terms([self.blocks[j][1] for j in members]) is None:
                 raise refuse(self.method, lp.label, lp.module, f"shares {tied} with {len(members) - 1} other use(s) "
                              f"({label}); their sum has {size} entries, more than SHARED_DENSE_LIMIT = "
                              f"{SHARED_DENSE_LIMIT} (held as one exact dense block up to there), and above it only "
                              "two uses of one whole weight (one in its standard view, e.g. a tied head and its "
-                             "embedding) are kept as a sum of two Kronecker terms", fix)
+                             "embedding, or a head and several lookups of its table) are kept as a sum of two "
+                             "Kronecker terms", fix)
 
 
-def pair_order(specs: Sequence[BlockSpec]) -> tuple[int, int] | None:
-    """(first, second) positions of two uses of one weight that a pair block holds
-    (:func:`curvkit.linalg.kron.pair_in_view`): the first in the weight's standard view (index None: a Linear
-    head, with or without a bias), the second on the same weight without a bias, in the standard view or the
-    whole transposed one (an embedding table); None for anything else."""
-    if len(specs) != 2 or specs[0].weight != specs[1].weight:
+def shared_terms(specs: Sequence[BlockSpec]) -> tuple[int, list[int]] | None:
+    """How the uses ``specs`` of one shared weight above :data:`SHARED_DENSE_LIMIT` become two Kronecker terms:
+    ``(first, rest)`` with ``first`` the use in the weight's standard view (index None: a Linear head, with or
+    without a bias) and ``rest`` the other uses, all in one view of the same weight without a bias (the
+    standard view or the whole transposed one: an embedding table), their terms summed by
+    :func:`~curvkit.linalg.kron.pair_in_view` (one use: exactly) or first merged by :func:`merge_terms`
+    (several embedding lookups of the table: T5's encoder and decoder); None for anything else."""
+    if len(specs) < 2 or len({s.weight for s in specs}) != 1:
         return None
-    for i, j in ((0, 1), (1, 0)):
-        first, second = specs[i], specs[j]
-        if first.index is not None or first.form != "kron" or second.form != "kron" or second.bias is not None:
+    for i, first in enumerate(specs):
+        rest = [j for j in range(len(specs)) if j != i]
+        if first.index is not None or first.form != "kron":
             continue
-        if second.index is None or (isinstance(second.index, StridedIndex) and second.index.transposed
-                                    and not second.index.bias):
-            return i, j
+        if any(specs[j].form != "kron" or specs[j].bias is not None or specs[j].index != specs[rest[0]].index
+               for j in rest):
+            continue
+        if len(rest) > 1 and not all(specs[j].ids for j in rest):  # only lookups are merged (see merge_terms)
+            continue
+        index = specs[rest[0]].index
+        if index is None or (isinstance(index, StridedIndex) and index.transposed and not index.bias):
+            return i, rest
     return None
+
+
+def merge_terms(terms: Sequence[KroneckerBlock]) -> KroneckerBlock:
+    """ONE Kronecker term for several embedding lookups of one table (the same view, no bias), where their
+    exact sum ``sum_u G_u (x) diag(c_u)`` is not a Kronecker product:
+
+        G = sum_u t_u G_u / sum_u t_u,   A = sum_u diag(c_u),   t_u = tr(diag(c_u)) (the use's counted positions),
+
+    the factors KFAC-expand gives ONE lookup applied at the union of the uses' positions (its own approximation
+    over positions, Sec. "Weight sharing: expand and reduce"): exact when the uses' G agree, and the trace
+    ``sum_u tr(G_u) tr(A_u)`` is kept exactly. Uses without data (t_u = 0) add nothing."""
+    first = terms[0]
+    if any(isinstance(t.G, LowRankFactor) or t.A.dim() != 1 for t in terms):
+        raise ValueError(f"merge_terms({first.name!r}): only lookups with dense output and diagonal input factors "
+                         "are merged")
+    weights = [float(t.A.sum()) for t in terms]
+    total = sum(weights)
+    G = sum((w * t.G for w, t in zip(weights, terms)), torch.zeros_like(first.G)) / total if total > 0 else first.G
+    A = sum((t.A for t in terms[1:]), first.A)
+    return KroneckerBlock.from_gram(G, A, first.weight_name, None, index=first.index, label=first.label)
 
 
 #: the layer kinds whose statistics read only a layer's inputs and output gradients (never its weight), so they
