@@ -139,3 +139,31 @@ def test_ewc_penalty_is_nonzero_after_first_task_in_a_run():
         pens.append(learner.train_step(b.x, b.y)["penalty"])
     assert all(p == 0.0 for p in pens[:9])  # includes the first step after the boundary (at the anchor)
     assert all(p > 0 for p in pens[9:])
+
+
+def test_kron_penalty_takes_a_mapping_batch_in_batches():
+    """A Hugging Face model's batch (a mapping of tensors) is split into ``batch_size`` pieces like a tensor
+    batch; the penalty is 0.5 N dtheta^T C dtheta with C the KFLR operator of the whole batch."""
+    transformers = pytest.importorskip("transformers")
+    from curvkit.continual.laplace import LaplacePenalty
+    from curvkit.curvature.estimators import KroneckerEstimator
+    from curvkit.hf import HuggingFace
+    from curvkit.likelihoods import CrossEntropy
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=20, n_positions=8, n_embd=4, n_layer=1, n_head=2)
+    model = HuggingFace(transformers.GPT2LMHeadModel(cfg).to(torch.float64)).eval()
+    g = torch.Generator().manual_seed(0)
+    X = torch.randint(0, 20, (3, 5), generator=g)
+    batch = ({"input_ids": X, "attention_mask": torch.ones_like(X)}, torch.randint(0, 20, (3, 5), generator=g))
+    pen = LaplacePenalty(likelihood=CrossEntropy("sum"), structure="kron", curvature="kflr", prior_precision=0.0,
+                         reduction="sum", batch_size=2)
+    pen.consolidate(model, batch)
+    est = KroneckerEstimator(model, CrossEntropy("mean"), "kflr").update(batch)
+    params = dict(model.named_parameters())
+    dv = 0.01 * torch.randn(est.layout.dim, generator=g, dtype=torch.float64)
+    want = 0.5 * est.num_terms * (dv @ (est.operator() @ dv))
+    with torch.no_grad():
+        for n, t in zip(est.layout.names, est.layout.unflatten(dv)):
+            params[n].add_(t)
+    torch.testing.assert_close(pen.loss(model), want, atol=0, rtol=1e-9)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,7 +72,15 @@ from curvkit.laplace._subset import only_trainable
 from curvkit.likelihoods import CrossEntropy, Likelihood
 from curvkit.linalg.kron import Index, LowRankFactor, block_matrix, write_block_matrix
 from curvkit.structure import LayerInfo, curvature_kernels, read_model, uncompiled
-from curvkit.validation import integer, nonnegative, positive
+from curvkit.validation import (
+    input_tensors,
+    inputs_to,
+    integer,
+    nonnegative,
+    num_samples,
+    positive,
+    take_samples,
+)
 
 __all__ = ["LRDecayLearner", "LaplacePenalty", "MultiHead", "decayed_lr"]
 
@@ -178,11 +186,13 @@ class PenaltyBlock:
     pair: bool = False  # a tied weight above SHARED_DENSE_LIMIT: two Kronecker terms (the store's G2, A2)
 
 
-def _batches(data: Any, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Tensor):
+def _batches(data: Any, batch_size: int) -> Iterable[tuple[Any, Tensor]]:
+    """One (X, y) pair in batches of ``batch_size`` samples (X a tensor or a mapping of tensors, e.g. a Hugging
+    Face batch), or the pairs of an iterable as they come."""
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], (Tensor, Mapping)):
         X, y = data
-        for i in range(0, X.shape[0], batch_size):
-            yield X[i:i + batch_size], y[i:i + batch_size]
+        for i in range(0, num_samples(X), batch_size):
+            yield take_samples(X, slice(i, i + batch_size)), y[i:i + batch_size]
     else:
         yield from data
 
@@ -468,7 +478,7 @@ class LaplacePenalty(Penalty):
                 try:
                     for i, (X, y) in enumerate(_batches(data, self.batch_size)):
                         p = next(model.parameters())
-                        X, y = X.to(p.device), y.to(p.device)
+                        X, y = inputs_to(X, p.device), y.to(p.device)
                         self._check_batch(model, X, y, i)
                         est.update((X, y))
                 finally:
@@ -484,11 +494,11 @@ class LaplacePenalty(Penalty):
             stats = dict(zip(op.layout.names, op.tensors))
         return stats, int(est.num_terms)
 
-    def _check_batch(self, model: nn.Module, X: Tensor, y: Tensor, i: int) -> None:
+    def _check_batch(self, model: nn.Module, X: Any, y: Tensor, i: int) -> None:
         """Refuse, naming it, what the curvature pass would misread: NaN or inf in a batch, and (on the first
         batch, one forward pass without autograd) outputs that are not one tensor of logits - a tuple, or
         probabilities for a softmax likelihood."""
-        for what, t in (("X", X), ("y", y)):
+        for what, t in (*input_tensors(X), ("y", y)):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"LaplacePenalty: batch {i} {what} contains NaN or inf "
                                  f"({int((~torch.isfinite(t)).sum())} of {t.numel()} entries); nothing was changed")
