@@ -387,18 +387,17 @@ class KroneckerBlock(PosteriorBlock):
             view.scatter(X.permute(1, 2, 0), out.T)
         return out
 
-    def glm_terms(self, N: float, lam: Tensor) -> list[GLMTerm]:
-        """One GLM term per Kronecker block, in :attr:`factors` order (:mod:`curvkit.laplace._glm`): a
+    def glm_terms(self, N: float, lam: Tensor) -> list[GLMTerm | None]:
+        """One GLM term per Kronecker block, in :attr:`factors` order (:mod:`curvkit.laplace._glm`; None for a
+        sum of two terms, whose rows are Jacobian rows: :meth:`generic_term`): a
         ``factored=False`` block's Jacobian rows are per-sample gradients against ``(N g A + lam I)^{-1}`` (both
         forms), a factored block's are its output rows against the inverse factors or the exact spectrum."""
-        terms: list[GLMTerm] = []
+        terms: list[GLMTerm | None] = []
         spectra = self._spectra(N, lam) if self.form == "exact" else None
         for j, (b, (_, PA)) in enumerate(zip(self.factors, self.damped(N, lam))):
-            if b.pair:
-                raise ValueError(f"the linearised (GLM) predictive: block {b.name!r} is the sum of two Kronecker "
-                                 "terms (a parameter used in two places, e.g. a tied embedding and output layer), "
-                                 "whose Jacobian rows come from both uses; use predict(X, method='mc') (samples of "
-                                 "the posterior), or freeze or untie the shared parameter")
+            if b.pair:  # no term of its own: its Jacobian rows come from both uses (generic_term)
+                terms.append(None)
+                continue
             if not b.factored:
                 terms.append(GradTerm(chol=_chol(PA, f"the block of {b.name!r}")) if PA.dim() == 2 else
                              GradTerm(inverse=1.0 / _positive_vector(PA, f"the block of {b.name!r}")))
@@ -419,6 +418,8 @@ class KroneckerBlock(PosteriorBlock):
         return terms
 
     def generic_term(self, N: float, lam: Tensor) -> GLMTerm:
+        if any(b.pair for b in self.factors):  # the covariance applied to the rows, never a P x P matrix
+            return GradTerm(operator=self.covariance(N, lam))
         return GradTerm(dense=self.covariance(N, lam).to_dense())
 
     def state(self) -> dict[str, Any]:

@@ -233,20 +233,26 @@ class SpectralTerm(_PairTerm):
 # ---------------------------------------------------------------------------------------------- gradient rows
 class GradTerm(GLMTerm):
     """Jacobian rows J (k, B, P) against ``chol`` (the lower Cholesky factor of the precision), ``inverse``
-    (the posterior variances of a diagonal posterior, (P,)) or ``dense`` (the covariance, (P, P))."""
+    (the posterior variances of a diagonal posterior, (P,)), ``dense`` (the covariance, (P, P)) or
+    ``operator`` (the covariance as an operator on the P entries, applied to the rows: a block with no
+    closed-form rows of its own, e.g. a tied weight's sum of two Kronecker terms, never densified)."""
 
     rows = "grad"
 
-    def __init__(self, chol: Tensor | None = None, inverse: Tensor | None = None, dense: Tensor | None = None):
-        if sum(t is not None for t in (chol, inverse, dense)) != 1:
-            raise ValueError("GradTerm takes exactly one of chol, inverse, dense")
-        self.chol, self.inverse, self.dense = chol, inverse, dense
+    def __init__(self, chol: Tensor | None = None, inverse: Tensor | None = None, dense: Tensor | None = None,
+                 operator: Any = None):
+        if sum(t is not None for t in (chol, inverse, dense, operator)) != 1:
+            raise ValueError("GradTerm takes exactly one of chol, inverse, dense, operator")
+        self.chol, self.inverse, self.dense, self.operator = chol, inverse, dense, operator
 
     def _y(self, J: Tensor) -> tuple[Tensor, Tensor]:
         if self.inverse is not None:
             return J, J * self.inverse
         if self.dense is not None:
             return J, J @ self.dense
+        if self.operator is not None:
+            k, B, P = J.shape
+            return J, self.operator._matmat(J.reshape(k * B, P).T).T.reshape(k, B, P)
         assert self.chol is not None
         k, B, P = J.shape
         U = torch.linalg.solve_triangular(self.chol, J.reshape(k * B, P).T, upper=False).T.reshape(k, B, P)
@@ -261,5 +267,7 @@ class GradTerm(GLMTerm):
         return _pairs(X, Y, C)
 
     def _dtype(self) -> torch.dtype:
+        if self.operator is not None:
+            return self.operator.dtype  # type: ignore[no-any-return]
         t = next(t for t in (self.chol, self.inverse, self.dense) if t is not None)
         return t.dtype

@@ -212,9 +212,10 @@ def _glm_setup(post: Any) -> dict[str, Any]:
         by_key = {}
         for b in post.blocks:
             for fac, term in zip(b.factors, b.glm_terms(N, lam)):
-                by_key[(fac.weight_name, fac.label if fac.index is not None else None)] = term
-        # a sum of a shared parameter's uses (one dense block, no use's own) takes Jacobian rows, and so do the
-        # other blocks of the layers that use it
+                if term is not None:  # a tied weight's two-term block takes Jacobian rows (below)
+                    by_key[(fac.weight_name, fac.label if fac.index is not None else None)] = term
+        # a sum of a shared parameter's uses (one dense block or two Kronecker terms, no use's own) takes
+        # Jacobian rows, and so do the other blocks of the layers that use it
         def key(spec: Any) -> tuple[str, str | None]:
             return spec.weight, spec.label if spec.index is not None else None
 
