@@ -290,3 +290,24 @@ def test_t5_head_and_two_lookups_of_its_table_are_a_pair_with_the_lookups_merged
     assert not torch.equal(model.get_parameter(shared).detach(), before)
     post = Laplace(model, lik, "kron", "kflr", prior_precision=0.5).fit((X, y))
     assert torch.isfinite(post.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "roberta"])
+def test_hugging_face_tied_heads_as_pairs_equal_their_dense_sums(monkeypatch, name):
+    """GPT-2's tied wte/lm_head and RoBERTa's tied word embedding with the head's bias alias (a bias column in
+    the head's view, read by the head only) as pair blocks equal the dense sums; a Gauss-Newton step runs."""
+    from tests.test_shared_weights import build
+
+    model, lik, (X, y), shared, _ = build(name, B=2, T=3)
+    ops = []
+    for limit in (10**9, 10):
+        monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", limit)
+        ops.append(KroneckerEstimator(model, lik, "kflr").update((X, y)).operator())
+    (b,) = [b for b in ops[1].blocks if shared in b.names]
+    assert b.pair and (b.bias_name is not None) == (name == "roberta")
+    torch.testing.assert_close(ops[1].to_dense(), ops[0].to_dense(), atol=1e-12, rtol=0)
+    before = model.get_parameter(shared).detach().clone()
+    opt = GaussNewton([p for p in model.parameters() if p.requires_grad], model=model, likelihood=lik,
+                      curvature="kflr")
+    assert math.isfinite(float(opt.step(batch=(X, y))))
+    assert not torch.equal(model.get_parameter(shared).detach(), before)
