@@ -63,6 +63,7 @@ from curvkit.curvature.recursion import activation_derivatives, kfra_chain
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import Likelihood
+from curvkit.linalg.factors import _symmetrise
 from curvkit.linalg.kron import (
     KroneckerBlock,
     KroneckerOperator,
@@ -842,29 +843,39 @@ class KroneckerEstimator(CurvatureEstimator):
         return [(b.weight_name, b.G, b.A) for b in self.operator().blocks]
 
     def operator(self) -> KroneckerOperator:
-        return self._operator(self._means(), self.scale())
+        if self._stats is None or self.ema is not None:
+            return self._operator(self._means(), self.scale())
+        # the per-sample means taken inside each factor's one symmetrising pass (no copy of every statistic)
+        return self._operator(list(self._stats), self.scale(), float(self.num_data))
 
-    def _operator(self, means: list[Tensor], scale: float) -> KroneckerOperator:
-        blocks = self.use_blocks(means, scale)
+    def _operator(self, means: list[Tensor], scale: float, count: float = 1.0) -> KroneckerOperator:
+        blocks = self.use_blocks(means, scale, count)
         self.members = [[i] for i in range(len(blocks))]
         if self.shared:
             blocks = self._sum_shared(blocks)
         return KroneckerOperator(self.layout, blocks)
 
-    def use_blocks(self, means: list[Tensor], scale: float) -> list[KroneckerBlock]:
-        """One block per planned block (:attr:`blocks`) from the statistics ``means`` at ``scale``: each use of a
-        shared parameter still its own (:meth:`_sum_shared` sums them for the operator)."""
+    def use_blocks(self, means: list[Tensor], scale: float, count: float = 1.0) -> list[KroneckerBlock]:
+        """One block per planned block (:attr:`blocks`) from the statistics ``means`` (sums over ``count``
+        samples: their means are ``means / count``) at ``scale``: each use of a shared parameter still its own
+        (:meth:`_sum_shared` sums them for the operator). Blocks fed by one statistic (q, k, v) share one
+        symmetrised input factor."""
         K = len(self.blocks)
         blocks = []
+        inputs: dict[int, Tensor] = {}
         for (_, spec), A, G in zip(self.blocks, means[:K], means[K:]):
+            scale_G = scale / count
             if isinstance(G, GramRows):
-                rows = G.rows
+                rows = (G / count).rows
+                scale_G = scale
                 G = (LowRankFactor.from_rows(rows) if rows.shape[0] else  # type: ignore[assignment]
                      LowRankFactor.scalar(rows.shape[1], 0.0, rows))
+            if id(A) not in inputs:
+                inputs[id(A)] = A / count if A.dim() == 1 else _symmetrise(A, 0.5 / count)
             explicit = spec.index is not None
-            blocks.append(KroneckerBlock.from_gram(G, A, spec.weight, spec.bias, scale_G=scale, index=spec.index,
-                                                   label=spec.label if explicit else None,
-                                                   factored=spec.form == "kron"))
+            blocks.append(KroneckerBlock.from_gram(G, inputs[id(A)], spec.weight, spec.bias, scale_G=scale_G,
+                                                   index=spec.index, label=spec.label if explicit else None,
+                                                   factored=spec.form == "kron", symmetric_A=True))
         return blocks
 
     def shared_per_sample(self, members: Sequence[int], block: KroneckerBlock) -> PerSample:

@@ -81,15 +81,20 @@ class KroneckerBlock:
     def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
                   scale_G: float = 1.0, scale_A: float = 1.0, *, index: Index | None = None,
                   label: str | None = None, factored: bool = True,
-                  second: tuple[Tensor, Tensor] | None = None) -> KroneckerBlock:
+                  second: tuple[Tensor, Tensor] | None = None, symmetric_A: bool = False) -> KroneckerBlock:
         """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
         ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
         several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
         result is exactly symmetric in floating point, as a validated block is (a diagonal A: ``scale * A``).
+        ``symmetric_A``: A is exactly symmetric already (symmetrised by the caller, possibly shared by several
+        blocks fed by one input): held as it is, times ``scale_A`` only when that is not 1.
         """
         blk = cls.__new__(cls)
         blk.G = G * scale_G if isinstance(G, LowRankFactor) else _symmetrise(G, 0.5 * scale_G)
-        blk.A = A * scale_A if A.dim() == 1 else _symmetrise(A, 0.5 * scale_A)
+        if symmetric_A:
+            blk.A = A if scale_A == 1.0 else A * scale_A
+        else:
+            blk.A = A * scale_A if A.dim() == 1 else _symmetrise(A, 0.5 * scale_A)
         blk.weight_name, blk.bias_name = weight_name, bias_name
         blk.index, blk.label, blk.factored = index, label, factored
         blk.second = None if second is None else (second[0] * scale_G, second[1] * scale_A)

@@ -61,25 +61,15 @@ def _check_square_symmetric(M: Tensor, what: str) -> None:
                          f"{scale:.3g}); symmetrise it with 0.5 * (M + M.T)")
 
 
-_TILE = 512  # symmetrise by tiles from this size on: M + M^T reads M^T with stride n, a cache miss per element
-
-
 def _symmetrise(M: Tensor, c: float = 0.5) -> Tensor:
     """``c * (M + M^T)`` for a square M, a new tensor, bitwise equal to the plain expression (each entry is the
-    same two-term sum times c). Large matrices go tile by tile: the transposed read of a (512, 512) tile stays
-    in cache, where ``M + M.T`` over a 5,632-wide factor took twice the time (and 35 % of a KFAC update on a
-    Llama layer, most of it in this transpose)."""
-    n = M.shape[0]
-    if M.dim() != 2 or n < 2 * _TILE or M.shape[1] != n:
+    same two-term sum times c; addition commutes). Written as ``M^T`` made contiguous (torch's blocked
+    transpose copy), then ``+ M`` and ``* c`` in place: ``M + M.T`` reads the transpose with stride n, a cache
+    miss per element; on this 2-core CPU a 5,632-wide factor takes 0.27-0.30 s this way against 0.72-0.75 s plain and
+    0.87 s for the earlier tile-by-tile loop (2,048 wide: 0.03-0.04 / 0.06 / 0.35 s; best of 7, loaded machine)."""
+    if M.dim() != 2 or M.shape[0] != M.shape[1]:
         return (M + M.T).mul_(c)
-    out = torch.empty_like(M)
-    for i in range(0, n, _TILE):
-        for j in range(i, n, _TILE):
-            tile = (M[i:i + _TILE, j:j + _TILE] + M[j:j + _TILE, i:i + _TILE].T).mul_(c)
-            out[i:i + _TILE, j:j + _TILE] = tile
-            if j != i:
-                out[j:j + _TILE, i:i + _TILE] = tile.T
-    return out
+    return M.T.clone(memory_format=torch.contiguous_format).add_(M).mul_(c)
 
 
 def stable_eigh(M: Tensor, what: str = "matrix") -> tuple[Tensor, Tensor]:
