@@ -190,3 +190,53 @@ def gauss_newton_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_gauss_newton_steps_of_a_sharded_model_are_the_union(world):
     spawn(gauss_newton_worker, world, timeout=300, collective_timeout=60)
+
+
+def operators_worker(rank, world):
+    from curvkit.curvature import (
+        EmpiricalFisherOperator,
+        FisherOperator,
+        GGNOperator,
+        HessianOperator,
+        KroneckerEstimator,
+        sharded_operator,
+    )
+    from curvkit.distributed import DistributedOperator, Reducer
+    from curvkit.likelihoods import CrossEntropy
+
+    net, ref = _sharded_and_reference()
+    X, y, bounds = _data(world)
+    mine = slice(bounds[rank], bounds[rank + 1])
+    g = torch.Generator().manual_seed(6)
+    for reduction in ("mean", "sum"):
+        lik = CrossEntropy(reduction, ignore_index=-100)
+        for cls, options in ((GGNOperator, {}), (HessianOperator, {}), (FisherOperator, dict(snapshot=False)),
+                             (EmpiricalFisherOperator, dict(chunk_size=7))):
+            op = sharded_operator(cls, net, lik, (X[mine], y[mine]), distributed=Reducer(), **options)
+            want = cls(ref, lik, (X, y))
+            assert isinstance(op, DistributedOperator) and op.shape == want.shape
+            V = torch.randn(op.shape[0], 3, generator=g, dtype=D64)
+            torch.testing.assert_close(op @ V, want @ V, atol=1e-12, rtol=0)  # full flat vectors in, full out
+            torch.testing.assert_close(op @ V[:, 0], want @ V[:, 0], atol=1e-12, rtol=0)
+            torch.testing.assert_close(op.to_dense(), want.to_dense(), atol=1e-12, rtol=0)
+            torch.testing.assert_close(op.diagonal().flat, want.diagonal().flat, atol=1e-12, rtol=0)
+    # the same layout as the Kronecker operator of the sharded model: comparable entry by entry
+    lik = CrossEntropy(ignore_index=-100)
+    K = KroneckerEstimator(net, lik, "kflr", distributed=Reducer()).update((X[mine], y[mine])).operator()
+    G = sharded_operator(GGNOperator, net, lik, (X[mine], y[mine]), distributed=Reducer())
+    assert list(K.layout.names) == list(G.layout.names) and list(K.layout.shapes) == list(G.layout.shapes)
+    Kref = KroneckerEstimator(ref, lik, "kflr").update((X, y)).operator()
+    v = torch.randn(G.shape[0], generator=g, dtype=D64)
+    torch.testing.assert_close(v @ (G @ v) - v @ (K @ v), v @ (GGNOperator(ref, lik, (X, y)) @ v) - v @ (Kref @ v),
+                               atol=1e-12, rtol=0)
+    # the user's model is unchanged: still sharded, the same values
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert type(p).__name__ == "DTensor"
+        torch.testing.assert_close(p.full_tensor(), q, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="exact curvature operator class"):
+        sharded_operator(KroneckerEstimator, net, lik, (X, y), distributed=Reducer())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_operators_of_a_sharded_model_are_the_union(world):
+    spawn(operators_worker, world, timeout=300, collective_timeout=60)
