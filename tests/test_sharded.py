@@ -101,6 +101,19 @@ def refusals_worker(rank, world):
                   lambda: Laplace(net, lik, structure="kron").fit([(X, y)])):
         with pytest.raises(NotImplementedError, match=r"DTensor shard.*KroneckerEstimator"):
             route()
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from curvkit.curvature import sharded_operator
+    from curvkit.optim import GaussNewton
+
+    cols = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(D64)
+    fully_shard(cols, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+    for route in (lambda: GaussNewton(cols.parameters(), model=cols, likelihood=lik, distributed=Reducer()),
+                  lambda: sharded_operator(GGNOperator, cols, lik, (torch.randn(2, 4, dtype=D64), y[:2, 0]),
+                                           distributed=Reducer())):
+        with pytest.raises(NotImplementedError, match=r"Shard\(dim=1\).*FSDP2's default layout"):
+            route()
     raw, _ = _sharded_and_reference(extra=True)
     with pytest.raises(UnsupportedModelError, match=r"module 'gamma'.*layer kind 'parameter'.*FSDP2"):
         KroneckerEstimator(raw, lik, "kflr", distributed=Reducer())
@@ -139,6 +152,8 @@ def gauss_newton_worker(rank, world):
     for reduction, extra in (("mean", dict(momentum=True)), ("sum", dict(inversion="eigen", tau=10.0))):
         lik = CrossEntropy(reduction, ignore_index=-100)
         net, ref = _sharded_and_reference()
+        if reduction == "sum":  # a frozen sharded layer: gathered for the forward pass, never updated
+            net.ln.requires_grad_(False), ref.ln.requires_grad_(False)
         kw = dict(likelihood=lik, curvature="kflr", **common, **extra)
         got = GaussNewton(net.parameters(), model=net, distributed=Reducer(), **kw)
         want = GaussNewton(ref.parameters(), model=ref, **kw)
