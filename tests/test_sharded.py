@@ -29,6 +29,28 @@ class Tagger(nn.Module):
         return self.head(self.rms(self.conv(h.transpose(1, 2)).transpose(1, 2)))
 
 
+class ScaledTagger(Tagger):
+    """Tagger whose logits a raw (1, 1, 5) parameter scales: one row, so FSDP2 leaves the other ranks' shards
+    of it empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 5).reshape(1, 1, 5))
+
+    def forward(self, ids):
+        return super().forward(ids) * self.gamma
+
+
+def _scaled_sharded_and_reference():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net, ref = ScaledTagger().to(D64), ScaledTagger().to(D64)
+    ref.load_state_dict(net.state_dict())
+    fully_shard(net.lin), fully_shard(net)
+    return net, ref
+
+
 def _sharded_and_reference(extra: bool = False):
     from torch.distributed.fsdp import fully_shard
 
@@ -165,6 +187,16 @@ def gauss_newton_worker(rank, world):
             torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0, msg=lambda m, n=n, r=reduction: f"{r} {n}: {m}")
         for key in ("alpha", "rho", "tau", "zeta"):
             assert [h[key] for h in got.history] == pytest.approx([h[key] for h in want.history], abs=1e-12, rel=0)
+    # a raw parameter (a kind the estimator cannot take on shards, whole on the replica) with empty shards
+    net, ref = _scaled_sharded_and_reference()
+    assert net.gamma.to_local().shape[0] == (1 if rank == 0 else 0)
+    kw = dict(likelihood=CrossEntropy(ignore_index=-100), curvature="kflr", **common)
+    got = GaussNewton(net.parameters(), model=net, distributed=Reducer(), **kw)
+    want = GaussNewton(ref.parameters(), model=ref, **kw)
+    for X, y in batches[:2]:
+        got.step(batch=(X[mine], y[mine])), want.step(batch=(X, y))
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
     # KFRA (the thesis's source, chosen by 'auto' for an MLP chain) on a sharded MLP
     torch.manual_seed(4)
     mlp, ref = (nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).to(D64) for _ in range(2))
@@ -235,6 +267,11 @@ def operators_worker(rank, world):
             torch.testing.assert_close(op @ V[:, 0], want @ V[:, 0], atol=1e-12, rtol=0)
             torch.testing.assert_close(op.to_dense(), want.to_dense(), atol=1e-12, rtol=0)
             torch.testing.assert_close(op.diagonal().flat, want.diagonal().flat, atol=1e-12, rtol=0)
+    # empty shards (a one-row parameter)
+    scaled, ref_scaled = _scaled_sharded_and_reference()
+    lik = CrossEntropy(ignore_index=-100)
+    op = sharded_operator(GGNOperator, scaled, lik, (X[mine], y[mine]), distributed=Reducer())
+    torch.testing.assert_close(op.to_dense(), GGNOperator(ref_scaled, lik, (X, y)).to_dense(), atol=1e-12, rtol=0)
     # the same layout as the Kronecker operator of the sharded model: comparable entry by entry
     lik = CrossEntropy(ignore_index=-100)
     K = KroneckerEstimator(net, lik, "kflr", distributed=Reducer()).update((X[mine], y[mine])).operator()
