@@ -440,6 +440,8 @@ class GaussNewton(CurvatureOptimizer):
             distributed.sync_tensors_(self.ordered_params())
         self._names = self.param_names()
         self._linearisation = Linearisation(self._net, self._structure, self._names)
+        if self._replica is not None:  # gathered again at each step
+            self._replica.release()
         # the adaptive state (saved by state_dict)
         self.num_steps = 0
         self.tau = float(defaults["tau"])
