@@ -272,6 +272,20 @@ def operators_worker(rank, world):
     lik = CrossEntropy(ignore_index=-100)
     op = sharded_operator(GGNOperator, scaled, lik, (X[mine], y[mine]), distributed=Reducer())
     torch.testing.assert_close(op.to_dense(), GGNOperator(ref_scaled, lik, (X, y)).to_dense(), atol=1e-12, rtol=0)
+    # a module's own hooks run on the replica (a pruning mask's pre-hook), FSDP2's do not
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.utils import prune
+
+    torch.manual_seed(7)
+    pruned, ref_pruned = (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(D64) for _ in range(2))
+    ref_pruned.load_state_dict(pruned.state_dict())
+    for m in (pruned[0], ref_pruned[0]):
+        prune.l1_unstructured(m, "weight", amount=0.4)
+    fully_shard(pruned[0]), fully_shard(pruned)
+    Xp, yp = torch.randn(9, 4, generator=g, dtype=D64), torch.randint(0, 3, (9,), generator=g)
+    op = sharded_operator(GGNOperator, pruned, CrossEntropy(), (Xp[mine], yp[mine]), distributed=Reducer())
+    want = GGNOperator(ref_pruned, CrossEntropy(), (Xp, yp)).to_dense()
+    torch.testing.assert_close(op.to_dense(), want, atol=1e-12, rtol=0)
     # the same layout as the Kronecker operator of the sharded model: comparable entry by entry
     lik = CrossEntropy(ignore_index=-100)
     K = KroneckerEstimator(net, lik, "kflr", distributed=Reducer()).update((X[mine], y[mine])).operator()

@@ -59,9 +59,18 @@ def _rows(n: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * c, n), min((r + 1) * c, n)) for r in range(world)]
 
 
+def _is_fsdp_hook(hook: Any) -> bool:
+    """Whether a module hook belongs to FSDP2 (a method of its state object, or a function of its package)."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    owner = getattr(fn, "__self__", None)
+    where = type(owner).__module__ if owner is not None else getattr(fn, "__module__", None) or ""
+    return where.startswith("torch.distributed.")
+
+
 def _plain_clone(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    """``mod`` as its own class without FSDP2: the same attributes and buffers (shared), no hooks, its children
-    cloned (a module registered twice is cloned once); parameters are set by the caller."""
+    """``mod`` as its own class without FSDP2: the same attributes and buffers (shared), its hooks without
+    FSDP2's (a pruning mask's or a weight norm's pre-hook still runs, on the replica's whole parameters), its
+    children cloned (a module registered twice is cloned once); parameters are set by the caller."""
     if id(mod) in memo:
         return memo[id(mod)]
     cls: type = type(mod)
@@ -70,9 +79,10 @@ def _plain_clone(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         cls = next(c for c in cls.__mro__ if not issubclass(c, fsdp))
     new: nn.Module = object.__new__(cls)
     state = dict(mod.__dict__)
-    for key, value in state.items():
-        if "hook" in key and isinstance(value, dict):  # forward/backward/state-dict hooks: FSDP2's among them
-            state[key] = type(value)()
+    hooks = {k: v for k, v in state.items() if "hook" in k and isinstance(v, dict)}
+    dropped = {h for table in hooks.values() for h, fn in table.items() if callable(fn) and _is_fsdp_hook(fn)}
+    for key, table in hooks.items():  # the hook tables and their flag tables (with_kwargs, always_called)
+        state[key] = type(table)((h, fn) for h, fn in table.items() if h not in dropped)
     state["_parameters"] = {}
     state["_buffers"] = dict(mod._buffers)
     state["_modules"] = {}
