@@ -8,7 +8,7 @@ all-gathers a module's parameters inside that module's own forward and backward 
 parameters and any code that reads ``module.weight`` meet either the hooks' own tensors or a shard.
 
 :class:`ShardedReplica` is the simple correct route for those: a copy of the module TREE without FSDP2 (each
-module's own class, its attributes, its buffers shared with the user's module, no hooks) whose sharded
+module's own class, its attributes, its buffers shared with the user's module, its hooks but FSDP2's) whose sharded
 parameters are whole tensors gathered from the ranks' shards. Everything curvkit does on a plain model then
 runs on the replica unchanged, as on one data-parallel replica (each rank with its own data shard, the
 ``Reducer`` summing what the ranks computed); the results are in the FULL parameter layout (``named_parameters``
