@@ -156,7 +156,10 @@ class ShardedReplica:
             raise NotImplementedError(f"{self.what}: parameter {name!r} ({tuple(p.shape)}) has a local shard of shape "
                                       f"{tuple(local.shape)} on rank {self.red.rank}, not FSDP2's even chunks "
                                       f"({stop - start} rows); curvkit cannot place it in the whole tensor")
-        whole = nn.Parameter(torch.zeros(tuple(p.shape), dtype=local.dtype, device=local.device),
+        # on the shard's device, or (FSDP2's CPU offloading: shards on the host, compute on the mesh's device) on
+        # the reducer's communication device
+        device = local.device if local.device.type == mesh.device_type else self.red.device
+        whole = nn.Parameter(torch.zeros(tuple(p.shape), dtype=local.dtype, device=device),
                              requires_grad=p.requires_grad)
         self._sharded.append((name, p, whole, rows))
         return whole
@@ -214,6 +217,6 @@ class ShardedReplica:
         dtensor = dtensor_class()
         if dtensor is not None and isinstance(p, dtensor):
             local = p.to_local()
-            local.add_(update[self.rows(p)].to(local.dtype))
+            local.add_(update[self.rows(p)].to(device=local.device, dtype=local.dtype))
         else:
             p.add_(update)
