@@ -2,7 +2,8 @@
 
 * Exact operators (:mod:`curvkit.curvature.exact`): Hessian, GGN, type-2 Fisher, MC Fisher, empirical
   Fisher, with the convenience builders ``hessian``, ``ggn``, ``fisher``, ``mc_fisher``,
-  ``empirical_fisher``; the output-space Fisher (:mod:`curvkit.curvature.output_space`).
+  ``empirical_fisher``; the output-space Fisher (:mod:`curvkit.curvature.output_space`); of an FSDP2-sharded
+  model over the ranks' data: :func:`sharded_operator` (:mod:`curvkit.curvature.sharded`).
 * Estimators updated batch by batch (:mod:`curvkit.curvature.estimators`: Kronecker and diagonal;
   :mod:`curvkit.curvature.ekfac`: eigenvalue-corrected Kronecker), the
   one-shot Kronecker factors (:mod:`curvkit.curvature.kronecker`) and the block-diagonal recursions
@@ -36,6 +37,7 @@ from curvkit.curvature.exact import (
 from curvkit.curvature.kronecker import empirical_kfac, kfac, kflr, kfra
 from curvkit.curvature.output_space import output_fisher, output_fisher_sqrt
 from curvkit.curvature.recursion import BlockDiagonalCurvature, blockdiag_ggn, blockdiag_hessian
+from curvkit.curvature.sharded import sharded_operator
 
 __all__ = [
     "BlockDiagonalCurvature",
@@ -67,4 +69,5 @@ __all__ = [
     "output_fisher",
     "output_fisher_sqrt",
     "piecewise_linear_reason",
+    "sharded_operator",
 ]

@@ -514,6 +514,12 @@ class Reducer:
                          lambda: dist.all_gather(outs, t, group=self.group, async_op=True), _nbytes([t]))
         return outs
 
+    def all_gather(self, t: Tensor, what: str = "all_gather") -> list[Tensor]:
+        """Every rank's ``t`` (the same shape and dtype on every rank), in rank order."""
+        if self.world_size == 1:
+            return [t]
+        return self._all_gather(t, what)
+
     def all_gather_rows(self, t: Tensor) -> Tensor:
         """Concatenate (in rank order) every rank's tensor along dim 0; the leading sizes may differ."""
         if self.world_size == 1:

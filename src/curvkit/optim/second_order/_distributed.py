@@ -222,7 +222,7 @@ def reduce_step_inputs(opt: Any, terms: int, data_loss: Tensor, grads: list[Tens
     local = [data_loss.reshape(1).to(grads[0].dtype) * w] + ([] if synced else [g * w for g in grads])
     out = reduce_sums(red, local, terms, reduction)
     loss, grads = out[0].reshape(()).to(data_loss.dtype), grads if synced else out[1:]
-    params = opt.ordered_params()
+    params = opt._working_params()  # the whole parameters (an FSDP2 model's replica)
 
     def evaluate_union() -> float:
         reg = opt._objective(params[0].new_zeros(()), params)

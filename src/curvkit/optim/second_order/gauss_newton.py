@@ -80,7 +80,21 @@ minibatch must be non-empty, every floating-point tensor of X (and a floating-po
 model's dtype (integer token ids and masks are taken as they are). A step checks every value before writing and raises ``FloatingPointError``
 naming the quantity and the step without changing the parameters or the optimiser's state.
 :meth:`state_dict` carries tau, zeta, the counters, the factor statistics and the random generator, so a
-stopped and resumed run equals an uninterrupted one. Every step appends a record to :attr:`history`
+stopped and resumed run equals an uninterrupted one.
+
+Sharded models (FSDP2 ``fully_shard``: DTensor parameters; :mod:`curvkit.optim.second_order._sharded`). With
+``distributed=Reducer()`` and ``step(batch=(X_rank, y_rank))`` (each rank its own shard of the minibatch) every
+rank computes the step of the union on a whole-parameter replica of the model (the module tree without FSDP2's
+hooks, :class:`curvkit.distributed.sharded.ShardedReplica`), as the data-parallel optimiser does, and adds ITS
+rows of the identical whole update to its local shard: equal to the single-process optimiser on the union
+(tested to 1e-12 in float64). Communication per step on P ranks (|theta| parameters): one all-gather of the
+parameters (|theta| values received per rank), one all-reduce of the gradient (|theta|), the factors' all-reduce
+on refresh steps and the inverses' broadcasts (as data-parallel), a few scalars (the k x k Gram matrix of the
+quadratic model, the loss, rho's objective); the update never travels. Memory per rank during a step: the whole
+parameters, their gradient and the candidate directions (|theta| each) beside the whole factors; between steps
+the replica's storage is freed and only the shards remain. Every curvature source and layer kind works (the
+replica is a plain model); refused: no ``distributed=``, ``step(closure)`` (its ``backward()`` runs FSDP2's own
+gradient reduce-scatter), and parameters sharded otherwise than FSDP2's default (``Shard(0)``, 1-D mesh). Every step appends a record to :attr:`history`
 (loss, alpha, rho, tau, zeta, omega per layer, predicted change, wall-clock).
 """
 
@@ -121,6 +135,7 @@ from curvkit.structure import (
     read_model,
     require_fixed_mode,
     running_statistics,
+    sharded_parameters,
 )
 from curvkit.validation import (
     Inputs,
@@ -298,7 +313,8 @@ class GaussNewton(CurvatureOptimizer):
             ``curvkit.distributed.set_current``): each rank steps on its shard and every rank takes the step
             of the union minibatch (:mod:`curvkit.optim.second_order._distributed`); the generator is seeded per rank.
             A ``reduction='mean'`` likelihood weights the ranks by their counted loss terms (positions that are
-            not padding), so padded token batches with unequal counts per rank take the union's step.
+            not padding), so padded token batches with unequal counts per rank take the union's step. Required
+            for an FSDP2-sharded model (module docstring, "Sharded models").
         statistics_dtype: the dtype of the Kronecker factors, their damping, inverses and the direction (None:
             float32 for bf16/fp16 parameters, else theirs; or torch.float32/float64, :mod:`curvkit.precision`);
             the forward and backward passes run in the model's dtype and the step is cast to each parameter's.
@@ -399,7 +415,15 @@ class GaussNewton(CurvatureOptimizer):
                              "those of the coupled minibatch; use one process, or model.eval() (running statistics)")
         seed_r = int(defaults["seed"]) if distributed is None else distributed.seed(int(defaults["seed"]))
         self._generator = torch.Generator(device=self._device).manual_seed(seed_r)
-        self._structure = read_model(model)
+        #: FSDP2: the whole-parameter replica every step computes on (module docstring, "Sharded models")
+        self._replica: Any = None
+        if sharded_parameters(model):
+            from curvkit.optim.second_order._sharded import sharded_replica
+
+            self._replica = sharded_replica(model, distributed)
+        #: the module the step evaluates: the model, or the replica of an FSDP2 model
+        self._net: nn.Module = model if self._replica is None else self._replica.module
+        self._structure = read_model(self._net)
         #: the curvature source in use (``curvature``, or the one ``'auto'`` chose at the first step; None
         #: until then) and why it was chosen
         self.source: str | None = None
@@ -412,10 +436,12 @@ class GaussNewton(CurvatureOptimizer):
                                                      batch_statistics=batch_statistics))
         else:
             self._use_source(curvature, "given")
-        if distributed is not None:
+        if distributed is not None and self._replica is None:  # shards differ by rank; the replica is gathered
             distributed.sync_tensors_(self.ordered_params())
         self._names = self.param_names()
-        self._linearisation = Linearisation(model, self._structure, self._names)
+        self._linearisation = Linearisation(self._net, self._structure, self._names)
+        if self._replica is not None:  # gathered again at each step
+            self._replica.release()
         # the adaptive state (saved by state_dict)
         self.num_steps = 0
         self.tau = float(defaults["tau"])
@@ -442,6 +468,13 @@ class GaussNewton(CurvatureOptimizer):
         """The optimised parameters (those with ``requires_grad`` at construction) in the model's order."""
         return list(self._trainable)
 
+    def _working_params(self) -> list[Tensor]:
+        """The tensors a step computes with, in :meth:`ordered_params` order: the parameters themselves, or the
+        whole replica parameters of an FSDP2 model's shards."""
+        if self._replica is None:
+            return self.ordered_params()
+        return [self._replica.full[id(p)] for p in self._trainable]
+
     def param_names(self) -> list[str]:
         """Names of :meth:`ordered_params` in the model's ``named_parameters`` order."""
         assert self.model is not None
@@ -465,7 +498,7 @@ class GaussNewton(CurvatureOptimizer):
         hp = self.hp
         ema_f = hp["ema"] if isinstance(hp["ema"], float) else None
         self.estimator = KroneckerEstimator(
-            self.model, self.likelihood, curvature=source,  # type: ignore[arg-type]
+            self._net, self.likelihood, curvature=source,  # type: ignore[arg-type]
             ema=ema_f, generator=self._generator, distributed=self.distributed, config=self.config,
             statistics_dtype=self.statistics_dtype, option_words=_WORDS)
         self.source, self.source_reason = source, reason
@@ -474,9 +507,8 @@ class GaussNewton(CurvatureOptimizer):
         """Before the first step: one forward pass without autograd that checks the model returns one tensor
         of logits and, for ``curvature='auto'``, picks the source by :func:`default_curvature` from its
         outputs (logged at INFO level and kept in :meth:`state_dict`)."""
-        assert self.model is not None
-        with torch.no_grad(), curvature_kernels(), kept_running_statistics(self.model):
-            f = self._logits(self.model(X))
+        with torch.no_grad(), curvature_kernels(), kept_running_statistics(self._net):
+            f = self._logits(self._net(X))
         self.likelihood.check_logits(f, type(self).__name__)
         self._output_checked = True
         if self.estimator is None:
@@ -566,10 +598,22 @@ class GaussNewton(CurvatureOptimizer):
             require_fixed_mode(self.model, type(self).__name__, batch_statistics=couple, hint=BATCH_STATISTICS_HINT)
         if batch is not None:
             batch = self._checked_batch(batch)
+        if self._replica is not None:
+            from curvkit.optim.second_order._sharded import check_sharded_step
+
+            check_sharded_step(closure)
+            self._replica.gather()  # the whole parameters (one all-gather), released after the step
+        try:
+            return self._step(closure, batch, couple)
+        finally:
+            if self._replica is not None:
+                self._replica.release()
+
+    def _step(self, closure: Callable[[], Any] | None, batch: tuple[Inputs, Tensor] | None, couple: bool) -> Tensor:
         t0 = time.perf_counter()
         k = self.num_steps + 1
         hp = self.hp
-        params = self.ordered_params()
+        params = self._working_params()
         refresh = self._op is None or (k - 1) % hp["curvature_every"] == 0
         rebuild = self._op is None or (k - 1) % (hp["inverse_every"] or hp["curvature_every"]) == 0
         est = self.estimator  # None before the first step with curvature='auto'
@@ -603,10 +647,12 @@ class GaussNewton(CurvatureOptimizer):
             raise
         E0, update, record = out
         # ---- write (everything was checked by _compute)
-        for p, u in zip(params, update):
+        for p, q, u in zip(params, self.ordered_params(), update):
             p.add_(u)
+            if self._replica is not None:  # the user's FSDP2 shard: this rank's rows of the update
+                self._replica.write_local_(q, u)
             if hp["momentum"]:
-                self.state[p]["previous_update"] = u
+                self.state[q]["previous_update"] = u
         self.zeta = record["zeta"]
         if record["quadratic"]:
             self._alpha, self._beta = record["alpha"], record["beta"]
@@ -641,8 +687,7 @@ class GaussNewton(CurvatureOptimizer):
         Returns (X, y, f, data loss, gradient of the data loss, evaluate) with ``evaluate()`` the objective
         at the current parameters on the same minibatch (for rho).
         """
-        model, lik = self.model, self._shard_likelihood
-        assert model is not None
+        model, lik = self._net, self._shard_likelihood
         name = type(self).__name__
         if batch is None and closure is None:
             raise TypeError(f"{name}.step needs the minibatch: step(batch=(X, y)) (the curvature, the exact "
@@ -848,7 +893,7 @@ class GaussNewton(CurvatureOptimizer):
             dirs.append([t.to(p.dtype) for t, p in zip(d, params)])
         prev = None
         if hp["momentum"]:
-            prev = [self.state[p].get("previous_update") for p in params]
+            prev = [self.state[p].get("previous_update") for p in self.ordered_params()]
             if any(u is None for u in prev):
                 prev = None
         if not quadratic:
