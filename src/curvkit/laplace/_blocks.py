@@ -98,13 +98,7 @@ def _pair_logdet(b: KFactors, pi: float, N: Tensor, lam: Tensor) -> Tensor:
     differentiable operations in N and lambda. A low-rank G ``U diag(s) U^T`` (c = 0) gives its r nonzero
     ``g`` from the r x r matrix ``(U sqrt(N s))^T G2'^{-1} (U sqrt(N s))``; the other ``out - r`` are 0 and add
     nothing."""
-    assert b.second is not None
-    sN, sl = N.sqrt(), lam.sqrt()
-    G2, A2 = b.second
-    G2d = sN * G2 + (sl / pi) * (torch.ones_like(G2) if G2.dim() == 1 else torch.eye(b.out_dim, dtype=G2.dtype,
-                                                                                   device=G2.device))
-    A2d = sN * A2 + (pi * sl) * (torch.ones_like(A2) if A2.dim() == 1 else torch.eye(b.in_dim, dtype=A2.dtype,
-                                                                                   device=A2.device))
+    G2d, A2d = _damped_second(b, pi, N.sqrt(), lam.sqrt())
     a, ldA = _generalised_eigvals(b.A, A2d)
     if isinstance(b.G, LowRankFactor):
         if b.G.c != 0:
@@ -121,6 +115,19 @@ def _pair_logdet(b: KFactors, pi: float, N: Tensor, lam: Tensor) -> Tensor:
     else:
         g, ldG = _generalised_eigvals(N * b.G, G2d)
     return b.in_dim * ldG + b.out_dim * ldA + torch.log1p(torch.outer(g, a)).sum()
+
+
+def _damped_second(b: KFactors, pi: float, sN: Any, sl: Any) -> tuple[Tensor, Tensor]:
+    """A pair block's second term with the prior (Eq. 5.14 applied to it): ``(sqrt(N) G2 + sqrt(lam)/pi I,
+    sqrt(N) A2 + pi sqrt(lam) I)`` from ``sN = sqrt(N)`` and ``sl = sqrt(lam)`` (floats or tensors: the
+    marginal likelihood differentiates through them); a vector factor stays a vector."""
+    assert b.second is not None
+
+    def shifted(M: Tensor, c: Any) -> Tensor:
+        return sN * M + c * (torch.ones_like(M) if M.dim() == 1 else torch.eye(M.shape[0], dtype=M.dtype,
+                                                                               device=M.device))
+
+    return shifted(b.second[0], sl / pi), shifted(b.second[1], pi * sl)
 
 
 def factors_state(b: KFactors) -> dict[str, Any]:
@@ -248,14 +255,12 @@ class KroneckerBlock(PosteriorBlock):
         to it): ``N G (x) A + (sqrt(N) G2 + sqrt(lam)/pi I) (x) (sqrt(N) A2 + pi sqrt(lam) I)``, through
         :class:`~curvkit.linalg.kron.KroneckerPairEigh` (cached per N and lambda)."""
         b, pi = self.factors[j], self.pis[j]
-        assert b.second is not None
-        G2, A2 = b.second
         n, l = float(N), float(lam[self.layer])
 
         def build() -> KroneckerPairEigh:
-            sN = math.sqrt(n)
             G1 = b.G * n if isinstance(b.G, LowRankFactor) else n * b.G
-            return KroneckerPairEigh.of(G1, b.A, sN * G2, sN * A2, damping=l, pi=pi, what=repr(b.name))
+            return KroneckerPairEigh.of(G1, b.A, *_damped_second(b, pi, math.sqrt(n), math.sqrt(l)),
+                                        what=repr(b.name))
 
         return self._cached(("pair", j, n, l), build)  # type: ignore[no-any-return]
 
@@ -304,21 +309,13 @@ class KroneckerBlock(PosteriorBlock):
     def precision(self, N: float, lam: Tensor) -> CurvatureOperator:
         if self.form == "factored":
             blocks = [KFactors.from_gram(PG, PA, b.weight_name, b.bias_name, index=b.index, label=b.label,
-                                         factored=b.factored, second=self._second(b, pi, N, lam))
+                                         factored=b.factored, second=None if b.second is None else _damped_second(
+                                             b, pi, math.sqrt(N), math.sqrt(float(lam[self.layer]))))
                       for b, pi, (PG, PA) in zip(self.factors, self.pis, self.damped(N, lam))]
             return KroneckerOperator(self.layout, blocks)
         blocks = [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=N, index=b.index, label=b.label,
                                      factored=b.factored) for b in self.factors]
         return KroneckerOperator(self.layout, blocks, damping=float(lam[self.layer]))
-
-    def _second(self, b: KFactors, pi: float, N: float, lam: Tensor) -> tuple[Tensor, Tensor] | None:
-        """A pair block's damped second term ``(sqrt(N) G2 + sqrt(lam)/pi I, sqrt(N) A2 + pi sqrt(lam) I)``."""
-        if b.second is None:
-            return None
-        sN, sl = math.sqrt(N), math.sqrt(float(lam[self.layer]))
-        G2, A2 = b.second
-        return (sN * G2 + (sl / pi) * (torch.ones_like(G2) if G2.dim() == 1 else self._eye(b.out_dim)),
-                sN * A2 + (pi * sl) * (torch.ones_like(A2) if A2.dim() == 1 else self._eye(b.in_dim)))
 
     def covariance(self, N: float, lam: Tensor) -> CurvatureOperator:
         if self.form == "exact":
