@@ -911,10 +911,11 @@ class KroneckerEstimator(CurvatureEstimator):
         and tied weights"): the blocks that read a shared parameter form one group
         (:func:`curvkit.layerkinds.shared_groups`), which becomes ONE exact dense block
         (:func:`~curvkit.linalg.kron.dense_sum`, labelled :func:`curvkit.layerkinds.sum_label`) when it has at
-        most :data:`SHARED_DENSE_LIMIT` entries. Above that, two uses of one whole weight (:func:`pair_order`:
-        a tied head and its embedding, GPT-2's 50,257 x 768) become ONE block that is the sum of two Kronecker
-        terms, ``G (x) A + G2 (x) A2`` in the first use's view (:func:`~curvkit.linalg.kron.pair_in_view`;
-        :attr:`~curvkit.linalg.kron.KroneckerBlock.second`), exact and never dense; anything else is refused at
+        most :data:`SHARED_DENSE_LIMIT` entries. Above that, the uses of one whole weight that
+        :func:`shared_terms` accepts (a tied head and its embedding, GPT-2's 50,257 x 768; a head and several
+        lookups of its table, merged by :func:`merge_terms`) become ONE block that is the sum of two Kronecker
+        terms, ``G (x) A + G2 (x) A2`` in the head's view (:func:`~curvkit.linalg.kron.pair_in_view`;
+        :attr:`~curvkit.linalg.kron.KroneckerBlock.second`), never dense; anything else is refused at
         construction, naming the fixes. Uses that saw no data (a module never called: zero factors) are left out
         of the sum where the others cover its parameters."""
         out: list[KroneckerBlock] = []
