@@ -264,7 +264,8 @@ def _label(name: str) -> str:
     return name or "<root>"
 
 
-def _is_random(mod: nn.Module) -> bool:
+def is_random(mod: nn.Module) -> bool:
+    """Whether ``mod`` is NOW random: Dropout with p > 0 or RReLU, in training mode."""
     if isinstance(mod, DROPOUTS):
         return bool(mod.training and float(getattr(mod, "p", 0.0)) > 0)
     return isinstance(mod, nn.RReLU) and mod.training
@@ -379,7 +380,7 @@ class ModelStructure:
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         self.activations = [(n, m) for n, m in self.leaves if type(m) in ELEMENTWISE]
         self.mixing = [_label(n) for n, m in self.modules if _mixes_samples(m)]
-        self.random = [_label(n) for n, m in self.modules if _is_random(m)]
+        self.random = [_label(n) for n, m in self.modules if is_random(m)]
         self.inplace = [_label(n) for n, m in self.modules if bool(getattr(m, "inplace", False))]
 
     # ------------------------------------------------------------------ names
@@ -448,7 +449,7 @@ class ModelStructure:
                 continue
             if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
                 return None, f"module {_label(name)!r} ({type(mod).__name__}) has parameters or buffers"
-            if _is_random(mod):
+            if is_random(mod):
                 return None, f"module {_label(name)!r} is random in training mode"
             if getattr(mod, "inplace", False):
                 return None, f"module {_label(name)!r} works in place"
@@ -655,7 +656,7 @@ def require_fixed_mode(model: nn.Module, what: str, batch_statistics: bool = Fal
     run it many times (an optimiser), since ``model.train()`` after construction changes what the forward pass
     is. ``hint`` is a further fix for the coupling refusal. One pass over the modules, no forward pass."""
     for name, mod in model.named_modules():
-        if _is_random(mod):
+        if is_random(mod):
             raise refuse(what, _label(name), mod, "is random in training mode (model.train() was called after "
                          f"{what} was created)", "call model.eval() (or set its p to 0) before the step")
         if _mixes_samples(mod) and not batch_statistics:
@@ -731,7 +732,7 @@ def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None
     """``conv``'s operation (stride, padding of any mode, dilation, groups) with the given weight and bias;
     linear in (x, weight, bias) separately, so it also maps tangents."""
     x, pad = _conv_pad(conv, x)
-    fn: Any = F.conv2d if isinstance(conv, nn.Conv2d) else F.conv1d
+    fn: Any = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d if isinstance(conv, nn.Conv2d) else F.conv1d
     return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
 
 

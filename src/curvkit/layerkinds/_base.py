@@ -169,6 +169,37 @@ class LayerHandler:
         autograd enabled; return the removable handles."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ optional capabilities
+    # The routes outside the Kronecker estimators ask these questions of a module's handler (never its kind's
+    # name or the module's class); a handler answers False where it has no such rule.
+    def bilinear(self, module: nn.Module) -> bool:
+        """Capability: the module maps one input tensor x to ``op(x, weight) + bias`` with ``op`` linear in x
+        and in the weight separately (a Linear layer, a convolution), so :meth:`tangent` gives its forward-mode
+        map and its output is linear in its parameters for a fixed input (thesis Lemma 3.23). False here."""
+        return False
+
+    def tangent(self, module: nn.Module, x: Tensor, t: Tensor | None, values: Mapping[str, Tensor],
+                tangents: Mapping[str, Tensor]) -> Tensor | None:
+        """The tangent of a :meth:`bilinear` module's output for k directions at once, at its recorded input x
+        (B, ...): ``op(t, W) + op(x, dW) + db``, with t (k, B, ...) the input's tangent (None: zero), ``values``
+        the parameters of the recorded pass by attribute path (:meth:`owned`) and ``tangents`` (k, *shape) the
+        directions of those that have one (absent: zero, a frozen parameter). Returns (k, B, ...), or None when
+        every term is zero (no input tangent, no parameter direction)."""
+        raise NotImplementedError(f"the {self.kind} handler has no tangent rule")
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        """Capability of the batched-backward exact diagonal: :meth:`squared_gradients` is exact for this
+        module's parameters (and, where ``x`` is given, on that input: a Linear layer only without positions,
+        (B, in)). False here."""
+        return False
+
+    def squared_gradients(self, module: nn.Module, x: Tensor, deltas: Tensor) -> dict[str, Tensor]:
+        """sum_{r,n} of the squared per-sample gradients g_{r,n} of the module's ``weight`` and ``bias``
+        (attribute path -> a tensor of the parameter's shape), for a :meth:`squares` module with input x (B, ...)
+        (detached) and the R batched gradients ``deltas`` (R, B, *output shape) at its output: g_{r,n} is the
+        gradient of <deltas[r, n], output_n> with respect to the parameter."""
+        raise NotImplementedError(f"the {self.kind} handler has no squared-gradient rule")
+
 
 def weight_and_bias(module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> tuple[str | None, str | None]:
     """(weight, bias) canonical names of a layer whose block needs its weight: a trainable bias with a

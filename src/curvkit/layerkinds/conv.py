@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from curvkit.layerkinds._base import (
@@ -31,9 +32,11 @@ from curvkit.layerkinds._base import (
     weight_and_bias,
 )
 from curvkit.linalg.kron import standard_index
-from curvkit.structure import conv_patches
+from curvkit.structure import conv_forward, conv_patches
 
 __all__ = ["ConvHandler"]
+
+_BUDGET = 2**24  # scalars per chunk of per-sample gradients (squared_gradients)
 
 
 class ConvHandler(LayerHandler):
@@ -81,6 +84,52 @@ class ConvHandler(LayerHandler):
                 emit(Site(j, patches[..., j * k:(j + 1) * k], y, _columns(rows, j * o, (j + 1) * o)))
 
         return [module.register_forward_hook(hook)]
+
+    # ------------------------------------------------------------------ capabilities
+    def bilinear(self, module: nn.Module) -> bool:
+        return True
+
+    def tangent(self, module: nn.Module, x: Tensor, t: Tensor | None, values: Mapping[str, Tensor],
+                tangents: Mapping[str, Tensor]) -> Tensor | None:
+        """``conv(t, W) + conv(x, dW) + db`` (:func:`curvkit.structure.conv_forward`: any padding mode, stride,
+        dilation, groups); with groups 1 the k weight tangents are stacked along the output channels: ONE
+        convolution for all directions."""
+        W, dW, db = values["weight"], tangents.get("weight"), tangents.get("bias")
+        out: Tensor | None = None
+        if t is not None:
+            out = conv_forward(module, t.flatten(0, 1), W, None)
+            out = out.view(t.shape[0], -1, *out.shape[1:])
+        if dW is not None or db is not None:
+            k, o = (dW if dW is not None else db).shape[0], W.shape[0]  # type: ignore[union-attr]
+            if dW is None:
+                dW = torch.zeros(k, *W.shape, dtype=W.dtype, device=W.device)
+            if int(module.groups) == 1:  # type: ignore[arg-type]
+                term = conv_forward(module, x, dW.reshape(k * o, *W.shape[1:]),
+                                    None if db is None else db.reshape(k * o))
+                term = term.view(x.shape[0], k, o, *term.shape[2:]).transpose(0, 1)
+            else:
+                term = torch.stack([conv_forward(module, x, dW[j], None if db is None else db[j]) for j in range(k)])
+            out = term if out is None else out + term
+        return out
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        """``nn.Conv2d`` with groups 1 (the route's verified scope; 1-D and 3-D patches would be read alike)."""
+        return isinstance(module, nn.Conv2d) and int(module.groups) == 1
+
+    def squared_gradients(self, module: nn.Module, x: Tensor, deltas: Tensor) -> dict[str, Tensor]:
+        """g_{r,n} = sum_p deltas[r, n, :, p] patches_{n,p}^T over the output locations p: the per-sample
+        gradients (r, B, out, C*k) are formed a chunk of r at a time (at most 2^24 scalars) and squared."""
+        cols = conv_patches(module, x).transpose(1, 2)  # (B, K, P), any padding mode
+        d = deltas.reshape(deltas.shape[0], deltas.shape[1], deltas.shape[2], -1)  # (R, B, O, P)
+        acc = torch.zeros(d.shape[2], cols.shape[1], dtype=d.dtype, device=d.device)
+        step = max(1, _BUDGET // (d.shape[1] * d.shape[2] * cols.shape[1]))
+        for r in range(0, d.shape[0], step):
+            acc += (torch.einsum("rbop,bkp->rbok", d[r:r + step], cols) ** 2).sum((0, 1))
+        weight: Any = module.weight
+        out = {"weight": acc.reshape(weight.shape)}
+        if getattr(module, "bias", None) is not None:
+            out["bias"] = (d.sum(-1) ** 2).sum((0, 1))
+        return out
 
 
 def _columns(rows: Callable[[Tensor], Tensor], start: int, stop: int) -> Callable[[Tensor], Tensor]:

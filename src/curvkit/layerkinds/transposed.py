@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from curvkit.layerkinds._base import BlockSpec, LayerHandler, weight_and_bias
 from curvkit.layerkinds.linear import LinearHandler
@@ -49,6 +49,13 @@ class TransposedLinearHandler(LinearHandler):
         assert w is not None
         n_in, n_out = self.sizes(module)
         return [BlockSpec(label, w, b, n_out, n_in, index=transposed_index(n_in, n_out, b is not None))]
+
+    def bilinear(self, module: nn.Module) -> bool:
+        """No tangent or squared-gradient rule of its own (the Linear handler's read the weight as (out, in))."""
+        return False
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        return False
 
 
 #: Module classes of optional libraries, by (module, qualified name): registered on first sight.
