@@ -187,6 +187,15 @@ class LayerHandler:
         every term is zero (no input tangent, no parameter direction)."""
         raise NotImplementedError(f"the {self.kind} handler has no tangent rule")
 
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        """Capability of the consumers that read a layer's block as its weight matrix (the Kronecker filters):
+        the module has ONE block, the standard ``W_hat = [weight.reshape(out, -1) | bias]`` (``index`` None), and
+        its site's input rows (B, R, in) and output rows (B, R, out) pair, row by row, into the per-sample (and
+        per-position) Fisher samples x (x) delta of that matrix. ``'samples'``: R = 1 unless the input has positions
+        (a Linear layer on (B, in)); ``'positions'``: the rows are always positions of a shared weight (a
+        convolution's output locations), so there are no rank-1 per-sample gradients. None here."""
+        return None
+
     def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
         """Capability of the batched-backward exact diagonal: :meth:`squared_gradients` is exact for this
         module's parameters (and, where ``x`` is given, on that input: a Linear layer only without positions,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -111,6 +111,10 @@ class ConvHandler(LayerHandler):
                 term = torch.stack([conv_forward(module, x, dW[j], None if db is None else db[j]) for j in range(k)])
             out = term if out is None else out + term
         return out
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        """``nn.Conv2d`` with groups 1 (the filters' verified scope; grouped convolutions have one block per group)."""
+        return "positions" if isinstance(module, nn.Conv2d) and int(module.groups) == 1 else None
 
     def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
         """``nn.Conv2d`` with groups 1 (the route's verified scope; 1-D and 3-D patches would be read alike)."""

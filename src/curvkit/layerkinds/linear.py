@@ -9,7 +9,7 @@ patches of a ViT and time steps all share the weight, so the estimator's ``weigh
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +75,9 @@ class LinearHandler(LayerHandler):
             bias = db.view(k, *([1] * (x.dim() - 1)), -1)
             out = bias.expand(k, *x.shape[:-1], db.shape[-1]) if out is None else out + bias
         return out
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        return "samples"
 
     def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
         """On (B, in) inputs only (with positions a sample's gradient is a sum over them)."""

@@ -23,7 +23,7 @@ cross terms dropped), at a third of the factor's size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
@@ -51,8 +51,12 @@ class TransposedLinearHandler(LinearHandler):
         return [BlockSpec(label, w, b, n_out, n_in, index=transposed_index(n_in, n_out, b is not None))]
 
     def bilinear(self, module: nn.Module) -> bool:
-        """No tangent or squared-gradient rule of its own (the Linear handler's read the weight as (out, in))."""
+        """No tangent, squared-gradient or paired-rows rule of its own (the Linear handler's read the weight as
+        (out, in); its block is a transposed view)."""
         return False
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        return None
 
     def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
         return False

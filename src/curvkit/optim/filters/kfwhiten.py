@@ -85,7 +85,6 @@ class KFWhiten(_KroneckerBase):
         sigma2: prior variance; the parameters decay by 1 - eta^2/(2 sigma^2) per step (inf: none).
     """
 
-    supported = (nn.Linear, nn.Conv2d)
     positions_ok = True
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,

@@ -104,9 +104,9 @@ def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None
 
 
 class _KroneckerBase(CurvatureOptimizer):
-    supported: tuple[type[nn.Module], ...] = (nn.Linear,)
     #: whether a Kronecker layer may share its weight over positions (rows B*T; KFWhiten's covariances take
-    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form)
+    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form, and take
+    #: no layer whose rows are always positions, :meth:`curvkit.layerkinds.LayerHandler.paired_rows`)
     positions_ok = False
 
     def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
@@ -121,7 +121,7 @@ class _KroneckerBase(CurvatureOptimizer):
             raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
-        self.layers, self.capture, self.diagonal = collect_layers(model, self.supported, type(self).__name__, given)
+        self.layers, self.capture, self.diagonal = collect_layers(model, self.positions_ok, type(self).__name__, given)
         if distributed is not None and self.diagonal:
             self.capture.close()
             raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
@@ -191,7 +191,7 @@ class _KroneckerBase(CurvatureOptimizer):
             self.layers.remove(rec)
             for param, pname in ((rec.weight, rec.weight_name), (rec.bias, rec.bias_name)):
                 if param is not None and pname is not None:
-                    self.diagonal.append(DiagonalParam(pname, param, rec.name, "linear (weight-shared)"))
+                    self.diagonal.append(DiagonalParam(pname, param, rec.name, f"{rec.kind} (weight-shared)"))
 
     def _scale(self, batch_size: int | None) -> float:
         """The factor turning ``p.grad`` into the gradient of the summed log-likelihood. With a mean loss the
