@@ -4,39 +4,25 @@
 errors, what the rest of curvkit needs to know before it takes a cheaper route or builds a structured
 approximation:
 
-* its **layers** (modules that own trainable parameters) and their **kind**: ``linear``, ``conv1d``,
-  ``conv2d``, ``embedding``, ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
-  (``nn.MultiheadAttention``) or ``other``;
+* its **layers** (modules that own trainable parameters) with their trainable parameters; it does not
+  classify them: what a layer computes, and which routes may take it, is known only to its handler in
+  :mod:`curvkit.layerkinds` (the Kronecker blocks, and the capabilities the other routes query: a tangent rule,
+  squared per-sample gradients, paired rows);
 * its **parameters** under their canonical names (the first name ``named_parameters()`` gives, which
   is the name every :class:`~curvkit.linalg.layout.ParamLayout` uses), with **shared parameters**
   (one tensor owned by two modules: weight tying) and **reused modules** (one module registered under
   two names, so it is called twice) detected;
-* its **activations** (elementwise modules from :data:`ELEMENTWISE`), whether it is a plain
-  ``nn.Sequential`` chain, and whether it is verifiably **piecewise linear** in each layer's parameters
-  (thesis Lemma 3.23);
+* its **activations** (elementwise modules from :data:`ELEMENTWISE`) and whether it is a plain
+  ``nn.Sequential`` chain;
 * modules that **mix samples** (BatchNorm using batch statistics) or are **random** (Dropout with
   p > 0 and RReLU in training mode), and activations that work **in place**.
 
-The support table (``docs/architecture.md`` prints it with the same content) is the set of predicates
-below, one per route:
-
-============================  ======================================================================
-route                          accepts
-============================  ======================================================================
-``tangent_chain``              plain (nested) ``nn.Sequential`` of Linear/Conv1d/Conv2d (any padding
-                               mode) and parameter- and buffer-free, deterministic, not-in-place
-                               modules; shared parameters allowed; each module used once
-``layerwise_layers``           every trainable parameter in a Linear (2-D input) or Conv2d (groups 1)
-                               layer, no shared parameters, each layer called once, no sample mixing
-``kronecker_layers``           trainable parameters only in Linear or Conv2d (groups 1) layers, weight
-                               trainable, no shared parameters or reused modules, no sample mixing,
-                               nothing random (the consumers that read whole ``[W | b]`` blocks; the
-                               Kronecker estimators take every kind of :func:`curvkit.layerkinds.plan`)
-``mlp_chain``                  ``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
-                               activations from :data:`ELEMENTWISE`, all parameters trainable
-``piecewise_linear_reason``    ``tangent_chain`` models whose activations are piecewise linear, no
-                               shared parameters (a tied weight makes the output quadratic in it)
-============================  ======================================================================
+The routes' predicates (the support table of ``docs/architecture.md``) combine these facts with the layer
+kinds' capabilities and live with the routes (:func:`curvkit.curvature._tangent.tangent_chain`,
+:func:`curvkit.curvature._layerwise.layer_specs`, :func:`curvkit.layerkinds.plan`); the one predicate left
+here, :meth:`ModelStructure.mlp_chain` (``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
+activations from :data:`ELEMENTWISE`, all parameters trainable), reads the fixed chain of thesis Eq. 3.10
+(exactly ``nn.Linear`` layers: the recursions' algebra is written for them).
 
 Every refusal is an :class:`UnsupportedModelError` (a ``ValueError``) worded
 ``"{what}: module 'name' (Type) {why}; {how to fix}"``.
@@ -54,7 +40,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +49,6 @@ from torch.func import functional_call as _torch_functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "AFFINE",
     "ELEMENTWISE",
     "LayerInfo",
     "MLPChain",
@@ -78,8 +63,6 @@ __all__ = [
     "running_statistics",
 ]
 
-LayerKind = Literal["linear", "conv1d", "conv2d", "embedding", "norm", "attention", "other"]
-
 # Elementwise activations (output i depends on input i only), with whether each is piecewise linear.
 ELEMENTWISE: dict[type[nn.Module], bool] = {
     nn.ReLU: True, nn.LeakyReLU: True, nn.ReLU6: True, nn.Hardtanh: True, nn.Hardsigmoid: True,
@@ -88,7 +71,6 @@ ELEMENTWISE: dict[type[nn.Module], bool] = {
     nn.SELU: False, nn.Softplus: False, nn.Mish: False, nn.Softsign: False, nn.Hardswish: False,
     nn.LogSigmoid: False, nn.Tanhshrink: False,
 }
-AFFINE: dict[type[nn.Module], LayerKind] = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d"}
 RESHAPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten)
 # Parameter-free, per-sample, piecewise-linear modules other than activations.
 POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
@@ -96,8 +78,6 @@ POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d
                                         nn.AdaptiveMaxPool2d)
 DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
                                          nn.AlphaDropout, nn.FeatureAlphaDropout)
-NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-                                      nn.modules.instancenorm._InstanceNorm)
 
 
 @contextmanager
@@ -224,8 +204,7 @@ class LayerInfo:
 
     Attributes:
         label: its qualified name (``'<root>'`` for the model itself).
-        module: the module.
-        kind: ``linear`` | ``conv1d`` | ``conv2d`` | ``embedding`` | ``norm`` | ``attention`` | ``other``.
+        module: the module (what it computes is its layer-kind handler's business: :mod:`curvkit.layerkinds`).
         weight: canonical name of its trainable ``weight``, or None (absent or frozen).
         bias: canonical name of its trainable ``bias``, or None.
         params: canonical names of all its trainable parameters (own, not recursive).
@@ -233,7 +212,6 @@ class LayerInfo:
 
     label: str
     module: nn.Module
-    kind: LayerKind
     weight: str | None
     bias: str | None
     params: tuple[str, ...]
@@ -277,18 +255,6 @@ def _mixes_samples(mod: nn.Module) -> bool:
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
         return bool(mod.training or not mod.track_running_stats)
     return False
-
-
-def _kind(mod: nn.Module) -> LayerKind:
-    if type(mod) in AFFINE:
-        return AFFINE[type(mod)]
-    if isinstance(mod, NORMS):
-        return "norm"
-    if type(mod) is nn.Embedding:
-        return "embedding"
-    if type(mod) is nn.MultiheadAttention:
-        return "attention"
-    return "other"
 
 
 def sharded_parameters(model: nn.Module) -> list[str]:
@@ -370,7 +336,7 @@ class ModelStructure:
                 wname = canonical.get(id(weight)) if isinstance(weight, Tensor) else None
                 bname = canonical.get(id(bias)) if isinstance(bias, Tensor) else None
                 self.layers.append(LayerInfo(
-                    _label(mname), mod, _kind(mod),
+                    _label(mname), mod,
                     wname if wname in trainable else None, bname if bname in trainable else None,
                     tuple(own_trainable)))
             if not any(True for _ in mod.children()):
@@ -390,13 +356,6 @@ class ModelStructure:
         if names is None:
             raise ValueError(f"{type(module).__name__} is not a submodule of the model")
         return _label(names[0])
-
-    @staticmethod
-    def kind_of(module: nn.Module) -> LayerKind:
-        """The kind of a module: ``linear``/``conv1d``/``conv2d`` (exactly those types), ``embedding``,
-        ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
-        (``nn.MultiheadAttention``) or ``other``."""
-        return _kind(module)
 
     def canonical_name(self, tensor: Tensor) -> str | None:
         """The layout name of a parameter tensor of the model (None if it is not one)."""
@@ -435,77 +394,6 @@ class ModelStructure:
                          "call model.eval() to use its running statistics, or use an exact operator" + hint)
 
     # ------------------------------------------------------------------ routes
-    def tangent_chain(self) -> tuple[list[nn.Module] | None, str | None]:
-        """(leaf modules in call order, None) for the recorded-tangent route, or (None, reason)."""
-        if type(self.model) is not nn.Sequential or not self.is_plain_sequential:
-            return None, "not a plain nn.Sequential"
-        if self.reused_modules:
-            name, names = next(iter(self.reused_modules.items()))
-            return None, f"module {_label(name)!r} is used more than once ({', '.join(names)})"
-        chain: list[nn.Module] = []
-        for name, mod in self.leaves:
-            if type(mod) in AFFINE:
-                chain.append(mod)
-                continue
-            if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
-                return None, f"module {_label(name)!r} ({type(mod).__name__}) has parameters or buffers"
-            if is_random(mod):
-                return None, f"module {_label(name)!r} is random in training mode"
-            if getattr(mod, "inplace", False):
-                return None, f"module {_label(name)!r} works in place"
-            chain.append(mod)
-        return chain, None
-
-    def layerwise_layers(self) -> list[LayerInfo] | None:
-        """Linear/Conv2d layers owning every trainable parameter, for the batched-backward exact diagonal;
-        None when that route does not apply (shared parameters, other layers, grouped convolutions,
-        reused modules, batch statistics)."""
-        if self.shared_parameters or self.reused_modules or self.mixing or self.random:
-            return None
-        out: list[LayerInfo] = []
-        covered: set[str] = set()
-        for lay in self.layers:
-            if lay.kind not in ("linear", "conv2d") or lay.weight is None:
-                return None
-            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
-                return None
-            out.append(lay)
-            covered.update(lay.params)
-        return out if covered == set(self.trainable) else None
-
-    def kronecker_layers(self, what: str, allow_conv: bool = True) -> list[LayerInfo]:
-        """The layers of a Kronecker-factored approximation (Linear, and Conv2d with groups 1 if
-        ``allow_conv``), or an :class:`UnsupportedModelError` naming the first module it cannot take."""
-        supported = ("linear", "conv2d") if allow_conv else ("linear",)
-        names = "nn.Linear or nn.Conv2d" if allow_conv else "nn.Linear"
-        if self.reused_modules:
-            name, aliases = next(iter(self.reused_modules.items()))
-            raise refuse(what, _label(name), dict(self.modules)[name], f"is registered under "
-                         f"{len(aliases)} names ({', '.join(aliases)}), so it runs more than once per forward "
-                         "pass and its input and output gradient cannot be paired", "use one module per call")
-        for pname, owners in self.shared_parameters.items():
-            raise UnsupportedModelError(
-                f"{what}: parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (weight "
-                "tying); a Kronecker block belongs to one layer; untie the weights or use an exact operator")
-        self.require_deterministic(what)
-        self.require_independent_samples(what)
-        out = []
-        for lay in self.layers:
-            if lay.kind not in supported:
-                raise refuse(what, lay.label, lay.module, f"has trainable parameters but only {names} layers "
-                             "have Kronecker factors", "freeze its parameters (requires_grad_(False)) or use an "
-                             "exact or diagonal curvature")
-            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
-                raise refuse(what, lay.label, lay.module, f"has groups={lay.module.groups}",
-                             "only groups=1 convolutions have Kronecker factors")
-            if lay.weight is None:
-                raise refuse(what, lay.label, lay.module, "has a trainable bias but a frozen weight",
-                             "the Kronecker block needs the weight: freeze both or neither")
-            out.append(lay)
-        if not out:
-            raise UnsupportedModelError(f"{what}: {type(self.model).__name__} has no trainable parameters")
-        return out
-
     def mlp_chain(self, what: str, *, frozen: bool = False) -> MLPChain:
         """Parse the model as a feed-forward chain (for the recursions of thesis Lemmas 3.16/3.22, KFRA,
         and the batched SGLD gradient), or raise naming the offending module. ``frozen=True`` also accepts
@@ -561,30 +449,6 @@ class ModelStructure:
             raise refuse(what, label, mod, "has frozen parameters",
                          "the recursions need every parameter of the chain to be trainable")
         return name
-
-    def piecewise_linear_reason(self) -> str | None:
-        """None if the model is VERIFIABLY piecewise linear in each layer's parameters, else why not.
-
-        Verified structurally: a plain ``nn.Sequential`` of Linear/Conv1d/Conv2d layers and parameter-free
-        piecewise-linear modules (the piecewise-linear entries of :data:`ELEMENTWISE`, reshapes,
-        max/average pooling, Dropout in eval mode), each used once and with no parameter shared between
-        layers. Then the output is linear in each layer's (weight, bias) with the others fixed (almost
-        everywhere), the output Hessian has zero diagonal blocks, and the loss Hessian's diagonal blocks
-        equal the GGN's (thesis Lemma 3.23).
-        """
-        for pname, owners in self.shared_parameters.items():
-            return (f"parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (the output "
-                    "is not linear in a tied weight)")
-        chain, reason = self.tangent_chain()
-        if chain is None:
-            return reason
-        for name, mod in self.leaves:
-            if type(mod) in AFFINE or ELEMENTWISE.get(type(mod), False):
-                continue
-            if type(mod) in RESHAPES or type(mod) in POOLING or type(mod) in DROPOUTS:
-                continue
-            return f"module {_label(name)!r} ({type(mod).__name__}) is not known to be piecewise linear"
-        return None
 
     # ------------------------------------------------------------------ evaluation
     def functional_call(self, params: Mapping[str, Tensor], args: Any,
