@@ -78,6 +78,8 @@ SQUARES = {
     "linear": (lambda: nn.Linear(4, 3), (5, 4)),
     "linear-no-bias": (lambda: nn.Linear(4, 3, bias=False), (5, 4)),
     "conv2d": (lambda: nn.Conv2d(2, 3, 3, stride=2, padding=1, padding_mode="replicate"), (4, 2, 6, 6)),
+    "conv1d": (lambda: nn.Conv1d(2, 3, 3, padding="same", dilation=2), (4, 2, 7)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1, bias=False), (3, 2, 3, 4, 3)),
 }
 
 
@@ -108,7 +110,7 @@ def test_squared_gradients_equal_per_sample_autograd(name):
 @pytest.mark.parametrize("mod, x, expect", [
     (nn.Linear(4, 3), _randn(2, 5, 4), False),  # positions: a sample's gradient sums them
     (nn.Conv2d(4, 4, 3, groups=2), None, False),  # grouped: one block per group
-    (nn.Conv1d(2, 3, 3), None, False),  # outside the route's verified scope
+    (nn.Conv1d(2, 3, 3), None, True),
     (nn.LayerNorm(3), None, False),  # no rule
     (nn.Embedding(5, 3), None, False),
 ])
@@ -117,12 +119,36 @@ def test_squared_gradient_rule_is_declined_where_it_does_not_apply(mod, x, expec
     assert handler.squares(mod, x) is expect
 
 
+@pytest.mark.parametrize("name", ["conv1d", "conv3d"])
+def test_exact_diagonal_of_convolutions_takes_the_squared_gradient_route(name):
+    """A model whose every parameter is in a layer with the rule: the batched-backward diagonal, equal to the
+    dense float64 GGN's diagonal."""
+    from curvkit.curvature import GGNOperator
+    from curvkit.likelihoods import CrossEntropy
+    from reference import dense_ggn
+
+    torch.manual_seed(0)
+    if name == "conv1d":
+        model = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1, padding_mode="circular"), nn.Tanh(),
+                              nn.Conv1d(3, 2, 2, stride=2), nn.Flatten(), nn.Linear(6, 3))
+        X = _randn(5, 2, 7)
+    else:
+        model = nn.Sequential(nn.Conv3d(2, 2, 2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 3 * 4, 3))
+        X = _randn(5, 2, 3, 2, 3)
+    data = (X, torch.randint(0, 3, (5,), generator=GEN))
+    lik = CrossEntropy("sum")
+    op = GGNOperator(model, lik, data)
+    torch.testing.assert_close(op.diagonal().flat, dense_ggn(model, lik, data).diagonal(), atol=1e-12, rtol=0)
+    assert op._layer_specs  # the route ran
+
+
 def test_capabilities_default_to_none_for_kinds_without_rules():
     for mod in (nn.LayerNorm(3), nn.Embedding(5, 3), nn.MultiheadAttention(4, 2), nn.GroupNorm(1, 2)):
         handler, _ = handler_for(mod)
         assert not handler.bilinear(mod) and not handler.squares(mod) and handler.paired_rows(mod) is None
     assert handler_for(nn.Linear(2, 2))[0].paired_rows(nn.Linear(2, 2)) == "samples"
     assert handler_for(nn.Conv2d(2, 2, 1))[0].paired_rows(nn.Conv2d(2, 2, 1)) == "positions"
+    assert handler_for(nn.Conv1d(2, 2, 1))[0].paired_rows(nn.Conv1d(2, 2, 1)) == "positions"
     assert handler_for(nn.Conv2d(2, 2, 1, groups=2))[0].paired_rows(nn.Conv2d(2, 2, 1, groups=2)) is None
 
 

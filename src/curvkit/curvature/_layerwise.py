@@ -2,7 +2,7 @@
 
 For a layer with per-sample input a_n and the back-propagated output-factor columns
 delta_{n,r} = d(s_{n,r}^T f_n) / d h_n (h = the layer's output, s_{n,r} = column r of S_n), the
-per-sample gradient is delta_{n,r} a_n^T (Linear) or sum_p delta_{n,r,p} unfold(a_n)_p^T (Conv2d), so
+per-sample gradient is delta_{n,r} a_n^T (Linear) or sum_p delta_{n,r,p} unfold(a_n)_p^T (convolution), so
 
     diag = sum_{n,r} (delta_{n,r} a_n^T)^2 = sum_{n,r} (delta_{n,r}^2) (a_n^2)^T            (Linear)
 
@@ -12,7 +12,7 @@ added to each layer's output by forward hooks, so only the layer outputs are dif
 each layer are its handler's (:meth:`curvkit.layerkinds.LayerHandler.squared_gradients`).
 
 Used only when it is exact: every trainable parameter is the weight or bias of a layer whose handler has the
-rule (:meth:`curvkit.layerkinds.LayerHandler.squares`: ``nn.Linear`` on (B, in) inputs, ``nn.Conv2d`` with
+rule (:meth:`curvkit.layerkinds.LayerHandler.squares`: ``nn.Linear`` on (B, in) inputs, ``nn.Conv1d/2d/3d`` with
 groups 1, any padding mode), no parameter is shared, each such module runs once per forward pass, and the
 model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the parameter
 set is not covered; :class:`Unsupported` is raised at run time for the other conditions (a Linear layer's

@@ -113,12 +113,13 @@ class ConvHandler(LayerHandler):
         return out
 
     def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
-        """``nn.Conv2d`` with groups 1 (the filters' verified scope; grouped convolutions have one block per group)."""
-        return "positions" if isinstance(module, nn.Conv2d) and int(module.groups) == 1 else None
+        """Groups 1 (1-, 2- and 3-D): one block, its rows the unfolded patches of every output location; a grouped
+        convolution has one block per group."""
+        return "positions" if int(module.groups) == 1 else None  # type: ignore[arg-type]
 
     def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
-        """``nn.Conv2d`` with groups 1 (the route's verified scope; 1-D and 3-D patches would be read alike)."""
-        return isinstance(module, nn.Conv2d) and int(module.groups) == 1
+        """Groups 1 (1-, 2- and 3-D): the per-sample gradient is a sum over the unfolded patches of one block."""
+        return int(module.groups) == 1  # type: ignore[arg-type]
 
     def squared_gradients(self, module: nn.Module, x: Tensor, deltas: Tensor) -> dict[str, Tensor]:
         """g_{r,n} = sum_p deltas[r, n, :, p] patches_{n,p}^T over the output locations p: the per-sample

@@ -5,8 +5,8 @@ back-propagated output-gradient rows delta of the user's own backward pass, pair
 Kronecker layers: those whose handler reads the layer's one block as its weight matrix
 ``W_hat = [W.reshape(out, -1) | b]`` with paired rows (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`):
 ``nn.Linear`` (x: (B*T, in[+1]) rows, T = 1 or the positions of a weight-shared input (B, *S, in), delta:
-(B*T, out)) and, where the filter takes rows that are always positions, groups=1 ``nn.Conv2d`` (x: unfolded
-patches (B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions, any padding mode). The model is read by
+(B*T, out)) and, where the filter takes rows that are always positions, groups=1 ``nn.Conv1d/2d/3d`` (x:
+unfolded patches (B*L, C*k[+1]), delta: (B*L, out), L output locations, any padding mode). The model is read by
 :func:`curvkit.layerkinds.plan`, which raises an ``UnsupportedModelError`` naming an unknown module with
 trainable parameters, a shared parameter or a module registered twice; the other trainable parameters are
 returned as :class:`DiagonalParam` (the filters' diagonal form); a layer called twice in one forward pass is
@@ -75,7 +75,7 @@ class LayerRecord:
         return int(self.weight.shape[0])
 
     def grad_parts(self) -> tuple[Tensor, Tensor | None]:
-        """(dW as an (out, in) matrix (Conv2d weights flattened to (out, C*kh*kw)), db or None): the
+        """(dW as an (out, in) matrix (convolution weights flattened to (out, C*k)), db or None): the
         gradient without concatenating it."""
         if self.weight.grad is None:
             raise ValueError(f"layer {self.name!r} has no gradient; call loss.backward() before step()")

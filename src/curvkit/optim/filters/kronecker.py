@@ -54,14 +54,16 @@ modules in training mode). The Kronecker posterior is kept on the layers these e
 
 * ``nn.Linear`` on (B, in) inputs (all three filters);
 * KFWhiten also on weight-shared ``nn.Linear`` layers (inputs (B, *S, in): every position is a row, as KFC's
-  patches) and groups=1 ``nn.Conv2d`` layers (the KFC-style patch statistics): its covariance EMAs take any rows.
+  patches) and groups=1 convolutions (``nn.Conv1d/2d/3d``: the KFC-style patch statistics): its covariance EMAs
+  take any rows. (Which layers: those whose handler has paired rows,
+  :meth:`curvkit.layerkinds.LayerHandler.paired_rows`; a kind registered with them is taken the same way.)
   The rank-1 updates of KFNatGrad/KFBayes need a per-example gradient x (x) delta, which the per-example gradient
   of a weight shared over positions (a sum over them) is not; such a Linear layer gets the diagonal form at the
   first step (its input shape is known only then; a layer started as Kronecker that later gets positions is
   refused).
 
-Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped or 1-D
-convolutions, raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
+Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions
+(and for KFNatGrad/KFBayes every convolution), raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
 the factorised equations (Sec. 2.1.1) with the Fisher sample e = g, the minibatch's ascent gradient in summed
 units (the factorised filters' ``curvature='empirical'``; per-example gradients of arbitrary layers are not
 captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W + s g) (s_0 = ``s0``);
