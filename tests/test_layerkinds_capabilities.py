@@ -142,6 +142,15 @@ def test_exact_diagonal_of_convolutions_takes_the_squared_gradient_route(name):
     assert op._layer_specs  # the route ran
 
 
+def test_kinds_that_take_sharded_weights_say_so():
+    """Only kinds whose statistics never read the layer's parameters take FSDP2 shards (the estimators ask
+    ``takes_shards``, never a kind's name)."""
+    taking = {h.kind for h in layerkinds.registered().values() if h.takes_shards}
+    assert taking == {"linear", "conv", "embedding", "norm"}
+    assert not layerkinds.AttentionHandler.takes_shards and not layerkinds.TransposedLinearHandler.takes_shards
+    assert not layerkinds.ParameterHandler.takes_shards and not layerkinds.ModuleHandler.takes_shards
+
+
 def test_capabilities_default_to_none_for_kinds_without_rules():
     for mod in (nn.LayerNorm(3), nn.Embedding(5, 3), nn.MultiheadAttention(4, 2), nn.GroupNorm(1, 2)):
         handler, _ = handler_for(mod)

@@ -151,6 +151,11 @@ class LayerHandler:
     #: substitution of per-sample copies ``p.expand(B, ...)`` (:meth:`curvkit.curvature.capture.BlockCapture
     #: .substitute`), not from hooks, so the estimator must run the forward pass itself
     per_sample_copies: ClassVar[bool] = False
+    #: capability the routes query: the blocks' statistics read only the layer's inputs and output gradients,
+    #: never its parameters, so they are the same when the parameters are FSDP2 ``DTensor`` shards (FSDP2
+    #: all-gathers a layer's weight inside its own forward and backward pass; the Kronecker estimators on sharded
+    #: models take only such layers)
+    takes_shards: ClassVar[bool] = False
 
     def owned(self, module: nn.Module) -> tuple[str, ...]:
         """Attribute paths (relative to ``module``) of the parameters this handler owns."""

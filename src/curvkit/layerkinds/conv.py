@@ -43,6 +43,7 @@ class ConvHandler(LayerHandler):
     """``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` with any ``groups`` (module docstring)."""
 
     kind = "conv"
+    takes_shards = True
 
     def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
         w, b = weight_and_bias(module, label, names, what)

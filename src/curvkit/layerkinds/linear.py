@@ -31,6 +31,7 @@ class LinearHandler(LayerHandler):
     """``nn.Linear`` on inputs (B, in) or (B, *S, in) (module docstring)."""
 
     kind = "linear"
+    takes_shards = True
 
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         """(in, out) features of the layer."""

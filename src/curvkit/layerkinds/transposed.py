@@ -39,6 +39,7 @@ class TransposedLinearHandler(LinearHandler):
     sizes are read from the weight; the rows are the Linear handler's."""
 
     kind = "transposed_linear"
+    takes_shards = False  # its block is a transposed view of the weight (not verified on shards)
 
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         mod: Any = module
