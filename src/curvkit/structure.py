@@ -35,7 +35,6 @@ distinct (module, attribute) slot and checks afterwards that every parameter obj
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call as _torch_functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,8 +52,6 @@ __all__ = [
     "MLPChain",
     "ModelStructure",
     "UnsupportedModelError",
-    "conv_forward",
-    "conv_patches",
     "couples_samples",
     "curvature_kernels",
     "kept_running_statistics",
@@ -580,58 +576,3 @@ def uncompiled(model: Any) -> Any:
             and type(model).__module__.startswith("torch._dynamo") and isinstance(getattr(model, "_orig_mod", None), nn.Module):
         model = model._orig_mod
     return model
-
-
-# ---------------------------------------------------------------------------------------------- convolutions
-def _conv_pad(conv: nn.Module, x: Tensor) -> tuple[Tensor, Any]:
-    """Apply a convolution's padding to x: (padded input, padding left for F.conv / F.unfold)."""
-    if conv.padding_mode != "zeros":  # type: ignore[attr-defined]
-        return F.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode), 0  # type: ignore[arg-type]
-    if isinstance(conv.padding, str):  # 'same' / 'valid': explicit (possibly asymmetric) zero padding
-        return F.pad(x, conv._reversed_padding_repeated_twice), 0  # type: ignore[arg-type]
-    return x, conv.padding
-
-
-def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``conv``'s operation (stride, padding of any mode, dilation, groups) with the given weight and bias;
-    linear in (x, weight, bias) separately, so it also maps tangents."""
-    x, pad = _conv_pad(conv, x)
-    fn: Any = F.conv3d if isinstance(conv, nn.Conv3d) else F.conv2d if isinstance(conv, nn.Conv2d) else F.conv1d
-    return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
-
-
-def _patches_3d(conv: nn.Module, x: Tensor) -> Tensor:
-    """Conv3d input (B, C, D, H, W) -> patches (B, T, C*kd*kh*kw) (``F.unfold`` is 2-D only: a strided
-    window view per spatial dimension, dilation by slicing the window)."""
-    c: Any = conv
-    if x.dim() != 5:
-        raise ValueError(f"Conv3d expects a (B, C, D, H, W) input, got shape {tuple(x.shape)}")
-    x, pad = _conv_pad(conv, x)
-    if pad != 0:
-        x = F.pad(x, [p for q in reversed(pad) for p in (q, q)])
-    for i in range(3):
-        k, d, st = c.kernel_size[i], c.dilation[i], c.stride[i]
-        x = x.unfold(2 + i, d * (k - 1) + 1, st)[..., ::d]  # (..., out_i, ..., k_i) appended last
-    B, C = x.shape[:2]
-    return x.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(B, -1, C * math.prod(c.kernel_size))
-
-
-def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
-    """Conv2d input (B, C, H, W) or Conv1d input (B, C, L) -> patches (B, T, C*k) in the order of
-    ``weight.reshape(out, -1)`` (all groups' channels; any padding mode); T is the number of output
-    locations and k the kernel's size."""
-    one_d = isinstance(conv, nn.Conv1d)
-    c: Any = conv
-    if isinstance(conv, nn.Conv3d):
-        return _patches_3d(conv, x)
-    if x.dim() != (3 if one_d else 4):
-        layout = "(B, C, L)" if one_d else "(B, C, H, W)"
-        raise ValueError(f"{type(conv).__name__} expects a {layout} input, got shape {tuple(x.shape)}")
-    x, pad = _conv_pad(conv, x)
-    if one_d:  # a 1 x k convolution of a 1 x L image
-        pad = pad if pad == 0 else (0, pad[0])
-        cols = F.unfold(x[:, :, None, :], (1, c.kernel_size[0]), dilation=(1, c.dilation[0]), padding=pad,
-                        stride=(1, c.stride[0]))
-    else:
-        cols = F.unfold(x, c.kernel_size, dilation=c.dilation, padding=pad, stride=c.stride)
-    return cols.transpose(1, 2)
