@@ -1,7 +1,7 @@
 """Jacobian-vector products from a recorded forward pass of a plain nn.Sequential (curvature._tangent).
 
 J v for k directions at once must equal ``torch.func.jvp`` of the functional model for every supported
-layer (Linear with/without bias, Conv1d/Conv2d with stride, padding, dilation and groups, elementwise
+layer (Linear with/without bias, Conv1d/Conv2d/Conv3d with stride, padding, dilation and groups, elementwise
 activations, pooling, reshapes, eval-mode dropout, nested Sequentials, frozen parameters), and the exact
 operators that use it must equal the dense references. Unsupported models are recognised, so the
 operators fall back to torch.func.
@@ -40,6 +40,9 @@ def _models():
                                       nn.Flatten(), nn.Linear(12, 3)), (5, 2, 9, 9)),
         "cnn1d": (nn.Sequential(nn.Conv1d(1, 3, 3, padding="same"), nn.Tanh(), nn.AvgPool1d(2), nn.Flatten(),
                                 nn.Unflatten(1, (3, 4)), nn.Flatten(), nn.Linear(12, 2)), (5, 1, 8)),
+        "cnn3d": (nn.Sequential(nn.Conv3d(2, 3, 2, stride=2, padding=1, padding_mode="circular"), nn.ReLU(),
+                                nn.Conv3d(3, 3, 1, groups=3, bias=False), nn.Flatten(), nn.Linear(24, 2)),
+                  (4, 2, 3, 3, 3)),
     }
 
 

@@ -2,8 +2,8 @@
 dense float64 references written from the equations (Aitchison 2018, Sec. 2.1.1-2.1.3).
 
 A filter keeps its Kronecker posterior on the layers its equations are written for: ``nn.Linear`` layers (all
-three; KFWhiten also when the weight is shared over positions, and groups=1 ``nn.Conv2d``, from the rows of
-every position). Every other trainable parameter - embeddings, normalisation layers, attention projections,
+three; KFWhiten also when the weight is shared over positions, and groups=1 ``nn.Conv1d``/``nn.Conv2d``, from
+the rows of every position). Every other trainable parameter - embeddings, normalisation layers, attention projections,
 grouped convolutions, raw parameters (class token, position table), and for KFNatGrad/KFBayes weight-shared
 Linear layers and convolutions, whose per-example gradient is not a rank-1 sample x (x) delta - gets the
 diagonal form of the same filter (the factorised equations with the minibatch gradient as Fisher sample). The
@@ -45,19 +45,23 @@ def _case(name: str):
 
 def _kron_modules(model: nn.Module, whiten: bool) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules()
-            if type(m) is nn.Linear or (whiten and type(m) is nn.Conv2d and m.groups == 1)}
+            if type(m) is nn.Linear or (whiten and type(m) in (nn.Conv1d, nn.Conv2d) and m.groups == 1)}
 
 
 def _rows(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Input rows (K, in[+1]) of a Linear (any leading dims) or a Conv2d (unfolded patches), with the ones column."""
+    """Input rows (K, in[+1]) of a Linear (any leading dims) or a Conv1d/Conv2d (unfolded patches; a Conv1d as a
+    1 x k Conv2d), with the ones column."""
     if isinstance(m, nn.Conv2d):
         x = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+    elif isinstance(m, nn.Conv1d):
+        x = F.unfold(x[:, :, None, :], (1, m.kernel_size[0]), (1, m.dilation[0]), (0, m.padding[0]),
+                     (1, m.stride[0])).transpose(1, 2)
     x = x.reshape(-1, x.shape[-1])
     return torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if m.bias is not None else x
 
 
 def _out_rows(m: nn.Module, g: torch.Tensor) -> torch.Tensor:
-    if isinstance(m, nn.Conv2d):
+    if isinstance(m, (nn.Conv1d, nn.Conv2d)):
         g = g.flatten(2).transpose(1, 2)
     return g.reshape(-1, g.shape[-1])
 
@@ -97,7 +101,7 @@ def _snapshot(model):
 @pytest.mark.parametrize("name", CASES)
 def test_kfwhiten_step_equals_the_dense_reference(name):
     """KFWhiten's first step: (C_d + lam_d)^{-1/2} G (C_x + lam_x)^{-1/2} on Linear (also weight-shared) and
-    groups=1 Conv2d layers from every position's rows (C_x the mean, C_d the sum of the summed-loss output
+    groups=1 Conv1d/Conv2d layers from every position's rows (C_x the mean, C_d the sum of the summed-loss output
     gradients' outer products), g / sqrt(g^2 + damping mean(g^2)) on every other parameter (g the ascent
     gradient of the summed log-likelihood); a curvature operator over every trainable parameter."""
     model, lik, (X, y) = _case(name)

@@ -190,7 +190,7 @@ def test_conv_factor_shapes_and_reference():
 def test_conv_patches_reproduce_conv_output(kwargs):
     """The unfolded patches (weight order (C, kh, kw)) satisfy h[n, :, t] = W.reshape(out, -1) p[n, t] + b
     for string/tuple padding, dilation, stride and non-zero padding modes."""
-    from curvkit.structure import conv_patches
+    from curvkit.layerkinds.conv import conv_patches
 
     torch.manual_seed(3)
     conv = nn.Conv2d(2, 3, 3, **kwargs).double()

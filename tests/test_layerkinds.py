@@ -668,7 +668,8 @@ def test_mixed_model_operator_interface_against_dense():
     assert float(((var - torch.linalg.inv(Dd).diagonal()) / torch.linalg.inv(Dd).diagonal()).abs().max()) < 0.06
 
 
-def test_frozen_layers_are_absent_and_structure_reports_kinds():
+def test_frozen_layers_are_absent_and_the_registry_names_the_kinds():
+    from curvkit.layerkinds import handler_for
     from curvkit.structure import read_model
 
     model = tiny_gpt()
@@ -677,7 +678,7 @@ def test_frozen_layers_are_absent_and_structure_reports_kinds():
     est = KroneckerEstimator(model, CrossEntropy(), "kfac")
     labels = [lp.label for lp in est.plans]
     assert "tok_embed" not in labels and "blocks.0.ln1" not in labels and "pos_embed" in labels
-    kinds = {lay.label: lay.kind for lay in read_model(model).layers}
+    kinds = {lay.label: getattr(handler_for(lay.module)[0], "kind", None) for lay in read_model(model).layers}
     assert kinds["pos_embed"] == "embedding" and kinds["blocks.0.attn"] == "attention"
     assert kinds["norm"] == "norm" and kinds["lm_head"] == "linear"
 

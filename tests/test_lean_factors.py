@@ -17,8 +17,8 @@ from torch import nn
 import curvkit.curvature.estimators as estimators
 from curvkit.architectures import causal_lm, resnet, vit
 from curvkit.curvature.estimators import KroneckerEstimator
+from curvkit.layerkinds.conv import conv_patches
 from curvkit.likelihoods import CrossEntropy
-from curvkit.structure import conv_patches
 
 TOL = 1e-12
 

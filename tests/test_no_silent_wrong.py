@@ -11,7 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from curvkit.curvature import GGNOperator, HessianOperator, MCFisherOperator, kfac, kflr
+from curvkit.curvature import (
+    GGNOperator,
+    HessianOperator,
+    MCFisherOperator,
+    kfac,
+    kflr,
+    piecewise_linear_reason,
+)
+from curvkit.curvature._functional import FunctionalModel
+from curvkit.curvature._layerwise import layer_specs
 from curvkit.likelihoods import BernoulliBCE, CrossEntropy, Gaussian
 from curvkit.linalg.kron import KroneckerBlock, KroneckerOperator
 from curvkit.linalg.layout import ParamLayout
@@ -53,7 +62,7 @@ def test_shared_parameters_give_exact_products_diagonal_and_trace(make):
     model = make()
     s = read_model(model)
     assert list(s.shared_parameters) == [next(iter(s.shared_parameters))] and len(s.shared_parameters) == 1
-    assert s.layerwise_layers() is None and s.piecewise_linear_reason() is not None
+    assert layer_specs(FunctionalModel(model)) is None and piecewise_linear_reason(model) is not None
     X, y = _data()
     lik = CrossEntropy("sum")
     ref = dense_ggn(model, lik, (X, y))

@@ -4,39 +4,25 @@
 errors, what the rest of curvkit needs to know before it takes a cheaper route or builds a structured
 approximation:
 
-* its **layers** (modules that own trainable parameters) and their **kind**: ``linear``, ``conv1d``,
-  ``conv2d``, ``embedding``, ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
-  (``nn.MultiheadAttention``) or ``other``;
+* its **layers** (modules that own trainable parameters) with their trainable parameters; it does not
+  classify them: what a layer computes, and which routes may take it, is known only to its handler in
+  :mod:`curvkit.layerkinds` (the Kronecker blocks, and the capabilities the other routes query: a tangent rule,
+  squared per-sample gradients, paired rows);
 * its **parameters** under their canonical names (the first name ``named_parameters()`` gives, which
   is the name every :class:`~curvkit.linalg.layout.ParamLayout` uses), with **shared parameters**
   (one tensor owned by two modules: weight tying) and **reused modules** (one module registered under
   two names, so it is called twice) detected;
-* its **activations** (elementwise modules from :data:`ELEMENTWISE`), whether it is a plain
-  ``nn.Sequential`` chain, and whether it is verifiably **piecewise linear** in each layer's parameters
-  (thesis Lemma 3.23);
+* its **activations** (elementwise modules from :data:`ELEMENTWISE`) and whether it is a plain
+  ``nn.Sequential`` chain;
 * modules that **mix samples** (BatchNorm using batch statistics) or are **random** (Dropout with
   p > 0 and RReLU in training mode), and activations that work **in place**.
 
-The support table (``docs/architecture.md`` prints it with the same content) is the set of predicates
-below, one per route:
-
-============================  ======================================================================
-route                          accepts
-============================  ======================================================================
-``tangent_chain``              plain (nested) ``nn.Sequential`` of Linear/Conv1d/Conv2d (any padding
-                               mode) and parameter- and buffer-free, deterministic, not-in-place
-                               modules; shared parameters allowed; each module used once
-``layerwise_layers``           every trainable parameter in a Linear (2-D input) or Conv2d (groups 1)
-                               layer, no shared parameters, each layer called once, no sample mixing
-``kronecker_layers``           trainable parameters only in Linear or Conv2d (groups 1) layers, weight
-                               trainable, no shared parameters or reused modules, no sample mixing,
-                               nothing random (the consumers that read whole ``[W | b]`` blocks; the
-                               Kronecker estimators take every kind of :func:`curvkit.layerkinds.plan`)
-``mlp_chain``                  ``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
-                               activations from :data:`ELEMENTWISE`, all parameters trainable
-``piecewise_linear_reason``    ``tangent_chain`` models whose activations are piecewise linear, no
-                               shared parameters (a tied weight makes the output quadratic in it)
-============================  ======================================================================
+The routes' predicates (the support table of ``docs/architecture.md``) combine these facts with the layer
+kinds' capabilities and live with the routes (:func:`curvkit.curvature._tangent.tangent_chain`,
+:func:`curvkit.curvature._layerwise.layer_specs`, :func:`curvkit.layerkinds.plan`); the one predicate left
+here, :meth:`ModelStructure.mlp_chain` (``nn.Sequential`` [Flatten] Linear (act...) Linear ... Linear with
+activations from :data:`ELEMENTWISE`, all parameters trainable), reads the fixed chain of thesis Eq. 3.10
+(exactly ``nn.Linear`` layers: the recursions' algebra is written for them).
 
 Every refusal is an :class:`UnsupportedModelError` (a ``ValueError``) worded
 ``"{what}: module 'name' (Type) {why}; {how to fix}"``.
@@ -49,36 +35,29 @@ distinct (module, attribute) slot and checks afterwards that every parameter obj
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call as _torch_functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "AFFINE",
     "ELEMENTWISE",
     "LayerInfo",
     "MLPChain",
     "ModelStructure",
     "UnsupportedModelError",
-    "conv_forward",
-    "conv_patches",
     "couples_samples",
     "curvature_kernels",
     "kept_running_statistics",
     "read_model",
     "running_statistics",
 ]
-
-LayerKind = Literal["linear", "conv1d", "conv2d", "embedding", "norm", "attention", "other"]
 
 # Elementwise activations (output i depends on input i only), with whether each is piecewise linear.
 ELEMENTWISE: dict[type[nn.Module], bool] = {
@@ -88,7 +67,6 @@ ELEMENTWISE: dict[type[nn.Module], bool] = {
     nn.SELU: False, nn.Softplus: False, nn.Mish: False, nn.Softsign: False, nn.Hardswish: False,
     nn.LogSigmoid: False, nn.Tanhshrink: False,
 }
-AFFINE: dict[type[nn.Module], LayerKind] = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d"}
 RESHAPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten)
 # Parameter-free, per-sample, piecewise-linear modules other than activations.
 POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
@@ -96,8 +74,6 @@ POOLING: tuple[type[nn.Module], ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d
                                         nn.AdaptiveMaxPool2d)
 DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
                                          nn.AlphaDropout, nn.FeatureAlphaDropout)
-NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-                                      nn.modules.instancenorm._InstanceNorm)
 
 
 @contextmanager
@@ -224,8 +200,7 @@ class LayerInfo:
 
     Attributes:
         label: its qualified name (``'<root>'`` for the model itself).
-        module: the module.
-        kind: ``linear`` | ``conv1d`` | ``conv2d`` | ``embedding`` | ``norm`` | ``attention`` | ``other``.
+        module: the module (what it computes is its layer-kind handler's business: :mod:`curvkit.layerkinds`).
         weight: canonical name of its trainable ``weight``, or None (absent or frozen).
         bias: canonical name of its trainable ``bias``, or None.
         params: canonical names of all its trainable parameters (own, not recursive).
@@ -233,7 +208,6 @@ class LayerInfo:
 
     label: str
     module: nn.Module
-    kind: LayerKind
     weight: str | None
     bias: str | None
     params: tuple[str, ...]
@@ -264,7 +238,8 @@ def _label(name: str) -> str:
     return name or "<root>"
 
 
-def _is_random(mod: nn.Module) -> bool:
+def is_random(mod: nn.Module) -> bool:
+    """Whether ``mod`` is NOW random: Dropout with p > 0 or RReLU, in training mode."""
     if isinstance(mod, DROPOUTS):
         return bool(mod.training and float(getattr(mod, "p", 0.0)) > 0)
     return isinstance(mod, nn.RReLU) and mod.training
@@ -276,18 +251,6 @@ def _mixes_samples(mod: nn.Module) -> bool:
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
         return bool(mod.training or not mod.track_running_stats)
     return False
-
-
-def _kind(mod: nn.Module) -> LayerKind:
-    if type(mod) in AFFINE:
-        return AFFINE[type(mod)]
-    if isinstance(mod, NORMS):
-        return "norm"
-    if type(mod) is nn.Embedding:
-        return "embedding"
-    if type(mod) is nn.MultiheadAttention:
-        return "attention"
-    return "other"
 
 
 def sharded_parameters(model: nn.Module) -> list[str]:
@@ -372,7 +335,7 @@ class ModelStructure:
                 wname = canonical.get(id(weight)) if isinstance(weight, Tensor) else None
                 bname = canonical.get(id(bias)) if isinstance(bias, Tensor) else None
                 self.layers.append(LayerInfo(
-                    _label(mname), mod, _kind(mod),
+                    _label(mname), mod,
                     wname if wname in trainable else None, bname if bname in trainable else None,
                     tuple(own_trainable)))
             if not any(True for _ in mod.children()):
@@ -382,7 +345,7 @@ class ModelStructure:
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         self.activations = [(n, m) for n, m in self.leaves if type(m) in ELEMENTWISE]
         self.mixing = [_label(n) for n, m in self.modules if _mixes_samples(m)]
-        self.random = [_label(n) for n, m in self.modules if _is_random(m)]
+        self.random = [_label(n) for n, m in self.modules if is_random(m)]
         self.inplace = [_label(n) for n, m in self.modules if bool(getattr(m, "inplace", False))]
 
     # ------------------------------------------------------------------ names
@@ -392,13 +355,6 @@ class ModelStructure:
         if names is None:
             raise ValueError(f"{type(module).__name__} is not a submodule of the model")
         return _label(names[0])
-
-    @staticmethod
-    def kind_of(module: nn.Module) -> LayerKind:
-        """The kind of a module: ``linear``/``conv1d``/``conv2d`` (exactly those types), ``embedding``,
-        ``norm`` (BatchNorm/LayerNorm/GroupNorm/RMSNorm/InstanceNorm), ``attention``
-        (``nn.MultiheadAttention``) or ``other``."""
-        return _kind(module)
 
     def canonical_name(self, tensor: Tensor) -> str | None:
         """The layout name of a parameter tensor of the model (None if it is not one)."""
@@ -437,77 +393,6 @@ class ModelStructure:
                          "call model.eval() to use its running statistics, or use an exact operator" + hint)
 
     # ------------------------------------------------------------------ routes
-    def tangent_chain(self) -> tuple[list[nn.Module] | None, str | None]:
-        """(leaf modules in call order, None) for the recorded-tangent route, or (None, reason)."""
-        if type(self.model) is not nn.Sequential or not self.is_plain_sequential:
-            return None, "not a plain nn.Sequential"
-        if self.reused_modules:
-            name, names = next(iter(self.reused_modules.items()))
-            return None, f"module {_label(name)!r} is used more than once ({', '.join(names)})"
-        chain: list[nn.Module] = []
-        for name, mod in self.leaves:
-            if type(mod) in AFFINE:
-                chain.append(mod)
-                continue
-            if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
-                return None, f"module {_label(name)!r} ({type(mod).__name__}) has parameters or buffers"
-            if _is_random(mod):
-                return None, f"module {_label(name)!r} is random in training mode"
-            if getattr(mod, "inplace", False):
-                return None, f"module {_label(name)!r} works in place"
-            chain.append(mod)
-        return chain, None
-
-    def layerwise_layers(self) -> list[LayerInfo] | None:
-        """Linear/Conv2d layers owning every trainable parameter, for the batched-backward exact diagonal;
-        None when that route does not apply (shared parameters, other layers, grouped convolutions,
-        reused modules, batch statistics)."""
-        if self.shared_parameters or self.reused_modules or self.mixing or self.random:
-            return None
-        out: list[LayerInfo] = []
-        covered: set[str] = set()
-        for lay in self.layers:
-            if lay.kind not in ("linear", "conv2d") or lay.weight is None:
-                return None
-            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
-                return None
-            out.append(lay)
-            covered.update(lay.params)
-        return out if covered == set(self.trainable) else None
-
-    def kronecker_layers(self, what: str, allow_conv: bool = True) -> list[LayerInfo]:
-        """The layers of a Kronecker-factored approximation (Linear, and Conv2d with groups 1 if
-        ``allow_conv``), or an :class:`UnsupportedModelError` naming the first module it cannot take."""
-        supported = ("linear", "conv2d") if allow_conv else ("linear",)
-        names = "nn.Linear or nn.Conv2d" if allow_conv else "nn.Linear"
-        if self.reused_modules:
-            name, aliases = next(iter(self.reused_modules.items()))
-            raise refuse(what, _label(name), dict(self.modules)[name], f"is registered under "
-                         f"{len(aliases)} names ({', '.join(aliases)}), so it runs more than once per forward "
-                         "pass and its input and output gradient cannot be paired", "use one module per call")
-        for pname, owners in self.shared_parameters.items():
-            raise UnsupportedModelError(
-                f"{what}: parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (weight "
-                "tying); a Kronecker block belongs to one layer; untie the weights or use an exact operator")
-        self.require_deterministic(what)
-        self.require_independent_samples(what)
-        out = []
-        for lay in self.layers:
-            if lay.kind not in supported:
-                raise refuse(what, lay.label, lay.module, f"has trainable parameters but only {names} layers "
-                             "have Kronecker factors", "freeze its parameters (requires_grad_(False)) or use an "
-                             "exact or diagonal curvature")
-            if lay.kind == "conv2d" and lay.module.groups != 1:  # type: ignore[union-attr]
-                raise refuse(what, lay.label, lay.module, f"has groups={lay.module.groups}",
-                             "only groups=1 convolutions have Kronecker factors")
-            if lay.weight is None:
-                raise refuse(what, lay.label, lay.module, "has a trainable bias but a frozen weight",
-                             "the Kronecker block needs the weight: freeze both or neither")
-            out.append(lay)
-        if not out:
-            raise UnsupportedModelError(f"{what}: {type(self.model).__name__} has no trainable parameters")
-        return out
-
     def mlp_chain(self, what: str, *, frozen: bool = False) -> MLPChain:
         """Parse the model as a feed-forward chain (for the recursions of thesis Lemmas 3.16/3.22, KFRA,
         and the batched SGLD gradient), or raise naming the offending module. ``frozen=True`` also accepts
@@ -563,30 +448,6 @@ class ModelStructure:
             raise refuse(what, label, mod, "has frozen parameters",
                          "the recursions need every parameter of the chain to be trainable")
         return name
-
-    def piecewise_linear_reason(self) -> str | None:
-        """None if the model is VERIFIABLY piecewise linear in each layer's parameters, else why not.
-
-        Verified structurally: a plain ``nn.Sequential`` of Linear/Conv1d/Conv2d layers and parameter-free
-        piecewise-linear modules (the piecewise-linear entries of :data:`ELEMENTWISE`, reshapes,
-        max/average pooling, Dropout in eval mode), each used once and with no parameter shared between
-        layers. Then the output is linear in each layer's (weight, bias) with the others fixed (almost
-        everywhere), the output Hessian has zero diagonal blocks, and the loss Hessian's diagonal blocks
-        equal the GGN's (thesis Lemma 3.23).
-        """
-        for pname, owners in self.shared_parameters.items():
-            return (f"parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (the output "
-                    "is not linear in a tied weight)")
-        chain, reason = self.tangent_chain()
-        if chain is None:
-            return reason
-        for name, mod in self.leaves:
-            if type(mod) in AFFINE or ELEMENTWISE.get(type(mod), False):
-                continue
-            if type(mod) in RESHAPES or type(mod) in POOLING or type(mod) in DROPOUTS:
-                continue
-            return f"module {_label(name)!r} ({type(mod).__name__}) is not known to be piecewise linear"
-        return None
 
     # ------------------------------------------------------------------ evaluation
     def functional_call(self, params: Mapping[str, Tensor], args: Any,
@@ -658,7 +519,7 @@ def require_fixed_mode(model: nn.Module, what: str, batch_statistics: bool = Fal
     run it many times (an optimiser), since ``model.train()`` after construction changes what the forward pass
     is. ``hint`` is a further fix for the coupling refusal. One pass over the modules, no forward pass."""
     for name, mod in model.named_modules():
-        if _is_random(mod):
+        if is_random(mod):
             raise refuse(what, _label(name), mod, "is random in training mode (model.train() was called after "
                          f"{what} was created)", "call model.eval() (or set its p to 0) before the step")
         if _mixes_samples(mod) and not batch_statistics:
@@ -718,58 +579,3 @@ def uncompiled(model: Any) -> Any:
             and type(model).__module__.startswith("torch._dynamo") and isinstance(getattr(model, "_orig_mod", None), nn.Module):
         model = model._orig_mod
     return model
-
-
-# ---------------------------------------------------------------------------------------------- convolutions
-def _conv_pad(conv: nn.Module, x: Tensor) -> tuple[Tensor, Any]:
-    """Apply a convolution's padding to x: (padded input, padding left for F.conv / F.unfold)."""
-    if conv.padding_mode != "zeros":  # type: ignore[attr-defined]
-        return F.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode), 0  # type: ignore[arg-type]
-    if isinstance(conv.padding, str):  # 'same' / 'valid': explicit (possibly asymmetric) zero padding
-        return F.pad(x, conv._reversed_padding_repeated_twice), 0  # type: ignore[arg-type]
-    return x, conv.padding
-
-
-def conv_forward(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``conv``'s operation (stride, padding of any mode, dilation, groups) with the given weight and bias;
-    linear in (x, weight, bias) separately, so it also maps tangents."""
-    x, pad = _conv_pad(conv, x)
-    fn: Any = F.conv2d if isinstance(conv, nn.Conv2d) else F.conv1d
-    return fn(x, weight, bias, conv.stride, pad, conv.dilation, conv.groups)  # type: ignore[no-any-return]
-
-
-def _patches_3d(conv: nn.Module, x: Tensor) -> Tensor:
-    """Conv3d input (B, C, D, H, W) -> patches (B, T, C*kd*kh*kw) (``F.unfold`` is 2-D only: a strided
-    window view per spatial dimension, dilation by slicing the window)."""
-    c: Any = conv
-    if x.dim() != 5:
-        raise ValueError(f"Conv3d expects a (B, C, D, H, W) input, got shape {tuple(x.shape)}")
-    x, pad = _conv_pad(conv, x)
-    if pad != 0:
-        x = F.pad(x, [p for q in reversed(pad) for p in (q, q)])
-    for i in range(3):
-        k, d, st = c.kernel_size[i], c.dilation[i], c.stride[i]
-        x = x.unfold(2 + i, d * (k - 1) + 1, st)[..., ::d]  # (..., out_i, ..., k_i) appended last
-    B, C = x.shape[:2]
-    return x.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(B, -1, C * math.prod(c.kernel_size))
-
-
-def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
-    """Conv2d input (B, C, H, W) or Conv1d input (B, C, L) -> patches (B, T, C*k) in the order of
-    ``weight.reshape(out, -1)`` (all groups' channels; any padding mode); T is the number of output
-    locations and k the kernel's size."""
-    one_d = isinstance(conv, nn.Conv1d)
-    c: Any = conv
-    if isinstance(conv, nn.Conv3d):
-        return _patches_3d(conv, x)
-    if x.dim() != (3 if one_d else 4):
-        layout = "(B, C, L)" if one_d else "(B, C, H, W)"
-        raise ValueError(f"{type(conv).__name__} expects a {layout} input, got shape {tuple(x.shape)}")
-    x, pad = _conv_pad(conv, x)
-    if one_d:  # a 1 x k convolution of a 1 x L image
-        pad = pad if pad == 0 else (0, pad[0])
-        cols = F.unfold(x[:, :, None, :], (1, c.kernel_size[0]), dilation=(1, c.dilation[0]), padding=pad,
-                        stride=(1, c.stride[0]))
-    else:
-        cols = F.unfold(x, c.kernel_size, dilation=c.dilation, padding=pad, stride=c.stride)
-    return cols.transpose(1, 2)

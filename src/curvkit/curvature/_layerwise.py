@@ -1,20 +1,22 @@
-"""Fast exact diagonal of J^T S S^T J for models whose parameters all live in Linear / Conv2d layers.
+"""Fast exact diagonal of J^T S S^T J for models whose parameters all live in layers with a squared-gradient rule.
 
-For such a layer with per-sample input a_n and the back-propagated output-factor columns
+For a layer with per-sample input a_n and the back-propagated output-factor columns
 delta_{n,r} = d(s_{n,r}^T f_n) / d h_n (h = the layer's output, s_{n,r} = column r of S_n), the
-per-sample gradient is delta_{n,r} a_n^T (Linear) or sum_p delta_{n,r,p} unfold(a_n)_p^T (Conv2d), so
+per-sample gradient is delta_{n,r} a_n^T (Linear) or sum_p delta_{n,r,p} unfold(a_n)_p^T (convolution), so
 
     diag = sum_{n,r} (delta_{n,r} a_n^T)^2 = sum_{n,r} (delta_{n,r}^2) (a_n^2)^T            (Linear)
 
 needs R batched backward passes to the layer outputs (``autograd.grad(..., is_grads_batched=True)``)
 instead of N * R per-sample gradients of the full parameter vector. The deltas come from zero tensors
-added to each layer's output by forward hooks, so only the layer outputs are differentiated.
+added to each layer's output by forward hooks, so only the layer outputs are differentiated. The squares of
+each layer are its handler's (:meth:`curvkit.layerkinds.LayerHandler.squared_gradients`).
 
-Used only when it is exact: every trainable parameter is the weight or bias of an ``nn.Linear`` (2-D
-input) or an ``nn.Conv2d`` (groups = 1, any padding mode), no parameter is shared, each such module runs
-once per forward pass, and the model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the
-parameter set is not covered; :class:`Unsupported` is raised at run time for the other conditions, and
-the caller then falls back to generic per-sample gradients.
+Used only when it is exact: every trainable parameter is the weight or bias of a layer whose handler has the
+rule (:meth:`curvkit.layerkinds.LayerHandler.squares`: ``nn.Linear`` on (B, in) inputs, ``nn.Conv1d/2d/3d`` with
+groups 1, any padding mode), no parameter is shared, each such module runs once per forward pass, and the
+model treats samples independently (no batch statistics). :func:`layer_specs` returns None when the parameter
+set is not covered; :class:`Unsupported` is raised at run time for the other conditions (a Linear layer's
+input with positions among them), and the caller then falls back to generic per-sample gradients.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._functional import FunctionalModel
-from curvkit.structure import conv_patches
+from curvkit.layerkinds import LayerHandler, handler_for
 from curvkit.validation import Inputs
-
-_BUDGET = 2**24  # scalars per chunk of per-sample Conv2d gradients
 
 
 class Unsupported(Exception):
@@ -39,17 +39,27 @@ class Unsupported(Exception):
 @dataclass
 class LayerSpec:
     module: nn.Module
+    handler: LayerHandler  # its squared-gradient rule
     weight: str  # parameter name in the layout
     bias: str | None
 
 
 def layer_specs(fmodel: FunctionalModel) -> list[LayerSpec] | None:
-    """Linear / Conv2d layers owning ALL trainable parameters (none shared, no batch statistics), or None
-    (:meth:`curvkit.structure.ModelStructure.layerwise_layers` decides)."""
-    layers = fmodel.structure.layerwise_layers()
-    if layers is None:
+    """The layers owning ALL trainable parameters, each with a handler that has the squared-gradient rule
+    (:meth:`~curvkit.layerkinds.LayerHandler.squares`) and a trainable weight; None when the route does not
+    apply (shared parameters, reused modules, batch statistics, random modules, another layer)."""
+    structure = fmodel.structure
+    if structure.shared_parameters or structure.reused_modules or structure.mixing or structure.random:
         return None
-    return [LayerSpec(lay.module, lay.weight, lay.bias) for lay in layers]  # type: ignore[arg-type]
+    out: list[LayerSpec] = []
+    covered: set[str] = set()
+    for lay in structure.layers:
+        handler, _ = handler_for(lay.module)
+        if handler is None or not handler.squares(lay.module) or lay.weight is None:
+            return None
+        out.append(LayerSpec(lay.module, handler, lay.weight, lay.bias))
+        covered.update(lay.params)
+    return out if covered == set(structure.trainable) else None
 
 
 def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Inputs,
@@ -70,8 +80,9 @@ def layerwise_diagonal(fmodel: FunctionalModel, specs: list[LayerSpec], X: Input
             if i in inputs:
                 raise Unsupported("a layer runs more than once per forward pass")
             a = inp[0]
-            if isinstance(mod, nn.Linear) and a.dim() != 2:
-                raise Unsupported("Linear layer with an input of more than 2 dimensions")
+            if not specs[i].handler.squares(mod, a):
+                raise Unsupported(f"layer {type(mod).__name__} got an input of shape {tuple(a.shape)} that its "
+                                  "squared-gradient rule does not take (a Linear layer on positions)")
             inputs[i] = a.detach()
             versions[i] = a._version
             e = torch.zeros_like(out, requires_grad=True)
@@ -110,23 +121,9 @@ def squared_gradients(specs: list[LayerSpec], inputs: list[Tensor], f: Tensor, o
     deltas = torch.autograd.grad(f, outputs, grad_outputs=U, is_grads_batched=True, allow_unused=True,
                                  materialize_grads=True, retain_graph=retain_graph)
     out: dict[str, Tensor] = {}
-    for i, spec in enumerate(specs):
-        a, d = inputs[i], deltas[i]  # d: (R, B, *out_shape)
-        mod = spec.module
-        if isinstance(mod, nn.Linear):  # sum_r d_rbo^2 first: (B, out), then one (out, B) x (B, in) product
-            q = d.square().sum(0)  # not in place: autograd may hand the same gradient tensor to two layers
-            out[spec.weight] = q.T @ a**2
-            if spec.bias is not None:
-                out[spec.bias] = q.sum(0)
-        else:
-            assert isinstance(mod, nn.Conv2d)
-            cols = conv_patches(mod, a).transpose(1, 2)  # (B, K, P), any padding mode
-            d = d.reshape(d.shape[0], d.shape[1], d.shape[2], -1)  # (R, B, O, P)
-            acc = torch.zeros(d.shape[2], cols.shape[1], dtype=d.dtype, device=d.device)
-            step = max(1, _BUDGET // (d.shape[1] * d.shape[2] * cols.shape[1]))
-            for r in range(0, d.shape[0], step):  # per-sample gradients (r, B, O, K), in chunks
-                acc += (torch.einsum("rbop,bkp->rbok", d[r:r + step], cols) ** 2).sum((0, 1))
-            out[spec.weight] = acc.reshape(mod.weight.shape)
-            if spec.bias is not None:
-                out[spec.bias] = (d.sum(-1) ** 2).sum((0, 1))
+    for i, spec in enumerate(specs):  # deltas[i]: (R, B, *out_shape)
+        squares = spec.handler.squared_gradients(spec.module, inputs[i], deltas[i])
+        out[spec.weight] = squares["weight"]
+        if spec.bias is not None:
+            out[spec.bias] = squares["bias"]
     return out

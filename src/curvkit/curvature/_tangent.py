@@ -3,8 +3,9 @@
 For the output f = h_L of a sequence of layers h_l = phi_l(h_{l-1}; theta_l), forward-mode differentiation
 in the direction v = (v_1, ..., v_L) propagates a tangent t_l = dh_l alongside the stored activations:
 
-* ``nn.Linear``  h = a W^T + b:            t_out = t_in W^T + a dW^T + db
-* ``nn.Conv1d/2d`` h = conv(a, W) + b:      t_out = conv(t_in, W) + conv(a, dW) + db
+* a layer whose handler is :meth:`~curvkit.layerkinds.LayerHandler.bilinear` (``nn.Linear``, ``nn.Conv1d/2d/3d``:
+  h = op(a, W) + b): t_out = op(t_in, W) + op(a, dW) + db, the handler's
+  :meth:`~curvkit.layerkinds.LayerHandler.tangent` (``nn.Linear``: t_in W^T + a dW^T + db)
 * elementwise activations (ReLU, LeakyReLU, Tanh, Sigmoid, ...): t_out = phi'(a) * t_in, with phi' read
   off the stored output (ReLU: 1[h > 0]; Tanh: 1 - h^2; Sigmoid: h (1 - h))
 * reshapes (Flatten, Unflatten, Identity, Dropout in eval mode): t_out = t_in reshaped
@@ -16,7 +17,7 @@ convolution one convolution with the k weight tangents stacked along the output 
 directions cost about two forward passes' worth of matrix products per layer, or one for the first
 layer (t_in = 0). This is what a cached linearisation would do, without ``torch.func.linearize``'s
 tracing cost. Used by the exact output-factor operators (:mod:`curvkit.curvature.exact`) whenever
-:func:`sequential_layers` accepts the model; otherwise they use ``torch.func`` directly.
+:func:`tangent_chain` accepts the model; otherwise they use ``torch.func`` directly.
 """
 
 from __future__ import annotations
@@ -29,20 +30,34 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
+from curvkit.layerkinds import LayerHandler, handler_for
 from curvkit.structure import (
-    AFFINE,
     DROPOUTS,
+    ELEMENTWISE,
+    POOLING,
     RESHAPES,
     ModelStructure,
-    conv_forward,
     curvature_kernels,
+    is_random,
     read_model,
 )
 
 Params = tuple[Tensor, ...]
 
-_AFFINE = tuple(AFFINE)
 _RESHAPES = (*RESHAPES, nn.Identity)
+
+
+def _bilinear(mod: nn.Module) -> LayerHandler | None:
+    """The handler of a module with a tangent rule (:meth:`~curvkit.layerkinds.LayerHandler.bilinear`), else None."""
+    handler, _ = handler_for(mod)
+    return handler if handler is not None and handler.bilinear(mod) else None
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _derivative(mod: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
@@ -59,10 +74,62 @@ def _derivative(mod: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
     return None
 
 
+def tangent_chain(structure: ModelStructure) -> tuple[list[nn.Module] | None, str | None]:
+    """(leaf modules in call order, None) for the recorded-tangent route, or (None, reason): a plain (nested)
+    ``nn.Sequential`` whose leaves are layers with a tangent rule (their handler is
+    :meth:`~curvkit.layerkinds.LayerHandler.bilinear`) and parameter- and buffer-free, deterministic,
+    not-in-place modules, each used once (shared parameters allowed)."""
+    if type(structure.model) is not nn.Sequential or not structure.is_plain_sequential:
+        return None, "not a plain nn.Sequential"
+    if structure.reused_modules:
+        name, names = next(iter(structure.reused_modules.items()))
+        return None, f"module {name or '<root>'!r} is used more than once ({', '.join(names)})"
+    chain: list[nn.Module] = []
+    for name, mod in structure.leaves:
+        label = name or "<root>"
+        if _bilinear(mod) is not None:
+            chain.append(mod)
+            continue
+        if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+            return None, f"module {label!r} ({type(mod).__name__}) has parameters or buffers"
+        if is_random(mod):
+            return None, f"module {label!r} is random in training mode"
+        if getattr(mod, "inplace", False):
+            return None, f"module {label!r} works in place"
+        chain.append(mod)
+    return chain, None
+
+
+def piecewise_linear_reason(structure: ModelStructure) -> str | None:
+    """None if the model is VERIFIABLY piecewise linear in each layer's parameters, else why not.
+
+    Verified structurally: a :func:`tangent_chain` model (its layers linear in their input and in their
+    parameters separately, :meth:`~curvkit.layerkinds.LayerHandler.bilinear`) whose other modules are
+    parameter-free and piecewise linear (the piecewise-linear entries of
+    :data:`curvkit.structure.ELEMENTWISE`, reshapes, max/average pooling, Dropout in eval mode), each used
+    once and with no parameter shared between layers. Then the output is linear in each layer's (weight, bias)
+    with the others fixed (almost everywhere), the output Hessian has zero diagonal blocks, and the loss
+    Hessian's diagonal blocks equal the GGN's (thesis Lemma 3.23).
+    """
+    for pname, owners in structure.shared_parameters.items():
+        return (f"parameter {pname!r} is shared by modules {', '.join(repr(o) for o in owners)} (the output "
+                "is not linear in a tied weight)")
+    chain, reason = tangent_chain(structure)
+    if chain is None:
+        return reason
+    for name, mod in structure.leaves:
+        if _bilinear(mod) is not None or ELEMENTWISE.get(type(mod), False):
+            continue
+        if type(mod) in RESHAPES or type(mod) in POOLING or type(mod) in DROPOUTS:
+            continue
+        return f"module {name or '<root>'!r} ({type(mod).__name__}) is not known to be piecewise linear"
+    return None
+
+
 def sequential_layers(module: nn.Module) -> list[nn.Module] | None:
     """The leaf modules of a (nested) plain ``nn.Sequential`` in call order, or None if unsupported
-    (:meth:`curvkit.structure.ModelStructure.tangent_chain` decides)."""
-    return read_model(module).tangent_chain()[0]
+    (:func:`tangent_chain` decides)."""
+    return tangent_chain(read_model(module))[0]
 
 
 @dataclass
@@ -71,8 +138,7 @@ class _Record:
     inp: Tensor  # (B, ...) detached
     out: Tensor  # (B, ...) detached
     out_graph: Tensor | None  # the output itself when it is on an autograd graph (else None)
-    weight: int | None  # index of the weight in the parameter tuple (None: frozen)
-    bias: int | None
+    slots: dict[str, int]  # a layer's trainable parameters (attribute path) -> position in the parameter tuple
     versions: tuple[int, int]  # of the input and the output when recorded (an in-place change shows later)
 
     def changed(self) -> bool:
@@ -90,25 +156,32 @@ class SequentialTangent:
         self._layers = layers
         self._index = index  # trainable parameter (canonical) name -> position in the parameter tuple
         self._structure = structure
-        # module -> positions of its trainable weight and bias in the parameter tuple, read from the
-        # module's own parameters now (inside a functional call they are replaced); a parameter shared by
-        # two layers has one canonical name, so both layers add their term to the same tangent
-        self._slots: dict[int, tuple[int | None, int | None]] = {}
+        # layer -> its handler (the tangent rule) and the positions of its trainable parameters in the parameter
+        # tuple, read from the module's own parameters now (inside a functional call they are replaced); a
+        # parameter shared by two layers has one canonical name, so both layers add their term to the same tangent
+        self._rules: dict[int, tuple[LayerHandler, tuple[str, ...]]] = {}
+        self._slots: dict[int, dict[str, int]] = {}
         for mod in layers:
-            if isinstance(mod, _AFFINE):
-                weight: Any = mod.weight
-                bias: Any = mod.bias
-                wn = structure.canonical_name(weight)
-                bn = structure.canonical_name(bias) if bias is not None else None
-                self._slots[id(mod)] = (index.get(wn) if wn else None, index.get(bn) if bn else None)
+            handler = _bilinear(mod)
+            if handler is None:
+                continue
+            paths = handler.owned(mod)
+            self._rules[id(mod)] = (handler, paths)
+            slots = {}
+            for path in paths:
+                p = _attribute(mod, path)
+                name = structure.canonical_name(p) if isinstance(p, Tensor) else None
+                if name is not None and name in index:
+                    slots[path] = index[name]
+            self._slots[id(mod)] = slots
         self._records: list[_Record] = []
-        self._values: dict[int, Tensor] = {}  # id(module) -> weight value of the recorded pass
+        self._values: dict[int, dict[str, Tensor]] = {}  # id(layer) -> its parameter values of the recorded pass
         self._masks: dict[int, Tensor] = {}
 
     @classmethod
     def for_model(cls, module: nn.Module, param_names: list[str]) -> SequentialTangent | None:
         structure = read_model(module)
-        layers = structure.tangent_chain()[0]
+        layers = tangent_chain(structure)[0]
         if layers is None:
             return None
         return cls(layers, {n: i for i, n in enumerate(param_names)}, structure)
@@ -146,14 +219,15 @@ class SequentialTangent:
     def _hook(self, mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if len(inputs) != 1 or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
             raise RuntimeError(f"layer {self._structure.label(mod)!r} does not map one tensor to one tensor")
-        w, b = self._slots.get(id(mod), (None, None))
         if inputs[0]._version != self._before.pop(id(mod), inputs[0]._version):
             raise RuntimeError(f"layer {self._structure.label(mod)!r} works in place")
-        if isinstance(mod, _AFFINE):
+        rule = self._rules.get(id(mod))
+        if rule is not None:
             # the values this pass used (functional_call swaps them into the module during the call)
-            self._values[id(mod)] = mod.weight.detach()  # type: ignore[operator]
+            values = {path: _attribute(mod, path) for path in rule[1]}
+            self._values[id(mod)] = {path: v.detach() for path, v in values.items() if isinstance(v, Tensor)}
         self._records.append(_Record(mod, inputs[0].detach(), output.detach(),
-                                     output if output.requires_grad else None, w, b,
+                                     output if output.requires_grad else None, self._slots.get(id(mod), {}),
                                      (inputs[0]._version, output._version)))
 
     def layer_io(self, module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
@@ -174,8 +248,9 @@ class SequentialTangent:
         t: Tensor | None = None
         for i, r in enumerate(self._records):
             mod = r.module
-            if isinstance(mod, _AFFINE):
-                t = self._affine(r, t, V, k)
+            rule = self._rules.get(id(mod))
+            if rule is not None:
+                t = rule[0].tangent(mod, r.inp, t, self._values[id(mod)], {p: V[i] for p, i in r.slots.items()})
             elif t is None:
                 continue
             elif type(mod) in _RESHAPES or isinstance(mod, DROPOUTS):
@@ -191,37 +266,3 @@ class SequentialTangent:
                     t = vmap(lambda tt, mod=mod, a=r.inp: jvp(mod, (a,), (tt,))[1])(t)
         out = self._records[-1].out
         return torch.zeros(k, *out.shape, dtype=out.dtype, device=out.device) if t is None else t
-
-    def _affine(self, r: _Record, t: Tensor | None, V: Params, k: int) -> Tensor | None:
-        mod, a = r.module, r.inp
-        W = self._values[id(mod)]
-        dW = V[r.weight] if r.weight is not None else None
-        db = V[r.bias] if r.bias is not None else None
-        out: Tensor | None = None
-        if isinstance(mod, nn.Linear):
-            if t is not None:
-                out = t @ W.T
-            if dW is not None:  # a dW_j^T for every direction j: a batched matrix product, (k, B, ..., out)
-                term = torch.matmul(a, dW.mT) if a.dim() == 2 else torch.einsum("b...i,koi->kb...o", a, dW)
-                out = term if out is None else out.add_(term)
-            if db is not None:
-                term = db.view(k, *([1] * (a.dim() - 1)), -1)
-                out = term.expand(k, *a.shape[:-1], db.shape[-1]) if out is None else out + term
-            return out
-        def conv(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            return conv_forward(mod, x, w, b)
-
-        if t is not None:
-            out = conv(t.flatten(0, 1), W, None)
-            out = out.view(k, -1, *out.shape[1:])
-        if dW is not None or db is not None:
-            o = W.shape[0]
-            if dW is None:
-                dW = torch.zeros(k, *W.shape, dtype=W.dtype, device=W.device)
-            if mod.groups == 1:  # the k weight tangents stacked along the output channels: one convolution
-                term = conv(a, dW.reshape(k * o, *W.shape[1:]), None if db is None else db.reshape(k * o))
-                term = term.view(a.shape[0], k, o, *term.shape[2:]).transpose(0, 1)
-            else:
-                term = torch.stack([conv(a, dW[j], None if db is None else db[j]) for j in range(k)])
-            out = term if out is None else out + term
-        return out

@@ -1,21 +1,11 @@
-"""Per-layer capture of inputs and output gradients of the Kronecker layers, the one hook machinery behind
-the Kronecker estimators (:mod:`curvkit.curvature.estimators`) and the Kronecker-factored filters
-(:mod:`curvkit.optim.filters`).
+"""The capture of the layer-kind handlers' sites (:mod:`curvkit.layerkinds`): the one hook machinery behind the
+Kronecker estimators (:mod:`curvkit.curvature.estimators`, :class:`BlockCapture`: one forward pass of their own)
+and the Kronecker-factored filters (:mod:`curvkit.optim.filters`, :class:`PairCapture`: hooks that stay on the
+user's model and pair every backward pass's output-gradient rows with the input rows of its forward pass).
 
-For each layer l of :meth:`curvkit.structure.ModelStructure.kronecker_layers` a forward hook records, per
-forward pass with autograd enabled,
-
-* the input rows ``a`` (B*T, in) without the bias column: the layer input itself for ``nn.Linear``
-  ((B, in), T = 1) and the unfolded patches for ``nn.Conv2d`` (T output locations, any padding mode,
-  :func:`curvkit.structure.conv_patches`), and
-* the output h_l (B, out, ...) still on the autograd graph, so a caller can back-propagate any output-space
-  vectors to it (``torch.autograd.grad(f, capture.outputs(), V)``), and, with ``output_grads=True``, the
-  rows of the gradient that the user's own backward pass sends through h_l (B*T, out), each paired with
-  the input rows of the forward pass it belongs to.
-
-Every pass counts the calls: :meth:`LayerCapture.check` raises when a layer ran more than once (its input
-and output gradient could not be paired) or its output was overwritten in place. Hooks are removed by
-:meth:`LayerCapture.close` (also on ``with``-exit and garbage collection).
+Both install the handlers' own hooks (:meth:`curvkit.layerkinds.LayerHandler.attach`), which emit one
+:class:`~curvkit.layerkinds.Site` per block and forward pass: the block's input rows (B, R, in) and a tensor on
+the graph whose gradient ``site.read`` turns into its output rows (B, R, out). Neither knows a layer kind.
 """
 
 from __future__ import annotations
@@ -30,65 +20,36 @@ from torch import Tensor, nn
 
 from curvkit.layerkinds import Site
 from curvkit.structure import (
-    LayerInfo,
     UnsupportedModelError,
-    conv_patches,
     curvature_kernels,
     differentiable,
 )
 
-__all__ = ["BlockCapture", "CapturedLayer", "LayerCapture", "check_sample_rows", "input_rows", "output_rows",
-           "with_bias_column"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "check_sample_rows"]
 
 
-def input_rows(layer: LayerInfo, x: Tensor, positions: bool = False) -> tuple[Tensor, int]:
-    """A layer's input as rows (B*T, in) (no bias column) and the number T of output locations (with
-    ``positions``, a Linear on (B, *S, in) gives T = prod(S) rows per example, the weight-sharing expand rows)."""
-    if isinstance(layer.module, nn.Conv2d):
-        p = conv_patches(layer.module, x)  # (B, T, C*kh*kw)
-        return p.reshape(-1, p.shape[-1]), int(p.shape[1])
-    if positions and x.dim() > 2:
-        return x.reshape(-1, x.shape[-1]), int(x[0].numel() // x.shape[-1])
-    if x.dim() != 2:
-        raise UnsupportedModelError(
-            f"Kronecker factors: module {layer.label!r} (Linear) got an input of shape {tuple(x.shape)}; the "
-            "factors need a (batch, features) input: flatten extra dimensions before the layer")
-    return x, 1
-
-
-def output_rows(layer: LayerInfo, g: Tensor) -> Tensor:
-    """A tensor shaped like the layer output (B, out[, H, W]) as rows (B*T, out)."""
-    if isinstance(layer.module, nn.Conv2d):
-        return g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
-    return g.reshape(-1, g.shape[-1])
-
-
+# ---------------------------------------------------------------------------------------------- paired rows
 @dataclass
-class CapturedLayer:
-    """What the hooks recorded for one layer (see the module docstring).
+class PairedBlock:
+    """What the hooks of a :class:`PairCapture` recorded for one block.
 
-    ``a``/``output``/``calls`` describe the last forward pass; with ``output_grads`` every backward pass
-    through the layer appends one ``(a, delta)`` pair to ``pairs``, binding the gradient rows to the
-    input rows of the SAME forward pass (a later forward without backward cannot mismatch them).
+    Every backward pass through the block appends one ``(x, delta)`` pair to ``pairs``: its input rows (B*R, in)
+    (no bias column) and output-gradient rows (B*R, out), R positions per sample, binding the gradient rows to
+    the input rows of the SAME forward pass (a later forward pass without backward cannot mismatch them).
     """
 
-    info: LayerInfo
-    a: Tensor | None = None  # (B*T, in) input rows of the last pass, detached, without the bias column
-    positions: int = 1  # T
-    output: Tensor | None = None  # the layer output of the last pass, on the graph
-    calls: int = 0  # calls in the current forward pass of the root (or since reset without a root)
+    plan: Any  # the curvkit.layerkinds.LayerPlan
+    block: int  # the block's position in the plan
+    positions: int = 1  # R of the last pass
+    calls: int = 0  # calls in the current forward pass of the root (or since reset)
     reused: bool = False  # called more than once in some forward pass since reset
-    version: int = 0
-    pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (a rows, delta rows) per backward
-    pass_sizes: list[int] = field(default_factory=list)  # examples (rows / T) of each backward pass
+    pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (x rows, delta rows) per backward
+    pass_sizes: list[int] = field(default_factory=list)  # samples B of each backward pass
 
     @property
-    def module(self) -> nn.Module:
-        return self.info.module
-
-    @property
-    def has_bias(self) -> bool:
-        return self.info.bias is not None
+    def spec(self) -> Any:
+        """The block's :class:`~curvkit.layerkinds.BlockSpec`."""
+        return self.plan.blocks[self.block]
 
     def paired_rows(self) -> tuple[Tensor, Tensor] | None:
         """(input rows (K, in), output-gradient rows (K, out)) of every backward pass since reset, stacked;
@@ -100,42 +61,35 @@ class CapturedLayer:
         return self.pairs[0]
 
 
-def with_bias_column(a: Tensor, bias: bool) -> Tensor:
-    """Rows a (K, in) with a column of ones appended when the layer has a bias."""
-    return a if not bias else torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-
-
-@dataclass
-class LayerCapture:
-    """Hooks on ``layers`` recording their inputs, outputs and (optionally) output gradients.
+class PairCapture:
+    """Hooks of the layer-kind handlers of ``plans`` that stay on the user's model (until :meth:`close`) and
+    record, for every block, the (input rows, output-gradient rows) pair of each backward pass the user runs
+    (:class:`PairedBlock`); for consumers that read a block's Fisher samples x (x) delta from the user's own
+    training passes (the Kronecker filters). Unlike :class:`BlockCapture` it changes no kernel setting: the
+    passes are the user's.
 
     Args:
-        layers: from :meth:`curvkit.structure.ModelStructure.kronecker_layers`.
+        plans: from :func:`curvkit.layerkinds.plan` (any blocks with ``form='kron'`` and input rows).
         what: the name used in error messages.
-        output_grads: also record the gradient rows of every backward pass, paired with their inputs.
         root: the model; its forward pre-hook starts a new pass (call counts restart), so a layer called
-            twice within one forward pass is told apart from two forward passes. Without a root every
-            call since :meth:`reset` counts.
-        positions: take a Linear's (B, *S, in) input as B*prod(S) rows (:func:`input_rows`); otherwise it is
-            refused.
+            twice within one forward pass is told apart from two forward passes.
     """
 
-    layers: Sequence[LayerInfo]
-    what: str = "Kronecker capture"
-    output_grads: bool = False
-    root: nn.Module | None = None
-    positions: bool = False
-    records: list[CapturedLayer] = field(init=False)
-    _handles: list[Any] = field(init=False, default_factory=list)
+    def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture", root: nn.Module | None = None):
+        self.plans = list(plans)
+        self.what = what
+        self.root = root
+        self.records = [PairedBlock(lp, j) for lp in self.plans for j in range(len(lp.blocks))]
+        self._handles: list[Any] = []
 
-    def __post_init__(self) -> None:
-        self.records = [CapturedLayer(lay) for lay in self.layers]
-
-    # ------------------------------------------------------------------ hooks
-    def attach(self) -> LayerCapture:
+    def attach(self) -> PairCapture:
         """Install the hooks (idempotent)."""
         if not self._handles:
-            self._handles = [rec.module.register_forward_hook(self._hook(rec)) for rec in self.records]
+            k = 0
+            for lp in self.plans:
+                records = self.records[k:k + len(lp.blocks)]
+                k += len(lp.blocks)
+                self._handles += lp.handler.attach(lp.module, lp.label, lp.blocks, self._emitter(records), self.what)
             if self.root is not None:
                 self._handles.append(self.root.register_forward_pre_hook(self._new_pass))
         return self
@@ -146,7 +100,7 @@ class LayerCapture:
             h.remove()
         self._handles.clear()
 
-    def __enter__(self) -> LayerCapture:
+    def __enter__(self) -> PairCapture:
         self.reset()
         return self.attach()
 
@@ -157,9 +111,9 @@ class LayerCapture:
         self.close()
 
     def reset(self) -> None:
-        """Forget everything recorded (call counts, tensors, pairs)."""
+        """Forget everything recorded (call counts, pairs)."""
         for rec in self.records:
-            rec.a, rec.output, rec.calls, rec.reused = None, None, 0, False
+            rec.calls, rec.reused, rec.positions = 0, False, 1
             rec.pairs.clear()
             rec.pass_sizes.clear()
 
@@ -168,42 +122,23 @@ class LayerCapture:
             for rec in self.records:
                 rec.calls = 0
 
-    def _hook(self, rec: CapturedLayer) -> Any:
-        def fwd(mod: nn.Module, inputs: tuple[Any, ...], out: Tensor) -> None:
-            if not torch.is_grad_enabled() or not isinstance(out, Tensor) or not out.requires_grad:
-                return
+    @staticmethod
+    def _emitter(records: list[PairedBlock]) -> Callable[[Site], None]:
+        def emit(site: Site) -> None:
+            rec = records[site.block]
             rec.calls += 1
             rec.reused |= rec.calls > 1
-            a, rec.positions = input_rows(rec.info, inputs[0].detach(), self.positions)
-            rec.a, rec.output, rec.version = a, out, out._version
-            if self.output_grads:
-                def bwd(grad: Tensor, a: Tensor = a, positions: int = rec.positions) -> None:
-                    rec.pairs.append((a, output_rows(rec.info, grad.detach())))
-                    rec.pass_sizes.append(a.shape[0] // positions)
+            inputs = site.inputs  # (B, R, in), formed now (a convolution's patches)
+            B, rec.positions = int(inputs.shape[0]), int(inputs.shape[1])
+            x = inputs.reshape(-1, inputs.shape[-1])
 
-                out.register_hook(bwd)
+            def backward(grad: Tensor, x: Tensor = x, B: int = B, read: Callable[[Tensor], Tensor] = site.read) -> None:
+                d = read(grad.detach())
+                rec.pairs.append((x, d.reshape(-1, d.shape[-1])))
+                rec.pass_sizes.append(B)
 
-        return fwd
-
-    # ------------------------------------------------------------------ reading
-    def check(self) -> None:
-        """Raise unless every layer ran exactly once in the last pass and kept its output unchanged."""
-        for rec in self.records:
-            if rec.calls != 1 or rec.reused:
-                raise UnsupportedModelError(
-                    f"{self.what}: module {rec.info.label!r} was called {max(rec.calls, 2) if rec.reused else rec.calls} "
-                    "times in one forward pass; a Kronecker block pairs one input with one output gradient, so "
-                    "shared, repeated or unused layers are not supported (use one module per call, or freeze it)")
-            assert rec.output is not None
-            if rec.output._version != rec.version:
-                raise UnsupportedModelError(
-                    f"{self.what}: the output of module {rec.info.label!r} was modified in place later in the "
-                    "forward pass" + _IN_PLACE)
-
-    def outputs(self) -> list[Tensor]:
-        """The recorded layer outputs (on the graph), in layer order."""
-        self.check()
-        return [rec.output for rec in self.records]  # type: ignore[misc]
+            site.output.register_hook(backward)
+        return emit
 
 
 # ---------------------------------------------------------------------------------------------- layer kinds

@@ -1017,11 +1017,6 @@ def merge_terms(terms: Sequence[KroneckerBlock]) -> KroneckerBlock:
     return KroneckerBlock.from_gram(G, A, first.weight_name, None, index=first.index, label=first.label)
 
 
-#: the layer kinds whose statistics read only a layer's inputs and output gradients (never its weight), so they
-#: are the same on an FSDP2 model, whose weights are DTensor shards outside the layer's own forward pass
-SHARDED_KINDS = ("linear", "conv", "embedding", "norm")
-
-
 def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> None:
     """Refuse what the Kronecker statistics cannot do on an FSDP2 (``fully_shard``) model.
 
@@ -1042,10 +1037,11 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> 
         raise UnsupportedModelError("kfra on an FSDP2-sharded model: the recursion reads the weights, which are "
                                     "shards; use curvature='kflr' or 'kfac'")
     for lp in plans:
-        if lp.handler.kind not in SHARDED_KINDS:
+        if not lp.handler.takes_shards:
+            kinds = sorted({h.kind for h in layerkinds.registered().values() if h.takes_shards})
             raise UnsupportedModelError(
                 f"{method}: module {lp.label!r} ({type(lp.module).__name__}, layer kind {lp.handler.kind!r}) on an "
-                f"FSDP2-sharded model: only the kinds {', '.join(SHARDED_KINDS)} take sharded weights (their "
+                f"FSDP2-sharded model: only the kinds {', '.join(kinds)} take sharded weights (their "
                 "statistics read only a layer's inputs and output gradients); freeze it (requires_grad_(False)) "
                 "or use data parallelism (every rank holds the whole model)")
 

@@ -119,7 +119,8 @@ from curvkit.curvature._layerwise import (
     layerwise_diagonal,
     squared_gradients,
 )
-from curvkit.curvature._tangent import SequentialTangent
+from curvkit.curvature._tangent import SequentialTangent, tangent_chain
+from curvkit.curvature._tangent import piecewise_linear_reason as _piecewise_linear_reason
 from curvkit.curvature._vjp import vector_grad
 from curvkit.curvature.output_space import (
     SMALL_C,
@@ -407,7 +408,7 @@ class HessianOperator(ExactCurvatureOperator):
         if piecewise_linear not in (True, False, "auto"):
             raise ValueError(f"piecewise_linear must be True, False or 'auto', got {piecewise_linear!r}")
         if piecewise_linear:
-            reason = self.fmodel.structure.piecewise_linear_reason()
+            reason = _piecewise_linear_reason(self.fmodel.structure)
             if reason is None:
                 ggn_op: GGNOperator = self._sibling(GGNOperator)
                 return ggn_op.trace(method, num_probes=num_probes, generator=generator,
@@ -532,7 +533,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
     def _sequential_layers(self) -> list[nn.Module] | None:
         """The recorded-tangent route's layers (plain Sequential models), else None (decided once)."""
         if "_seq_layers" not in self.__dict__:
-            self._seq_layers = self.fmodel.structure.tangent_chain()[0]
+            self._seq_layers = tangent_chain(self.fmodel.structure)[0]
         return self._seq_layers
 
     def _lin_cache(self) -> dict[int, dict[str, Any]]:
@@ -844,7 +845,7 @@ class OutputFactorOperator(ExactCurvatureOperator):
         if tangent is None:
             return None
         ios = [tangent.layer_io(spec.module) for spec in specs]
-        if any(io is None or io[1] is None or (isinstance(spec.module, nn.Linear) and io[0].dim() != 2)
+        if any(io is None or io[1] is None or not spec.handler.squares(spec.module, io[0])
                for io, spec in zip(ios, specs)):
             return None
         return [io[0] for io in ios], [io[1] for io in ios]  # type: ignore[index,misc]
@@ -1041,12 +1042,13 @@ def empirical_fisher(model: nn.Module, likelihood: Likelihood, data: Any,
 
 def piecewise_linear_reason(model: nn.Module) -> str | None:
     """None if ``model`` is VERIFIABLY piecewise linear in each layer's parameters, else the reason why not
-    (:meth:`curvkit.structure.ModelStructure.piecewise_linear_reason`: a plain ``nn.Sequential`` of
-    Linear/Conv layers and piecewise-linear parameter-free modules, each used once, no tied weights).
+    (:func:`curvkit.curvature._tangent.piecewise_linear_reason`: a plain ``nn.Sequential`` of layers linear
+    in their input and parameters separately (Linear, convolutions: the layer kinds' ``bilinear`` capability) and
+    piecewise-linear parameter-free modules, each used once, no tied weights).
     Then the loss Hessian's diagonal blocks equal the GGN's (thesis Lemma 3.23)."""
     if not isinstance(model, nn.Module):
         return f"{type(model).__name__} is not an nn.Module"
-    return read_model(model).piecewise_linear_reason()
+    return _piecewise_linear_reason(read_model(model))
 
 
 def hessian_trace(model: nn.Module, likelihood: Likelihood, data: Any, method: TraceMethod = "hutchinson",

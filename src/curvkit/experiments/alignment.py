@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from curvkit import checkpoint
+from curvkit import checkpoint, layerkinds
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.experiments._report import (
     machine_info,
@@ -103,14 +103,15 @@ class MinibatchGGN:
 
 
 def _masks(layout: ParamLayout, model: nn.Module) -> tuple[list[str], Tensor]:
-    """Layer labels and a (d, L) 0/1 matrix whose column l marks layer l's weight and bias."""
-    layers = read_model(model).kronecker_layers("alignment")
+    """Layer labels and a (d, L) 0/1 matrix whose column l marks the parameters of layer l's blocks
+    (:func:`curvkit.layerkinds.plan`: a Linear layer's weight and bias)."""
+    plans = layerkinds.plan(read_model(model), "alignment")
     sl = layout.slices()
-    M = torch.zeros(layout.dim, len(layers))
-    for j, lay in enumerate(layers):
-        for name in lay.names:
+    M = torch.zeros(layout.dim, len(plans))
+    for j, lp in enumerate(plans):
+        for name in {n for spec in lp.blocks for n in spec.names}:
             M[sl[name], j] = 1.0
-    return [lay.label for lay in layers], M
+    return [lp.label for lp in plans], M
 
 
 def _cos(a: Tensor, b: Tensor) -> float:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit.curvature._graph import graph_leaves
+from curvkit.layerkinds import handler_for
 from curvkit.structure import LayerInfo, curvature_kernels, read_model
 from curvkit.validation import Inputs
 
@@ -138,7 +139,8 @@ def last_layer_names(model: nn.Module, f: Tensor, calls: Sequence[ModuleCall]) -
         if not graph_leaves(f, stop=nodes).intersection(trainable):  # every path to a parameter passes it
             best = (len(own), name, own)
     root = next((lay for lay in structure.layers if lay.label == "<root>"), None)
-    if best is not None and (best[1] != "" or (root is not None and root.kind != "other")):
+    # the whole model is a last layer only where it is itself a layer of a known kind (an nn.Linear as the model)
+    if best is not None and (best[1] != "" or (root is not None and handler_for(root.module)[0] is not None)):
         wanted = set(best[2])
         return [n for n in structure.trainable if n in wanted]
     shown = [f"{lay.label} ({', '.join(lay.params)})" for lay in structure.layers]

@@ -201,8 +201,7 @@ def plan(structure: ModelStructure, what: str, raw: bool = True, batch_statistic
         for n in names.values():
             if n is not None:
                 owned.setdefault(n, []).append(mod)
-        info = infos.get(label) or LayerInfo(label, mod, structure.kind_of(mod), None, None,
-                                              tuple(n for n in names.values() if n is not None))
+        info = infos.get(label) or LayerInfo(label, mod, None, None, tuple(n for n in names.values() if n is not None))
         out.append(LayerPlan(label, mod, handler, blocks, info))
     for lay in structure.layers:
         loose = [n for n in lay.params if not taken(n, lay.module)]

@@ -151,6 +151,11 @@ class LayerHandler:
     #: substitution of per-sample copies ``p.expand(B, ...)`` (:meth:`curvkit.curvature.capture.BlockCapture
     #: .substitute`), not from hooks, so the estimator must run the forward pass itself
     per_sample_copies: ClassVar[bool] = False
+    #: capability the routes query: the blocks' statistics read only the layer's inputs and output gradients,
+    #: never its parameters, so they are the same when the parameters are FSDP2 ``DTensor`` shards (FSDP2
+    #: all-gathers a layer's weight inside its own forward and backward pass; the Kronecker estimators on sharded
+    #: models take only such layers)
+    takes_shards: ClassVar[bool] = False
 
     def owned(self, module: nn.Module) -> tuple[str, ...]:
         """Attribute paths (relative to ``module``) of the parameters this handler owns."""
@@ -168,6 +173,46 @@ class LayerHandler:
         """Install hooks on ``module`` that call ``emit(Site)`` once per block on every forward pass with
         autograd enabled; return the removable handles."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional capabilities
+    # The routes outside the Kronecker estimators ask these questions of a module's handler (never its kind's
+    # name or the module's class); a handler answers False where it has no such rule.
+    def bilinear(self, module: nn.Module) -> bool:
+        """Capability: the module maps one input tensor x to ``op(x, weight) + bias`` with ``op`` linear in x
+        and in the weight separately (a Linear layer, a convolution), so :meth:`tangent` gives its forward-mode
+        map and its output is linear in its parameters for a fixed input (thesis Lemma 3.23). False here."""
+        return False
+
+    def tangent(self, module: nn.Module, x: Tensor, t: Tensor | None, values: Mapping[str, Tensor],
+                tangents: Mapping[str, Tensor]) -> Tensor | None:
+        """The tangent of a :meth:`bilinear` module's output for k directions at once, at its recorded input x
+        (B, ...): ``op(t, W) + op(x, dW) + db``, with t (k, B, ...) the input's tangent (None: zero), ``values``
+        the parameters of the recorded pass by attribute path (:meth:`owned`) and ``tangents`` (k, *shape) the
+        directions of those that have one (absent: zero, a frozen parameter). Returns (k, B, ...), or None when
+        every term is zero (no input tangent, no parameter direction)."""
+        raise NotImplementedError(f"the {self.kind} handler has no tangent rule")
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        """Capability of the consumers that read a layer's block as its weight matrix (the Kronecker filters):
+        the module has ONE block, the standard ``W_hat = [weight.reshape(out, -1) | bias]`` (``index`` None), and
+        its site's input rows (B, R, in) and output rows (B, R, out) pair, row by row, into the per-sample (and
+        per-position) Fisher samples x (x) delta of that matrix. ``'samples'``: R = 1 unless the input has positions
+        (a Linear layer on (B, in)); ``'positions'``: the rows are always positions of a shared weight (a
+        convolution's output locations), so there are no rank-1 per-sample gradients. None here."""
+        return None
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        """Capability of the batched-backward exact diagonal: :meth:`squared_gradients` is exact for this
+        module's parameters (and, where ``x`` is given, on that input: a Linear layer only without positions,
+        (B, in)). False here."""
+        return False
+
+    def squared_gradients(self, module: nn.Module, x: Tensor, deltas: Tensor) -> dict[str, Tensor]:
+        """sum_{r,n} of the squared per-sample gradients g_{r,n} of the module's ``weight`` and ``bias``
+        (attribute path -> a tensor of the parameter's shape), for a :meth:`squares` module with input x (B, ...)
+        (detached) and the R batched gradients ``deltas`` (R, B, *output shape) at its output: g_{r,n} is the
+        gradient of <deltas[r, n], output_n> with respect to the parameter."""
+        raise NotImplementedError(f"the {self.kind} handler has no squared-gradient rule")
 
 
 def weight_and_bias(module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> tuple[str | None, str | None]:

@@ -47,6 +47,7 @@ class EmbeddingHandler(LayerHandler):
     """``nn.Embedding`` (module docstring)."""
 
     kind = "embedding"
+    takes_shards = True
 
     def check(self, module: nn.Module, label: str, what: str) -> None:
         for attr, why in (("max_norm", "renormalises its weight in place during the forward pass"),

@@ -9,8 +9,9 @@ patches of a ViT and time steps all share the weight, so the estimator's ``weigh
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from curvkit.layerkinds._base import (
@@ -30,6 +31,7 @@ class LinearHandler(LayerHandler):
     """``nn.Linear`` on inputs (B, in) or (B, *S, in) (module docstring)."""
 
     kind = "linear"
+    takes_shards = True
 
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         """(in, out) features of the layer."""
@@ -53,3 +55,40 @@ class LinearHandler(LayerHandler):
             emit(Site(0, x.detach().reshape(B, -1, n_in), out, lambda g: g.reshape(B, -1, n_out)))
 
         return [module.register_forward_hook(hook)]
+
+    # ------------------------------------------------------------------ capabilities
+    def bilinear(self, module: nn.Module) -> bool:
+        return True
+
+    def tangent(self, module: nn.Module, x: Tensor, t: Tensor | None, values: Mapping[str, Tensor],
+                tangents: Mapping[str, Tensor]) -> Tensor | None:
+        """``t W^T + x dW^T + db`` for x (B, ..., in), t (k, B, ..., in): the x dW_j^T of every direction j is ONE
+        batched matrix product, (k, B, ..., out)."""
+        W, dW, db = values["weight"], tangents.get("weight"), tangents.get("bias")
+        out: Tensor | None = None
+        if t is not None:
+            out = t @ W.T
+        if dW is not None:
+            term = torch.matmul(x, dW.mT) if x.dim() == 2 else torch.einsum("b...i,koi->kb...o", x, dW)
+            out = term if out is None else out.add_(term)
+        if db is not None:
+            k = db.shape[0]
+            bias = db.view(k, *([1] * (x.dim() - 1)), -1)
+            out = bias.expand(k, *x.shape[:-1], db.shape[-1]) if out is None else out + bias
+        return out
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        return "samples"
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        """On (B, in) inputs only (with positions a sample's gradient is a sum over them)."""
+        return x is None or x.dim() == 2
+
+    def squared_gradients(self, module: nn.Module, x: Tensor, deltas: Tensor) -> dict[str, Tensor]:
+        """g_{r,n} = deltas[r, n] x_n^T, so sum_{r,n} g^2 = (sum_r deltas^2)^T x^2: sum over r first, (B, out),
+        then one (out, B) x (B, in) product; the bias's is sum_{r,n} deltas^2."""
+        q = deltas.square().sum(0)  # not in place: autograd may hand the same gradient tensor to two layers
+        out = {"weight": q.T @ x**2}
+        if getattr(module, "bias", None) is not None:
+            out["bias"] = q.sum(0)
+        return out

@@ -53,6 +53,7 @@ class NormHandler(LayerHandler):
     """LayerNorm / RMSNorm / GroupNorm / BatchNorm (running statistics) (module docstring)."""
 
     kind = "norm"
+    takes_shards = True
 
     def blocks(self, module: nn.Module, label: str, names: Mapping[str, str | None], what: str) -> list[BlockSpec]:
         w, b = names.get("weight"), names.get("bias")

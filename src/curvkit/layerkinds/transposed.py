@@ -23,9 +23,9 @@ cross terms dropped), at a third of the factor's size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 from curvkit.layerkinds._base import BlockSpec, LayerHandler, weight_and_bias
 from curvkit.layerkinds.linear import LinearHandler
@@ -39,6 +39,7 @@ class TransposedLinearHandler(LinearHandler):
     sizes are read from the weight; the rows are the Linear handler's."""
 
     kind = "transposed_linear"
+    takes_shards = False  # its block is a transposed view of the weight (not verified on shards)
 
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         mod: Any = module
@@ -49,6 +50,17 @@ class TransposedLinearHandler(LinearHandler):
         assert w is not None
         n_in, n_out = self.sizes(module)
         return [BlockSpec(label, w, b, n_out, n_in, index=transposed_index(n_in, n_out, b is not None))]
+
+    def bilinear(self, module: nn.Module) -> bool:
+        """No tangent, squared-gradient or paired-rows rule of its own (the Linear handler's read the weight as
+        (out, in); its block is a transposed view)."""
+        return False
+
+    def paired_rows(self, module: nn.Module) -> Literal["samples", "positions"] | None:
+        return None
+
+    def squares(self, module: nn.Module, x: Tensor | None = None) -> bool:
+        return False
 
 
 #: Module classes of optional libraries, by (module, qualified name): registered on first sight.

@@ -74,8 +74,9 @@ class KFWhiten(_KroneckerBase):
     Args:
         params: the parameters to optimise (default: all of ``model``'s trainable ones; frozen ones are
             left out).
-        model: network whose trainable parameters sit in ``nn.Linear`` or ``nn.Conv2d`` layers (Conv2d: the
-            KFC-style patch statistics, x = unfolded patches, delta per position); required.
+        model: the network (required); its ``nn.Linear`` and groups=1 ``nn.Conv1d/2d/3d`` layers (convolutions: the
+            KFC-style patch statistics, x = unfolded patches, delta per position) get the Kronecker form, every
+            other trainable parameter the diagonal form (:mod:`curvkit.optim.filters.kronecker`).
         lr: eta (the Adam/RMSProp learning rate of the steady state).
         beta: EMA factor of the covariances (bias-corrected).
         damping: relative Tikhonov damping (see above).
@@ -85,7 +86,6 @@ class KFWhiten(_KroneckerBase):
         sigma2: prior variance; the parameters decay by 1 - eta^2/(2 sigma^2) per step (inf: none).
     """
 
-    supported = (nn.Linear, nn.Conv2d)
     positions_ok = True
 
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,

@@ -1,10 +1,12 @@
-"""Per-layer records of the Kronecker-factored filters on top of the shared capture
-(:class:`curvkit.curvature.capture.LayerCapture`): for each supported layer, the input rows x and the
+"""Per-layer records of the Kronecker-factored filters on top of the layer kinds' sites
+(:class:`curvkit.curvature.capture.PairCapture`): for each Kronecker layer, the input rows x and the
 back-propagated output-gradient rows delta of the user's own backward pass, paired per pass.
 
-Kronecker layers: ``nn.Linear`` (x: (B*T, in[+1]) rows, T = 1 or the positions of a weight-shared input
-(B, *S, in), delta: (B*T, out)) and, where the caller allows it, groups=1 ``nn.Conv2d`` (x: unfolded patches
-(B*L, C*kh*kw[+1]), delta: (B*L, out), L spatial positions, any padding mode). The model is read by
+Kronecker layers: those whose handler reads the layer's one block as its weight matrix
+``W_hat = [W.reshape(out, -1) | b]`` with paired rows (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`):
+``nn.Linear`` (x: (B*T, in[+1]) rows, T = 1 or the positions of a weight-shared input (B, *S, in), delta:
+(B*T, out)) and, where the filter takes rows that are always positions, groups=1 ``nn.Conv1d/2d/3d`` (x:
+unfolded patches (B*L, C*k[+1]), delta: (B*L, out), L output locations, any padding mode). The model is read by
 :func:`curvkit.layerkinds.plan`, which raises an ``UnsupportedModelError`` naming an unknown module with
 trainable parameters, a shared parameter or a module registered twice; the other trainable parameters are
 returned as :class:`DiagonalParam` (the filters' diagonal form); a layer called twice in one forward pass is
@@ -18,13 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds
-from curvkit.curvature.capture import CapturedLayer, LayerCapture
+from curvkit.curvature.capture import PairCapture, PairedBlock
 from curvkit.structure import UnsupportedModelError, read_model
 
 
@@ -36,7 +37,8 @@ class LayerRecord:
     bias: nn.Parameter | None
     weight_name: str
     bias_name: str | None
-    cap: CapturedLayer
+    cap: PairedBlock
+    kind: str  # the layer kind's name, for messages
 
     @property
     def a(self) -> Tensor | None:
@@ -73,7 +75,7 @@ class LayerRecord:
         return int(self.weight.shape[0])
 
     def grad_parts(self) -> tuple[Tensor, Tensor | None]:
-        """(dW as an (out, in) matrix (Conv2d weights flattened to (out, C*kh*kw)), db or None): the
+        """(dW as an (out, in) matrix (convolution weights flattened to (out, C*k)), db or None): the
         gradient without concatenating it."""
         if self.weight.grad is None:
             raise ValueError(f"layer {self.name!r} has no gradient; call loss.backward() before step()")
@@ -131,30 +133,23 @@ class DiagonalParam:
     kind: str
 
 
-def _kronecker_kind(lp: Any, allow_conv: bool) -> bool:
-    """Whether a planned layer is one of the filter's Kronecker layers: an ``nn.Linear`` (exactly; any input
-    (B, [*S,] in)), or a groups=1 ``nn.Conv2d`` where the filter takes convolutions."""
-    if lp.info.kind == "linear" and lp.handler.kind == "linear":
-        return True
-    return allow_conv and lp.info.kind == "conv2d" and lp.module.groups == 1
-
-
-def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optimiser: str,
-                   params: Sequence[Tensor] | None = None
-                   ) -> tuple[list[LayerRecord], LayerCapture, list[DiagonalParam]]:
+def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params: Sequence[Tensor] | None = None
+                   ) -> tuple[list[LayerRecord], PairCapture, list[DiagonalParam]]:
     """The filter's Kronecker layers with their (attached) capture, and the other trainable parameters (each
     with the diagonal form of the filter).
 
     The model is read by :func:`curvkit.layerkinds.plan`, which names and refuses what no layer kind takes (an
     unknown module with trainable parameters, a parameter shared by two modules - weight tying -, a module
-    registered twice, random or sample-coupling modules in training mode). ``params`` (default: all trainable
-    parameters) selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer
-    whose weight is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
+    registered twice, random or sample-coupling modules in training mode). A Kronecker layer is a planned layer
+    whose handler has paired rows (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`): ``'samples'`` always,
+    ``'positions'`` (a convolution) only with ``positions_ok``. ``params`` (default: all trainable parameters)
+    selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer whose weight
+    is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
     structure = read_model(model)
     layerkinds.refuse_shared(structure, optimiser)
     plans = layerkinds.plan(structure, optimiser)
-    allow_conv = nn.Conv2d in tuple(supported)
-    names = {id(p): n for n, p in model.named_parameters()}
+    named = dict(model.named_parameters())
+    names = {id(p): n for n, p in named.items()}
     if params is not None:
         for p in params:
             if id(p) not in names:
@@ -165,27 +160,30 @@ def collect_layers(model: nn.Module, supported: Sequence[type[nn.Module]], optim
     if not chosen:
         raise ValueError(f"{optimiser}: none of the given parameters is trainable (frozen parameters, "
                          "requires_grad=False, are left out)")
-    layers, where = [], {}
+    kron, where = [], {}
     for lp in plans:
         for spec in lp.blocks:
             for n in spec.names:
                 where[n] = (lp.label, lp.handler.kind)
-        info = lp.info
-        if not _kronecker_kind(lp, allow_conv) or info.weight is None or info.weight not in chosen:
+        rows = lp.handler.paired_rows(lp.module)
+        if rows is None or (rows == "positions" and not positions_ok):
             continue
-        if info.bias is not None and info.bias not in chosen:
-            raise ValueError(f"{optimiser}: layer {info.label!r} is optimised without its bias; pass both")
-        layers.append(info)
-    in_layers = {n for lay in layers for n in lay.names}
-    diagonal = [DiagonalParam(n, p, *where.get(n, ("<root>", "parameter")))  # type: ignore[arg-type]
-                for n, p in model.named_parameters() if n in chosen and n not in in_layers]
-    capture = LayerCapture(layers, optimiser, output_grads=True, root=model, positions=True).attach()
+        spec = lp.blocks[0]
+        if spec.weight not in chosen:
+            continue
+        if spec.bias is not None and spec.bias not in chosen:
+            raise ValueError(f"{optimiser}: layer {lp.label!r} is optimised without its bias; pass both")
+        kron.append(lp)
+    in_layers = {n for lp in kron for n in lp.blocks[0].names}
+    diagonal = [DiagonalParam(n, p, *where[n]) for n, p in named.items() if n in chosen and n not in in_layers]
+    capture = PairCapture(kron, optimiser, root=model).attach()
     records = []
-    for lay, cap in zip(layers, capture.records):
-        mod: Any = lay.module
-        b = mod.bias if lay.bias is not None else None
-        name = "" if lay.label == "<root>" else lay.label  # the qualified module name (fisher_samples keys)
-        records.append(LayerRecord(name, lay.module, mod.weight, b, lay.weight, lay.bias, cap))  # type: ignore[arg-type]
+    for lp, cap in zip(kron, capture.records):
+        spec = lp.blocks[0]
+        name = "" if lp.label == "<root>" else lp.label  # the qualified module name (fisher_samples keys)
+        b = named[spec.bias] if spec.bias is not None else None
+        records.append(LayerRecord(name, lp.module, named[spec.weight], b, spec.weight, spec.bias, cap,
+                                   lp.handler.kind))
     return records, capture, diagonal
 
 

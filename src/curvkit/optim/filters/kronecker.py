@@ -54,14 +54,16 @@ modules in training mode). The Kronecker posterior is kept on the layers these e
 
 * ``nn.Linear`` on (B, in) inputs (all three filters);
 * KFWhiten also on weight-shared ``nn.Linear`` layers (inputs (B, *S, in): every position is a row, as KFC's
-  patches) and groups=1 ``nn.Conv2d`` layers (the KFC-style patch statistics): its covariance EMAs take any rows.
+  patches) and groups=1 convolutions (``nn.Conv1d/2d/3d``: the KFC-style patch statistics): its covariance EMAs
+  take any rows. (Which layers: those whose handler has paired rows,
+  :meth:`curvkit.layerkinds.LayerHandler.paired_rows`; a kind registered with them is taken the same way.)
   The rank-1 updates of KFNatGrad/KFBayes need a per-example gradient x (x) delta, which the per-example gradient
   of a weight shared over positions (a sum over them) is not; such a Linear layer gets the diagonal form at the
   first step (its input shape is known only then; a layer started as Kronecker that later gets positions is
   refused).
 
-Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped or 1-D
-convolutions, raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
+Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions
+(and for KFNatGrad/KFBayes every convolution), raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
 the factorised equations (Sec. 2.1.1) with the Fisher sample e = g, the minibatch's ascent gradient in summed
 units (the factorised filters' ``curvature='empirical'``; per-example gradients of arbitrary layers are not
 captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W + s g) (s_0 = ``s0``);
@@ -104,9 +106,9 @@ def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None
 
 
 class _KroneckerBase(CurvatureOptimizer):
-    supported: tuple[type[nn.Module], ...] = (nn.Linear,)
     #: whether a Kronecker layer may share its weight over positions (rows B*T; KFWhiten's covariances take
-    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form)
+    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form, and take
+    #: no layer whose rows are always positions, :meth:`curvkit.layerkinds.LayerHandler.paired_rows`)
     positions_ok = False
 
     def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
@@ -121,7 +123,7 @@ class _KroneckerBase(CurvatureOptimizer):
             raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
-        self.layers, self.capture, self.diagonal = collect_layers(model, self.supported, type(self).__name__, given)
+        self.layers, self.capture, self.diagonal = collect_layers(model, self.positions_ok, type(self).__name__, given)
         if distributed is not None and self.diagonal:
             self.capture.close()
             raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
@@ -191,7 +193,7 @@ class _KroneckerBase(CurvatureOptimizer):
             self.layers.remove(rec)
             for param, pname in ((rec.weight, rec.weight_name), (rec.bias, rec.bias_name)):
                 if param is not None and pname is not None:
-                    self.diagonal.append(DiagonalParam(pname, param, rec.name, "linear (weight-shared)"))
+                    self.diagonal.append(DiagonalParam(pname, param, rec.name, f"{rec.kind} (weight-shared)"))
 
     def _scale(self, batch_size: int | None) -> float:
         """The factor turning ``p.grad`` into the gradient of the summed log-likelihood. With a mean loss the
