@@ -2,8 +2,9 @@
 threshold ``LOW_RANK_OUTPUTS`` lowered, the output layer of a tiny float64 MLP and of a tiny causal LM gets a
 :class:`~curvkit.linalg.kron.LowRankFactor`, and GaussNewton (factored and exact inversion, ``'auto'``),
 Kronecker Laplace (both prior forms: log-determinant, marginal likelihood, GLM variances, samples' covariance,
-state_dict), the continual Kronecker penalty (both memories) and KFAC natural gradient equal the same
-computation with the dense factor to 1e-10. Refusals that suggest an option name one the caller accepts; a
+state_dict), the continual Kronecker penalty (both memories), KFAC natural gradient and EKFAC equal the same
+computation with the dense factor to 1e-10 (EKFAC in a basis from other data: its complement row is the mean
+second moment off the factor's span). Refusals that suggest an option name one the caller accepts; a
 head just above the real threshold (8,192 outputs) runs through every consumer."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from curvkit.architectures import causal_lm
 from curvkit.continual.laplace import LaplacePenalty
 from curvkit.curvature import estimators
 from curvkit.curvature.ekfac import EKFACEstimator
-from curvkit.curvature.estimators import LOW_RANK_OUTPUTS
+from curvkit.curvature.estimators import LOW_RANK_OUTPUTS, KroneckerEstimator
 from curvkit.laplace import Laplace
 from curvkit.likelihoods import CrossEntropy
 from curvkit.optim import GaussNewton
@@ -213,6 +214,43 @@ def test_kfac_natural_gradient_equals_the_dense_factor(monkeypatch: pytest.Monke
         close(a, b)
 
 
+@pytest.mark.parametrize("which", ["mlp", "lm"])
+def test_ekfac_equals_the_dense_factor(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """In the basis of the batch's own KFAC factors every per-sample row lies in span(QG): the complement row is
+    0 and the operator equals EKFAC with the dense factor (whose null-space scalings are 0 too)."""
+    def run(model: nn.Module, X: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        E = EKFACEstimator(model, CrossEntropy(), "kfac", seed=1).update((X, y)).operator()
+        v = torch.randn(E.shape[0], 3, generator=torch.Generator().manual_seed(4), dtype=DT)
+        low = any(e.G_rest for e in E._eigh)
+        return E @ v, E.inverse(damping=0.3) @ v, low
+
+    low, dense = both(monkeypatch, which, run)
+    assert low[2] and not dense[2]
+    close(low[0], dense[0])
+    close(low[1], dense[1])
+
+
+def test_ekfac_complement_row_is_the_mean_second_moment_off_the_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A basis from other data: along QG the scalings are the exact second moments (as for a dense factor), and
+    the complement row is, per input direction j, sum_n sum_v w_v ||(I - QG QG^T) dW_{n,v} QA[:, j]||^2 / G_rest,
+    computed here from dense per-sample gradients."""
+    monkeypatch.setattr(estimators, "LOW_RANK_OUTPUTS", 8)
+    model, X, y = mlp()
+    lik = CrossEntropy("sum")
+    basis = KroneckerEstimator(model, lik, "kfac", seed=7).update((X[:3], y[:3])).operator()
+    est = EKFACEstimator(model, lik, "kfac", seed=1, basis=basis)
+    E = est.update((X[3:], y[3:])).operator()
+    e, spectrum = E._eigh[-1], E._spectra[-1]
+    assert e.G_rest == 12 - e.G_eigvals.numel() > 0 and spectrum.shape[0] == e.G_eigvals.numel() + 1
+    ps = est.vectors.per_sample[est.vectors.blocks[-1][1].label]
+    dW = torch.einsum("vbro,bri->vboi", ps.vectors, ps.inputs)  # (V, B, out, in_aug) per-sample gradients
+    U, QA = e.G_eigvecs, e.A_eigvecs
+    along = torch.einsum("v,vboi->oi", ps.weights, (U.T @ dW @ QA).square())
+    off = torch.einsum("v,vboi->i", ps.weights, ((dW - U @ (U.T @ dW)) @ QA).square()) / e.G_rest
+    close(spectrum, torch.cat([along, off[None]]) * est.scale() / est.num_data)  # sum: the data's sum
+    assert float(off.min()) > 0  # other data: the rows leave the basis's span
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def _accepted(obj: Any) -> set[str]:
     target = obj.__init__ if isinstance(obj, type) else obj
@@ -225,7 +263,6 @@ REFUSED = {  # what a caller writes with KFLR/KFRA on a wide head, and whose key
     "Laplace": (lambda m, X, y: Laplace(m, CrossEntropy(), "kron", "kflr"), Laplace),
     "LaplacePenalty": (lambda m, X, y: LaplacePenalty(structure="kron", curvature="kflr", task_size=6).consolidate(
         m, [(X, y)]), LaplacePenalty),
-    "EKFACEstimator": (lambda m, X, y: EKFACEstimator(m, CrossEntropy(), "kfac"), EKFACEstimator),
     "EKFACEstimator(kflr)": (lambda m, X, y: EKFACEstimator(m, CrossEntropy(), "kflr"), EKFACEstimator),
 }
 
@@ -242,7 +279,7 @@ def test_refusals_name_only_options_the_caller_accepts(monkeypatch: pytest.Monke
     assert "module '2' (Linear)" in msg and "12 outputs" in msg
     named = set(re.findall(r"(\w+)='", msg.split(";", 1)[1]))  # the options the fix names
     assert named <= _accepted(caller), (named, msg)
-    assert named or name == "EKFACEstimator"  # EKFAC's eigenbasis of a low-rank factor: freezing is the fix
+    assert named
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -272,3 +309,5 @@ def test_a_head_above_the_real_threshold_runs_through_every_consumer() -> None:
     CrossEntropy()(m(X), y).backward()
     ng.step(batch=(X, y))
     assert all(torch.isfinite(p).all() for p in m.parameters())
+    E = EKFACEstimator(model, CrossEntropy(), "kfac").update((X, y)).operator()
+    assert E._eigh[-1].G_rest > 0 and torch.isfinite(E.inverse(damping=0.1) @ torch.ones(E.shape[0])).all()

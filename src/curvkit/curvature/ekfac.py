@@ -143,7 +143,9 @@ class EKFACEstimator(CurvatureEstimator):
 
 
 def _projected_squares(ps: PerSample, e: KroneckerEigh) -> Tensor:
-    """sum_n sum_v w_v (QG^T dW_{n,v} QA)^2 with dW_{n,v} = sum_r g_{n,v,r} a_{n,r}^T, (out, in_aug).
+    """sum_n sum_v w_v (QG^T dW_{n,v} QA)^2 with dW_{n,v} = sum_r g_{n,v,r} a_{n,r}^T, (out, in_aug); for a
+    low-rank G of rank r (``e.G_rest`` > 0) (r + 1, in_aug), the last row the complement's
+    (:func:`_with_complement`).
 
     ``ps.inputs`` (B, R, in_aug) input rows, (B, R) token ids (QA is the identity: a one-hot row selects a
     column) or None (``ps.vectors`` are then the per-sample gradients (V, B, P) of a (1, P) block);
@@ -156,19 +158,53 @@ def _projected_squares(ps: PerSample, e: KroneckerEigh) -> Tensor:
     if ps.inputs is None:  # dW = u (1, P); QG is (1, 1) with entry +-1
         pu = ps.vectors if QA is None else ps.vectors @ QA
         return torch.einsum("v,vbp->p", w, pu.square())[None, :]
-    pg = ps.vectors @ QG  # (V, B, R, out)
+    pg = ps.vectors @ QG  # (V, B, R, r): r = out, or the rank of a low-rank G
+    if e.G_rest:  # the complement of span(QG): its projected rows, one more "row" that stands for G_rest rows
+        rest = ps.vectors - pg @ QG.T  # (V, B, R, out): the rows' components off span(QG)
     if QA is None:  # token ids: sum the projected rows of each (sample, token) pair, then square
-        return _projected_counts(ps.inputs, pg, w, int(e.A_eigvals.numel()))
+        out = _projected_counts(ps.inputs, pg, w, int(e.A_eigvals.numel()))
+        return _with_complement(out, e, lambda: _projected_counts(ps.inputs, rest, w, out.shape[1]).sum(0))
     pa = ps.inputs @ QA  # (B, R, in_aug): a_hat projected
-    B, R = pa.shape[0], pa.shape[1]
+    R = pa.shape[1]
     if R == 1:  # a rank-one per-sample gradient: the square factorises
-        return torch.einsum("v,vbo,bi->oi", w, pg[:, :, 0].square(), pa[:, 0].square())
-    out = torch.zeros(QG.shape[0], QA.shape[0], dtype=pa.dtype, device=pa.device)
-    step = max(1, _BUDGET // (pg.shape[0] * QG.shape[0] * QA.shape[0]))
-    for s in range(0, B, step):  # per-sample projected gradients (V, b, out, in_aug), in chunks
+        out = torch.einsum("v,vbo,bi->oi", w, pg[:, :, 0].square(), pa[:, 0].square())
+        return _with_complement(out, e, lambda: torch.einsum("v,vb,bi->i", w, rest[:, :, 0].square().sum(-1),
+                                                             pa[:, 0].square()))
+    out = _chunked_squares(pg, pa, w)
+    return _with_complement(out, e, lambda: _complement_squares(rest, pa, w))
+
+
+def _chunked_squares(pg: Tensor, pa: Tensor, w: Tensor) -> Tensor:
+    """sum_n sum_v w_v (pg_{v,n}^T pa_n)^2, (rows, in_aug), from pg (V, B, R, rows) and pa (B, R, in_aug):
+    the per-sample projected gradients (V, b, rows, in_aug) formed a chunk of samples at a time."""
+    B = pa.shape[0]
+    out = torch.zeros(pg.shape[-1], pa.shape[-1], dtype=pa.dtype, device=pa.device)
+    step = max(1, _BUDGET // (pg.shape[0] * pg.shape[-1] * pa.shape[-1]))
+    for s in range(0, B, step):
         M = torch.einsum("vbto,bti->vboi", pg[:, s:s + step], pa[s:s + step])
         out += torch.einsum("v,vboi->oi", w, M.square())
     return out
+
+
+def _complement_squares(rest: Tensor, pa: Tensor, w: Tensor) -> Tensor:
+    """sum_n sum_v w_v ||rest_{v,n}^T pa_n[:, j]||^2 for every column j, (in_aug,): the squared norms of the
+    per-sample gradients' columns off span(QG), through the (R, R) Gram matrices of the rows, never an
+    (out, in_aug) gradient per sample."""
+    gram = torch.einsum("vbto,vbso->vbts", rest, rest)  # (V, B, R, R)
+    return torch.einsum("v,vbts,bti,bsi->i", w, gram, pa, pa)
+
+
+def _with_complement(out: Tensor, e: KroneckerEigh, complement: Any) -> Tensor:
+    """``out`` (r, in_aug), and for a low-rank G (``e.G_rest`` > 0) one more row: ``complement()``, the total
+    second moment along the complement of span(QG) for each input direction (in_aug,), divided by its
+    ``G_rest`` dimensions. EKFAC's one value per complement direction (the spectral operator holds one row
+    for all of them) that minimises the Frobenius distance is their mean; it is exactly 0 when the basis's G
+    was built from the same rows (``kfac``/``empirical``/``projection`` on the batch of the basis: every row
+    lies in span(QG)), up to rounding, which is clamped at 0."""
+    if not e.G_rest:
+        return out
+    row = (complement() / e.G_rest).clamp_min(0)
+    return torch.cat([out, row[None, :].to(out.dtype)])
 
 
 def _projected_counts(ids: Tensor, pg: Tensor, w: Tensor, vocab: int) -> Tensor:

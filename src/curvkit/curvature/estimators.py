@@ -162,7 +162,7 @@ class KroneckerEstimator(CurvatureEstimator):
             for the blocks with more than :data:`LOW_RANK_OUTPUTS` outputs (a language model's vocabulary),
             ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
             (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
-            rank and costs one backward pass per output), as do ``keep_per_sample`` and ``distributed``.
+            rank and costs one backward pass per output), as does ``distributed``.
         config: a :class:`~curvkit.curvature.CurvatureConfig` holding the options above (``weight_sharing``,
             ``norm_structure``, ``parameter_structure``, ``mc_samples``, ``distribution``, ``output_factor``,
             ``batch_statistics``) instead of the keywords; a keyword that differs from it is refused.
@@ -292,12 +292,10 @@ class KroneckerEstimator(CurvatureEstimator):
                    "eigendecomposition" + (f", or {words.dense} to form it anyway" if words.dense else f", or {freeze}"))
             raise refuse(self.method, lp.label, lp.module, f"has {size}, and {self.method.upper()}'s has full rank "
                          "(it back-propagates every column of the output Hessian's square root)", how)
-        for flag, what, other in ((keep_per_sample, "keep_per_sample (eigenvalue corrections, EKFAC)", ""),
-                                  (distributed is not None, "distributed", ", or run in one process")):
-            if flag:
-                raise refuse(self.method, lp.label, lp.module, f"has {size} and gets a low-rank output factor "
-                             f"(output_factor={self.output_factor!r}), which {what} cannot use yet",
-                             f"pass {words.dense}, or {freeze}" if words.dense else freeze + other)
+        if distributed is not None:
+            raise refuse(self.method, lp.label, lp.module, f"has {size} and gets a low-rank output factor "
+                         f"(output_factor={self.output_factor!r}), which distributed cannot use yet",
+                         f"pass {words.dense}, or {freeze}" if words.dense else freeze + ", or run in one process")
         return True
 
     def require_weight_matrix_blocks(self, what: str) -> None:

@@ -485,17 +485,15 @@ class KroneckerSpectralOperator(CurvatureOperator):
     @classmethod
     def in_eigenbasis_of(cls, op: KroneckerOperator, spectra: Sequence[Tensor]) -> KroneckerSpectralOperator:
         """The operator with the eigenvectors of ``op``'s factors and the given per-block eigenvalues
-        ``spectra[l]`` of shape (out_l, in_aug_l) (e.g. the eigenbasis-corrected scalings of EKFAC)."""
+        ``spectra[l]`` of shape (rows_l, in_aug_l) (e.g. the eigenbasis-corrected scalings of EKFAC): rows_l =
+        out_l, or r + 1 for a low-rank output factor of rank r (:attr:`KroneckerEigh.G_values`: the last row
+        is the value of every direction of the complement of its span, ``G_rest`` rows)."""
         spectra = list(spectra)
         eigh = op.eigh()
         if len(spectra) != len(eigh):
             raise ValueError(f"need one spectrum per block ({len(eigh)}), got {len(spectra)}")
         for b, e, lam in zip(op.blocks, eigh, spectra):
-            if e.G_rest:
-                raise ValueError(f"block {b.name!r} has a low-rank output factor (a thin eigendecomposition of "
-                                 f"rank {e.G_eigvals.numel()} of {e.G_eigvecs.shape[0]}), which an eigenbasis "
-                                 "correction cannot use: build the estimator with output_factor='dense'")
-            shape = (e.G_eigvals.numel(), e.A_eigvals.numel())
+            shape = (e.G_values.numel(), e.A_eigvals.numel())
             if tuple(lam.shape) != shape:
                 raise ValueError(f"spectrum of block {b.name!r} has shape {tuple(lam.shape)}, expected {shape}")
             _finite(lam, f"spectrum of block {b.name!r}")
