@@ -106,11 +106,32 @@ def test_sampling_with_a_low_rank_block_has_the_damped_inverse_covariance() -> N
     assert float((cov - ref).abs().max()) < 0.05 * float(ref.abs().max())  # Monte Carlo: 40k samples
 
 
-def test_eigenbasis_correction_refuses_a_low_rank_block() -> None:
+def test_eigenbasis_spectrum_of_a_low_rank_block_has_a_complement_row() -> None:
+    """An eigenbasis correction on a thin G: rows r + 1, the last one for every direction off span(U); equal
+    to the same spectrum on a complete basis [U, U_perp] with that row repeated."""
+    from curvkit.linalg.factors import KroneckerEigh
+
     low, _ = _operators()
-    spectra = [torch.ones(e.G_eigvals.numel(), e.A_eigvals.numel(), dtype=DT) for e in low.eigh()]
-    with pytest.raises(ValueError, match=r"low-rank output factor.*output_factor='dense'"):
-        KroneckerSpectralOperator.in_eigenbasis_of(low, spectra)
+    g = torch.Generator().manual_seed(9)
+    spectra = [torch.rand(e.G_values.numel(), e.A_eigvals.numel(), generator=g, dtype=DT) + 0.1 for e in low.eigh()]
+    S = KroneckerSpectralOperator.in_eigenbasis_of(low, spectra)
+    e = low.eigh()[0]
+    U = e.G_eigvecs
+    full = torch.linalg.qr(torch.cat([U, torch.eye(U.shape[0], dtype=DT)], 1))[0]  # [U, U_perp] up to signs
+    full[:, : U.shape[1]] = U
+    lam = torch.cat([spectra[0][:-1], spectra[0][-1:].expand(e.G_rest, -1)])
+    ref = KroneckerSpectralOperator(low.layout, low._index,
+                                    [KroneckerEigh(torch.zeros(full.shape[1], dtype=DT), full, e.A_eigvals,
+                                                   e.A_eigvecs), low.eigh()[1]], [lam, spectra[1]], ["w", "v"])
+    D = ref.to_dense()
+    torch.testing.assert_close(S.to_dense(), D)
+    V = torch.randn(low.layout.dim, 3, generator=g, dtype=DT)
+    torch.testing.assert_close(S @ V, D @ V)
+    torch.testing.assert_close(S.diagonal().flat, D.diagonal())
+    torch.testing.assert_close(S.trace(), D.trace())
+    torch.testing.assert_close(S.inverse(damping=0.2) @ V, torch.linalg.solve(D + 0.2 * torch.eye(D.shape[0], dtype=DT), V))
+    with pytest.raises(ValueError, match=r"expected \(4, 3\)"):  # r = 3 rows without the complement's
+        KroneckerSpectralOperator.in_eigenbasis_of(low, [spectra[0][:-1], spectra[1]])
 
 
 # ------------------------------------------------------------------ the estimator
@@ -174,8 +195,7 @@ def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
     lik = CrossEntropy("mean")
     with pytest.raises(ValueError, match=r"output_factor='low_rank' needs .*'kfac'.*got curvature='kflr'"):
         KroneckerEstimator(model, lik, "kflr", output_factor="low_rank")
-    with pytest.raises(UnsupportedModelError, match=r"keep_per_sample.*output_factor='dense'"):
-        KroneckerEstimator(model, lik, "kfac", output_factor="low_rank", keep_per_sample=True)
+    KroneckerEstimator(model, lik, "kfac", output_factor="low_rank", keep_per_sample=True)  # EKFAC takes it
     with pytest.raises(ValueError, match="output_factor must be"):
         KroneckerEstimator(model, lik, "kfac", output_factor="thin")  # type: ignore[arg-type]
     est = KroneckerEstimator(model, lik, "kfac", output_factor="low_rank")

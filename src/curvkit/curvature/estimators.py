@@ -162,7 +162,8 @@ class KroneckerEstimator(CurvatureEstimator):
             for the blocks with more than :data:`LOW_RANK_OUTPUTS` outputs (a language model's vocabulary),
             ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
             (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
-            rank and costs one backward pass per output), as does ``distributed``.
+            rank and costs one backward pass per output). With ``distributed`` the ranks' rows are
+            gathered (k_r x n values from each rank per update, never an n x n matrix).
         config: a :class:`~curvkit.curvature.CurvatureConfig` holding the options above (``weight_sharing``,
             ``norm_structure``, ``parameter_structure``, ``mc_samples``, ``distribution``, ``output_factor``,
             ``batch_statistics``) instead of the keywords; a keyword that differs from it is refused.
@@ -264,7 +265,7 @@ class KroneckerEstimator(CurvatureEstimator):
         self._fed: BlockCapture | None = None  # the capture of the last forward() (its raw sites)
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
-        self.low_rank = [self._low_rank_output(lp, spec, keep_per_sample, distributed) for lp, spec in self.blocks]
+        self.low_rank = [self._low_rank_output(lp, spec) for lp, spec in self.blocks]
         if self.shared:
             self._check_shared()
         if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
@@ -274,7 +275,7 @@ class KroneckerEstimator(CurvatureEstimator):
             self._chain_pos = [position[id(lp.module)] for lp in self.plans]  # increasing (module order)
         super().__init__(model, likelihood, ema, distributed, statistics_dtype, compute_dtype)
 
-    def _low_rank_output(self, lp: Any, spec: BlockSpec, keep_per_sample: bool, distributed: Any) -> bool:
+    def _low_rank_output(self, lp: Any, spec: BlockSpec) -> bool:
         """Whether block ``spec`` keeps a low-rank output factor (``output_factor``), or the refusal of a
         combination that cannot have one (class docstring)."""
         if spec.form != "kron" or self.output_factor == "dense":
@@ -292,10 +293,6 @@ class KroneckerEstimator(CurvatureEstimator):
                    "eigendecomposition" + (f", or {words.dense} to form it anyway" if words.dense else f", or {freeze}"))
             raise refuse(self.method, lp.label, lp.module, f"has {size}, and {self.method.upper()}'s has full rank "
                          "(it back-propagates every column of the output Hessian's square root)", how)
-        if distributed is not None:
-            raise refuse(self.method, lp.label, lp.module, f"has {size} and gets a low-rank output factor "
-                         f"(output_factor={self.output_factor!r}), which distributed cannot use yet",
-                         f"pass {words.dense}, or {freeze}" if words.dense else freeze + ", or run in one process")
         return True
 
     def require_weight_matrix_blocks(self, what: str) -> None:
@@ -797,6 +794,13 @@ class KroneckerEstimator(CurvatureEstimator):
         return [t.dim() == 2 for t in stats]
 
     def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
+        low = [i for i, t in enumerate(stats) if isinstance(t, GramRows)]
+        if low:  # a low-rank output statistic R^T R: the union's is the ranks' rows stacked in rank order
+            dense, N, T = self._reduce([t for t in stats if not isinstance(t, GramRows)], B, terms)
+            gathered: dict[int, Any] = {i: GramRows.stacked(self.distributed.all_gather_rows(
+                stats[i].rows.detach().contiguous())) for i in low}  # type: ignore[attr-defined]
+            rest = iter(dense)
+            return [gathered[i] if i in gathered else next(rest) for i in range(len(stats))], N, T
         if self.method != "kfra":
             return super()._reduce(stats, B, terms)
         # kfra's G are already the union's (N times its batch means, computed from identical all-reduced
@@ -1130,13 +1134,16 @@ class GramRows:
         n = self.rows.shape[1]
         return torch.Size((n, n))
 
+    @classmethod
+    def stacked(cls, rows: Tensor) -> GramRows:
+        """The Gram matrix of ``rows`` (k, n), as the (n, n) triangle T of their QR decomposition R = Q T
+        (T^T T = R^T R) when k > n."""
+        return cls(torch.linalg.qr(rows, mode="r")[1] if rows.shape[0] > rows.shape[1] else rows)
+
     def __add__(self, other: GramRows) -> GramRows:
         if not isinstance(other, GramRows):
             return NotImplemented
-        rows = torch.cat([self.rows, other.rows])
-        if rows.shape[0] > rows.shape[1]:  # the (n, n) triangle T of R = Q T: T^T T = R^T R
-            rows = torch.linalg.qr(rows, mode="r")[1]
-        return GramRows(rows)
+        return GramRows.stacked(torch.cat([self.rows, other.rows]))
 
     def __mul__(self, c: float) -> GramRows:
         c = float(c)

@@ -17,6 +17,8 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
   by cost n_G^3 + n_A^3 per block, a diagonal A costing nothing), and sent to its gradient workers: for
   ``inversion='factored'`` the Cholesky factors of the damped factors (lower triangles; a diagonal A as it
   is) per damping, for ``'eigen'`` the eigendecompositions once per refresh (any damping is then local);
+  a vocabulary-sized head's low-rank G (:class:`~curvkit.linalg.factors.LowRankFactor`, identical on every
+  rank: its rows were gathered) is thin and never travels: each worker takes its own inverse or eigenpairs;
   ``comm-opt`` sends them to every rank, ``mem-opt`` keeps them on the owner and broadcasts the unit's
   direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups;
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from curvkit.distributed.placement import Assignment, assign_owners, factor_cost
 from curvkit.distributed.reducer import Reducer
+from curvkit.linalg.factors import LowRankFactor
 
 __all__ = ["DistributedKroneckerInverse", "reduce_step_inputs", "reduce_sums"]
 
@@ -51,7 +54,8 @@ def _assignment(op: Any, units: list[list[int]], distributed: Reducer) -> Assign
     """KAISA placement of the parameter units (:func:`~curvkit.optim.second_order.direction.parameter_units`)
     by their factorisation cost (a diagonal input factor costs nothing to invert)."""
     def cost(b: Any) -> float:
-        return factor_cost(b.G.shape[0]) + (0.0 if b.A.dim() == 1 else factor_cost(b.A.shape[0]))
+        G = 0.0 if isinstance(b.G, LowRankFactor) else factor_cost(b.G.shape[0])  # thin: every rank's own
+        return G + (0.0 if b.A.dim() == 1 else factor_cost(b.A.shape[0]))
 
     costs = [sum(cost(op.blocks[l]) for l in unit) for unit in units]
     return assign_owners(costs, distributed.world_size, distributed.placement, distributed.grad_worker_fraction)
@@ -124,9 +128,18 @@ class DistributedKroneckerInverse:
                 d = damped.blocks[l]
                 if rank == owner:
                     LG, LA = cholesky_factors(d)
+                elif isinstance(d.G, LowRankFactor):  # thin, from identical factors: every worker's own
+                    LG, LA = d.G.inverse(f"{d.name!r} G"), _empty_like(d.A)
                 else:
                     LG, LA = _empty_like(d.G), _empty_like(d.A)
-                if len(workers) > 1:  # the same fresh tensors on every worker, the owner's included
+                if len(workers) > 1 and isinstance(LG, LowRankFactor):  # only A's factor travels
+                    group = red.subgroup(workers)
+                    if LA.dim() == 1:
+                        (LA,) = red.share([LA], owner, "broadcast of diagonal factors", group=group)
+                    else:
+                        (LA,) = red.share_symmetric([LA], owner, lower=True, what="broadcast of Cholesky factors",
+                                                    group=group)
+                elif len(workers) > 1:  # the same fresh tensors on every worker, the owner's included
                     group = red.subgroup(workers)
                     if LA.dim() == 1:
                         (LG,) = red.share_symmetric([LG], owner, lower=True, what="broadcast of Cholesky factors",
@@ -152,19 +165,26 @@ class DistributedKroneckerInverse:
                 for l in self.units[u]:
                     b = op.blocks[l]
                     diagonal = b.A.dim() == 1  # its eigenvectors are the identity (None), its eigenvalues A
-                    if rank == owner:
+                    thin = isinstance(b.G, LowRankFactor)  # already an eigendecomposition, identical everywhere
+                    rest = (b.G.complement, b.G.c) if thin else (0, 0.0)
+                    if thin:
+                        lG, QG = b.G.s, b.G.U
+                    elif rank == owner:
                         lG, QG = stable_eigh(b.G, f"factor G of {b.name!r}")
+                    else:
+                        lG, QG = b.G.new_empty(b.G.shape[0]), b.G.new_empty(b.G.shape)
+                    if rank == owner:
                         lA, QA = (b.A.clone(), None) if diagonal else stable_eigh(b.A, f"factor A of {b.name!r}")
                     else:
-                        nG, nA = b.G.shape[0], b.A.shape[0]
-                        lG, QG, lA = b.G.new_empty(nG), b.G.new_empty(nG, nG), b.A.new_empty(nA)
-                        QA = None if diagonal else b.A.new_empty(nA, nA)
+                        lA, QA = b.A.new_empty(b.A.shape[0]), None if diagonal else b.A.new_empty(b.A.shape)
                     if len(workers) > 1:  # the same fresh tensors on every worker (eigh's Q is column-major)
-                        shared = red.share([QG, lG, lA] + ([] if QA is None else [QA]), owner,
+                        shared = red.share(([] if thin else [QG, lG]) + [lA] + ([] if QA is None else [QA]), owner,
                                            "broadcast of eigendecompositions", group=red.subgroup(workers))
-                        QG, lG, lA = shared[:3]
-                        QA = None if diagonal else shared[3]
-                    eig[l] = KroneckerEigh(lG, QG, lA, QA)
+                        if not thin:
+                            QG, lG, shared = shared[0], shared[1], shared[2:]
+                        lA = shared[0]
+                        QA = None if diagonal else shared[1]
+                    eig[l] = KroneckerEigh(lG, QG, lA, QA, *rest)
             setattr(op, "_curvkit_eigh", eig)  # noqa: B010
         mine_blocks = [l for u in self.mine for l in self.units[u]]
         names = list(dict.fromkeys(n for l in mine_blocks for n in op.blocks[l].names))
