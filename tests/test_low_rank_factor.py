@@ -198,9 +198,6 @@ def test_low_rank_refusals_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
     KroneckerEstimator(model, lik, "kfac", output_factor="low_rank", keep_per_sample=True)  # EKFAC takes it
     with pytest.raises(ValueError, match="output_factor must be"):
         KroneckerEstimator(model, lik, "kfac", output_factor="thin")  # type: ignore[arg-type]
-    est = KroneckerEstimator(model, lik, "kfac", output_factor="low_rank")
-    with pytest.raises(UnsupportedModelError, match=r"GaussNewton: module .*low-rank output factor.*output_factor='dense'"):
-        est.require_weight_matrix_blocks("GaussNewton")
     monkeypatch.setattr(estimators, "LOW_RANK_OUTPUTS", 32)
     with pytest.raises(UnsupportedModelError, match=r"kflr: module 'lm_head' \(Linear\) has 40 outputs.*"
                        r"curvature='kfac'.*output_factor='dense' to form it anyway"):

@@ -228,14 +228,6 @@ def test_a_read_outside_the_planned_uses_is_refused():
     KroneckerEstimator(NanoGPT().to(D64), CrossEntropy("sum"), compute_dtype=D64).update((X, y)).operator()
 
 
-def test_weight_matrix_readers_refuse_a_tied_weight():
-    a, b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
-    b.weight = a.weight
-    est = KroneckerEstimator(nn.Sequential(a, nn.Tanh(), b).to(D64), CrossEntropy("sum"))
-    with pytest.raises(ValueError, match=r"reader: module '0' \(Linear\) reads the shared parameter\(s\) 0.weight"):
-        est.require_weight_matrix_blocks("reader")
-
-
 def test_kfra_refuses_a_tied_parameter():
     a, b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
     b.weight = a.weight

@@ -295,29 +295,6 @@ class KroneckerEstimator(CurvatureEstimator):
                          "(it back-propagates every column of the output Hessian's square root)", how)
         return True
 
-    def require_weight_matrix_blocks(self, what: str) -> None:
-        """Raise unless every block is one whole layer's ``G (x) A`` of ``[W.reshape(out, -1) | b]`` with
-        dense factors (Linear, Conv1d/Conv2d with groups 1): for consumers that read the factors in that
-        layout (they name ``what``). Embedding, normalisation, attention and grouped-convolution blocks
-        have other views (:class:`~curvkit.linalg.kron.KroneckerBlock` ``index``)."""
-        for (lp, spec), low in zip(self.blocks, self.low_rank):
-            if low:
-                n = spec.out_features
-                raise refuse(what, lp.label, lp.module, f"has a low-rank output factor ({n} outputs, more than "
-                             f"{LOW_RANK_OUTPUTS}; output_factor={self.output_factor!r}), which this consumer reads "
-                             "as a matrix", "freeze the layer (requires_grad_(False)), or build the estimator with "
-                             f"output_factor='dense' (a {n}^2 matrix)")
-        for lp, spec in self.blocks:
-            if self.shared and set(spec.names) & set(self.shared):
-                raise refuse(what, lp.label, lp.module, f"reads the shared parameter(s) "
-                             f"{', '.join(sorted(set(spec.names) & set(self.shared)))} (weight tying), whose block is "
-                             "the dense sum of its uses, not one [W | b] Kronecker block of the layer",
-                             "untie the weights or freeze the shared parameter (requires_grad_(False))")
-            if spec.index is not None or spec.ids or spec.form != "kron":
-                raise refuse(what, lp.label, lp.module, f"has a {lp.handler.kind} block ({spec.label!r}) that is not "
-                             "one [W | b] Kronecker block of the whole layer, which this consumer reads",
-                             "freeze it (requires_grad_(False)), or use the estimator's operator directly")
-
     # ------------------------------------------------------------------ per-batch statistics
     def capture(self) -> BlockCapture:
         """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``); the pass
