@@ -883,13 +883,15 @@ def test_raw_parameter_used_across_samples_is_refused():
 
 
 def test_blocked_gram_equals_the_full_product():
-    """The Gram matrices of wide layers multiply only the upper block triangle (about 60 % of the products)."""
+    """The Gram matrices of tall wide rows multiply only the upper block triangle and mirror it: equal to the
+    full product to rounding (float64); short rows take the single product."""
     from curvkit.curvature.estimators import _gram
 
     g = torch.Generator().manual_seed(27)
-    for n in (5, 383, 384, 513, 1030):
-        a = torch.randn(50, n, generator=g)
-        assert torch.allclose(_gram(a), a.T @ a, atol=1e-11)
+    for m, n in ((2048, 5), (2048, 47), (2048, 48), (2048, 101), (2047, 101), (50, 383)):
+        a = torch.randn(m, n, generator=g, dtype=torch.float64)
+        G = _gram(a, block=16)
+        assert torch.allclose(G, a.T @ a, rtol=1e-13, atol=1e-11)
 
 
 @pytest.mark.parametrize("case", range(9))

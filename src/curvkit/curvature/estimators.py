@@ -1078,18 +1078,24 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1]) if rows is None else rows
 
 
-def _gram(a: Tensor, block: int = 128) -> Tensor:
-    """a^T a (n, n) for rows a (m, n). For n >= 3 * block only the upper block triangle is multiplied (one
-    product per block row, about (k + 1) / 2k of the full product with k blocks) and mirrored: the Gram
-    matrices of the wide layers (an MLP's 4 d factors) dominate the cost of KFAC-expand."""
-    n = a.shape[1]
+def _gram(a: Tensor, block: int = 512) -> Tensor:
+    """a^T a (n, n) for rows a (m, n), symmetric to rounding (the operator symmetrises). One product, except
+    for tall and wide rows (m >= 2048, n >= 3 * block), where only the upper block triangle is multiplied (one
+    product per block row from a contiguous copy of a^T, about (k + 1) / 2k of the full product with k blocks)
+    and mirrored.
+    Measured (2-core AMD EPYC, MKL, float32, CPU seconds): the single product is fastest for the short rows of
+    a language model's batch (256 x 5,632: 0.27 s, against 1.33 s for 128-wide tiles) and for a ViT's
+    (6,400 x 1,024: 0.17 s); the tiles for tall wide ones (2,048 x 5,632: 1.24 s against 1.53 s; 25,000 x
+    2,048: 1.86 s against 2.36 s)."""
+    m, n = a.shape
     k = n // block
-    if k < 3:
+    if m < 2048 or k < 3:
         return a.T @ a
     edges = [n * i // k for i in range(k + 1)]
     out = a.new_empty(n, n)
+    at = a.T.contiguous()
     for lo, hi in pairwise(edges):
-        part = a[:, lo:hi].T @ a[:, lo:]  # rows lo:hi, columns lo:n
+        part = at[lo:hi] @ a[:, lo:]  # rows lo:hi, columns lo:n
         out[lo:hi, lo:] = part
         out[hi:, lo:hi] = part[:, hi - lo:].T
     return out
