@@ -18,7 +18,7 @@ from tests.test_shared_weights import NanoGPT
 from torch import nn
 
 from curvkit.continual.laplace import LaplacePenalty
-from curvkit.curvature import estimators
+from curvkit.curvature import GGNOperator, estimators
 from curvkit.curvature.ekfac import EKFACEstimator
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.laplace import Laplace
@@ -188,10 +188,52 @@ def test_kronecker_laplace_takes_the_pair_with_the_prior_on_its_second_term(pair
         Laplace(model, lik, "kron", "kflr", prior_form="exact").fit(data)
 
 
-def test_ekfac_refuses_the_pair_by_name(pairs):
-    model, data = _model(), _data()
-    with pytest.raises(ValueError, match=r"block 'wte \+ lm_head' is the sum of two Kronecker terms"):
-        EKFACEstimator(model, CrossEntropy("sum")).update(data).operator()
+def _rearranged(M, m, n):
+    """Van Loan's rearrangement: R[(i, k), (j, l)] = M[i n + j, k n + l], so that R(G (x) A) = vec(G) vec(A)^T."""
+    return M.reshape(m, n, m, n).permute(0, 2, 1, 3).reshape(m * m, n * n)
+
+
+@pytest.mark.parametrize("curvature", ["empirical", "kflr"])
+def test_ekfac_takes_the_pair_in_the_eigenbasis_of_its_nearest_kronecker_product(pairs, curvature):
+    """EKFAC's pair block is ``Q diag(s) Q^T`` with ``Q = QG (x) QA`` the eigenbasis of the Kronecker product
+    nearest to the pair (the dense best rank-one approximation of its rearrangement) and ``s = diag(Q^T C Q)``,
+    C the second moment of the TRUE per-sample gradients of the tied weight (both uses, cross terms included:
+    autograd per sample for 'empirical'; for 'kflr' at one position per sequence, where its rows are exact, the
+    exact GGN block), i.e. EKFAC's defining property."""
+    model, data = _model(), _data(B=5, T=4 if curvature == "empirical" else 1)  # kflr: exact at one position
+    lik = CrossEntropy("sum")
+    est = EKFACEstimator(model, lik, curvature).update(data)
+    op = est.operator()
+    b = _pair_block(est.basis)
+    (j,) = [i for i, blk in enumerate(est.basis.blocks) if blk.pair]
+    nk = est.one_term_basis().blocks[j]
+    m, n = b.out_dim, b.in_dim
+    pair = torch.kron(b.G, b.A) + torch.kron(torch.diag(b.second[0]), b.second[1])
+    U, S, Vh = torch.linalg.svd(_rearranged(pair, m, n))
+    torch.testing.assert_close(_rearranged(torch.kron(nk.G, nk.A), m, n), S[0] * torch.outer(U[:, 0], Vh[0]),
+                               atol=1e-10, rtol=0)
+    assert float(torch.linalg.eigvalsh(nk.G).min()) > -1e-10 and float(torch.linalg.eigvalsh(nk.A).min()) > -1e-10
+    e = est.one_term_basis().eigh()[j]
+    Q = torch.kron(e.G_eigvecs, e.A_eigvecs)
+    block = op.block(["wte.weight"]).to_dense()
+    if curvature == "empirical":
+        X, y = data
+        g = torch.stack([torch.autograd.grad(nn.functional.cross_entropy(model(X[i:i + 1]).reshape(-1, V),
+                                                                         y[i], reduction="sum"),
+                                             model.wte.weight)[0].reshape(-1) for i in range(X.shape[0])])
+        # (N, V * D): the per-sample gradients of the tied weight (both uses); the head's view [W] is the flat order
+        C = g.T @ g
+    else:  # kflr: the rows are the output Hessian's square root, so C is the exact GGN block of the tied weight
+        C = GGNOperator(model, lik, data).block(["wte.weight"]).to_dense()
+    s = (Q.T @ C @ Q).diagonal()
+    torch.testing.assert_close(block, Q @ torch.diag(s) @ Q.T, atol=1e-10, rtol=1e-10)
+    # its inverse and log-determinant are the closed forms of that matrix
+    d = op.layout.dim
+    v = torch.randn(d, generator=torch.Generator().manual_seed(5), dtype=D64)
+    D = op.to_dense()
+    torch.testing.assert_close(op.solve(v, damping=0.1), torch.linalg.solve(D + 0.1 * torch.eye(d), v), atol=1e-9,
+                               rtol=1e-9)
+    torch.testing.assert_close(op.logdet(0.1), torch.linalg.slogdet(D + 0.1 * torch.eye(d))[1], atol=1e-9, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["online", "ewc"])
