@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
 from curvkit.curvature._vjp import vector_grad
-from curvkit.curvature.capture import BlockCapture, check_sample_rows
+from curvkit.curvature.capture import BlockCapture, check_sample_rows, per_sample_grads
 from curvkit.curvature.config import (
     BatchStatistics,
     CurvatureConfig,
@@ -644,8 +644,16 @@ class KroneckerEstimator(CurvatureEstimator):
         outs: list[Tensor] = []
         where: dict[int, int] = {}
         feeds: list[list[int]] = []
+        shared: dict[int, list[int]] = {}  # sites whose output every sample uses (Site.shared), by output
+        shared_outs: list[Tensor] = []
         for i, s in enumerate(sites):
             if s is None:
+                continue
+            if s.shared:
+                if id(s.output) not in shared:
+                    shared[id(s.output)] = []
+                    shared_outs.append(s.output)
+                shared[id(s.output)].append(i)
                 continue
             if id(s.output) not in where:
                 where[id(s.output)] = len(outs)
@@ -656,11 +664,17 @@ class KroneckerEstimator(CurvatureEstimator):
         per: list[list[Tensor]] = [[] for _ in sites]
         weights: list[float] = []
         fired = [False] * len(outs)
+        batched = [False]  # inside the per-sample backward pass of the shared outputs
 
         def consume(j: int, g: Tensor) -> None:
+            if batched[0]:  # the hooks also see the per-sample pass of the shared outputs: not theirs
+                return
             fired[j] = True
+            read(feeds[j], g)
+
+        def read(idx: list[int], g: Tensor) -> None:
             w = weights[-1]
-            for i in feeds[j]:
+            for i in idx:
                 r = sites[i].read(g.detach())
                 term = self._output_term(self.blocks[i][1], r, self.low_rank[i]) * w
                 stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
@@ -682,6 +696,14 @@ class KroneckerEstimator(CurvatureEstimator):
                 for j in roots:
                     if j not in closed:
                         consume(j, V)
+                if shared_outs:  # per-sample gradients of the outputs every sample uses (Site.shared)
+                    batched[0] = True
+                    try:
+                        grads = per_sample_grads(f, shared_outs, V[None])
+                    finally:
+                        batched[0] = False
+                    for o, g in zip(shared_outs, grads):
+                        read(shared[id(o)], g[0])
                 if len(targets) > 1 or targets[0] is not f:
                     vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
                 current = following
