@@ -298,6 +298,38 @@ def test_two_embeddings_sharing_a_large_table_are_refused(pairs):
         KroneckerEstimator(TwoTables().to(D64), CrossEntropy("sum"))
 
 
+def test_three_genuinely_different_terms_are_exact_below_the_limit_and_refused_above(monkeypatch):
+    """A tied head, a lookup of its table AND a second Linear use (three Kronecker terms no two of which merge):
+    one exact dense block up to SHARED_DENSE_LIMIT (equal to the sum of the three uses' own blocks), refused at
+    construction above it (a block holds at most two terms; only lookups are merged)."""
+
+    class ThreeUses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.mix, self.head = nn.Embedding(V, 5), nn.Linear(5, V, bias=False), nn.Linear(5, V, bias=False)
+            self.mix.weight = self.head.weight = self.wte.weight
+
+        def forward(self, idx):
+            h = torch.tanh(self.wte(idx))
+            return self.head(h + torch.tanh(self.mix(h))[..., :5])
+
+    torch.manual_seed(0)
+    model, data = ThreeUses().to(D64), _data()
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10**9)
+    est = KroneckerEstimator(model, CrossEntropy("sum"), "kflr").update(data)
+    (b,) = est.operator().blocks
+    assert not b.factored and b.name.count("+") == 2
+    uses = est.use_blocks(list(est._stats), est.scale(), float(est.num_data))
+    from curvkit.linalg.kron import KroneckerOperator, dense_sum
+
+    want = KroneckerOperator(est.layout, [dense_sum(est.layout, uses)]).to_dense()
+    torch.testing.assert_close(est.operator().to_dense(), want, atol=1e-12, rtol=0)
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10)
+    with pytest.raises(ValueError, match=r"shares wte.weight with 2 other use\(s\).*more than SHARED_DENSE_LIMIT = 10"
+                                         r".*two uses of one whole weight"):
+        KroneckerEstimator(model, CrossEntropy("sum"), "kflr")
+
+
 def test_t5_head_and_two_lookups_of_its_table_are_a_pair_with_the_lookups_merged(pairs):
     """T5's one embedding: read by ``shared`` (never called), the encoder's and the decoder's lookups and the tied
     head. Above the limit the lookups are merged into one term (``merge_terms``: G the trace-weighted mean of

@@ -407,9 +407,9 @@ class KroneckerPairEigh:
     (Q (V, r)), ``W_G = S Q`` on the span and the whitened complement ``S (I - Q Q^T) S`` has eigenvalue 0 in
     G, so the sum's spectrum there is 1:
     ``M^{-1} X = W_G [(W_G^T X W_A) / (g a^T + 1)] W_A^T + S (I - Q Q^T) S X W_A W_A^T`` (O(V r) per column). Three or more terms have no such closed form
-    (the damping identity is already a third term, which is why it rides on the second): they are handled as
-    the sum of the first two plus the rest by the operator's generic routes (CG solves, SLQ log-determinants),
-    never silently dropped.
+    (the damping identity is already a third term, which is why it rides on the second): a block holds at most
+    two (:attr:`~curvkit.linalg.blocks.KroneckerBlock.second`), and EXACT damping, the third, goes through the
+    operator's generic routes (conjugate gradients on the block, dense or SLQ log-determinants).
     """
 
     WG: Tensor  # (out, out)
