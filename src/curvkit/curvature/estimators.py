@@ -665,6 +665,7 @@ class KroneckerEstimator(CurvatureEstimator):
         weights: list[float] = []
         fired = [False] * len(outs)
         batched = [False]  # inside the per-sample backward pass of the shared outputs
+        pending: list[tuple[Tensor, float]] = []  # vectors whose per-sample pass is still to run
 
         def consume(j: int, g: Tensor) -> None:
             if batched[0]:  # the hooks also see the per-sample pass of the shared outputs: not theirs
@@ -672,8 +673,8 @@ class KroneckerEstimator(CurvatureEstimator):
             fired[j] = True
             read(feeds[j], g)
 
-        def read(idx: list[int], g: Tensor) -> None:
-            w = weights[-1]
+        def read(idx: list[int], g: Tensor, w: float | None = None) -> None:
+            w = weights[-1] if w is None else w
             for i in idx:
                 r = sites[i].read(g.detach())
                 term = self._output_term(self.blocks[i][1], r, self.low_rank[i]) * w
@@ -696,14 +697,18 @@ class KroneckerEstimator(CurvatureEstimator):
                 for j in roots:
                     if j not in closed:
                         consume(j, V)
-                if shared_outs:  # per-sample gradients of the outputs every sample uses (Site.shared)
-                    batched[0] = True
-                    try:
-                        grads = per_sample_grads(f, shared_outs, V[None])
-                    finally:
-                        batched[0] = False
-                    for o, g in zip(shared_outs, grads):
-                        read(shared[id(o)], g[0])
+                if shared_outs:  # per-sample gradients of the outputs every sample uses (Site.shared), for
+                    pending.append((V, w))  # several vectors in one batched pass (L * B vectors of f's size)
+                    if following is None or (len(pending) + 1) * f.shape[0] * f.numel() > _BUDGET:
+                        batched[0] = True
+                        try:
+                            grads = per_sample_grads(f, shared_outs, torch.stack([v for v, _ in pending]))
+                        finally:
+                            batched[0] = False
+                        for o, g in zip(shared_outs, grads):
+                            for l, (_, wl) in enumerate(pending):
+                                read(shared[id(o)], g[l], wl)
+                        pending.clear()
                 if len(targets) > 1 or targets[0] is not f:
                     vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
                 current = following
