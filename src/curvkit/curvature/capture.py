@@ -288,8 +288,9 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
             raise _not_samples_first(what, lp, site, B, None)
     if B < 2 or coupled or not f.requires_grad:
         return
-    blocks, sites = zip(*[(b, s) for b, s in zip(blocks, sites) if not s.shared]) if sites else ((), ())
-    outs: list[Tensor] = []  # (a shared site's rows are per sample by construction: Site.shared)
+    kept = [k for k, s in enumerate(sites) if not s.shared]  # a shared site's rows are per sample by construction
+    blocks, sites = [blocks[k] for k in kept], [sites[k] for k in kept]
+    outs: list[Tensor] = []
     for site in sites:
         if site.output.requires_grad and all(site.output is not o for o in outs):
             outs.append(site.output)
