@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from tests.test_kron_pair import _rearranged
 from tests.test_shared_weights import NanoGPT
 from torch import nn
 
@@ -186,11 +187,6 @@ def test_kronecker_laplace_takes_the_pair_with_the_prior_on_its_second_term(pair
     torch.testing.assert_close(var.reshape(blocks.shape), blocks, atol=1e-9, rtol=1e-8)
     with pytest.raises(ValueError, match=r"prior_form=.exact.*prior_form=.factored. takes it"):
         Laplace(model, lik, "kron", "kflr", prior_form="exact").fit(data)
-
-
-def _rearranged(M, m, n):
-    """Van Loan's rearrangement: R[(i, k), (j, l)] = M[i n + j, k n + l], so that R(G (x) A) = vec(G) vec(A)^T."""
-    return M.reshape(m, n, m, n).permute(0, 2, 1, 3).reshape(m * m, n * n)
 
 
 @pytest.mark.parametrize("curvature", ["empirical", "kflr"])
