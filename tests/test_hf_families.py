@@ -5,8 +5,9 @@ KFAC/KFLR/EKFAC covering every trainable parameter, one Gauss-Newton step, and a
 whose GLM variance equals J Sigma J^T from the dense Jacobian.
 
 Tied and shared weights (GPT-2 tied, RoBERTa MLM, T5, BART) get the sum of their uses' terms (issue 30 §2,
-tests/test_shared_weights.py). T5 with every parameter trainable keeps ``xfail(strict=True)`` for its relative
-attention bias only (``t5-relative-bias-frozen`` covers its shared embedding). RMSNorm, T5LayerNorm and position embeddings looked up without a batch
+tests/test_shared_weights.py). T5's relative attention bias (an Embedding looked up on (T, T) buckets without a
+batch dimension, its output broadcast over the batch by the model) is a shared site whose per-sample rows come
+from one batched backward pass (``Site.shared``), checked against per-sample autograd below. RMSNorm, T5LayerNorm and position embeddings looked up without a batch
 dimension (§1) are covered and tested unmarked. Beside them, the same families with the older workarounds (norms
 frozen, position ids in the batch, shared embeddings frozen) are tested too.
 
@@ -127,11 +128,7 @@ BUILD.update({  # today's workarounds for the refused families
     # the shared embedding (encoder, decoder and lm_head: three uses) with only the relative attention bias frozen
     "t5-relative-bias-frozen": (lambda: _freeze(BUILD["t5"][0](), "relative_attention_bias"), _seq2seq),
 })
-REFUSED = {  # the shared embedding is taken (t5-relative-bias-frozen); its relative attention bias is not
-    "t5": "T5's relative_attention_bias: an nn.Embedding looked up on (T, T) buckets without a batch dimension, "
-          "whose (T, T, heads) output the model permutes to (1, heads, T, T), so it cannot be widened over the batch "
-          "in place (docs/architecture.md, ids shared by the batch)",
-}
+REFUSED: dict[str, str] = {}  # none: T5's relative attention bias is a shared site (Site.shared)
 FLOAT32_NORMS = ("llama", "qwen2", "mistral", "lora", "lora-causal-lm", "llama-norms-frozen", "t5",
                  "t5-shared-and-norms-frozen", "t5-relative-bias-frozen")
 
@@ -222,3 +219,52 @@ def test_the_workarounds_cover_what_they_leave_trainable():
         assert 0.3 < n_tr / n_all <= 1.0, name
 
 
+
+
+def _per_sample(hf, lik, X, y, module):
+    """Per sample n (the model run on sample n alone, plain autograd): the gradient of its loss with respect to
+    the output of ``module`` and to its weight, and the ids it looked up."""
+    out = []
+    for n in range(y.shape[0]):
+        box: dict = {}
+        h = module.register_forward_hook(lambda m, i, o, box=box: box.update(o=o, ids=i[0]))
+        try:
+            f = hf({k: v[n:n + 1] for k, v in X.items()})
+        finally:
+            h.remove()
+        g_out, g_w = torch.autograd.grad(lik(f, y[n:n + 1]), [box["o"], module.weight])
+        out.append((g_out, g_w, box["ids"]))
+    return out
+
+
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_t5_relative_attention_bias_gets_its_per_sample_statistics(stack):
+    """T5's relative attention bias (an Embedding looked up on (T, T) buckets, output broadcast over the batch):
+    its Kronecker factors are those of the per-sample output gradients (the model run on each sample alone,
+    plain autograd): G = sum_n (1/R) sum_r g_{n,r} g_{n,r}^T, A = the bucket counts (per sample mean); EKFAC's
+    scalings are the projected squares of the per-sample weight gradients; and every other block equals the one
+    of the same model with the bias frozen (the per-sample pass leaves the other layers' statistics alone)."""
+    hf, lik, (X, y) = case("t5")
+    name = f"model.{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
+    mod = hf.get_submodule(name)
+    ref = _per_sample(hf, lik, X, y, mod)
+    N = len(ref)
+    G = sum(g.reshape(-1, g.shape[-1]).T @ g.reshape(-1, g.shape[-1]) / g[..., 0].numel() for g, _, _ in ref)
+    A = sum(torch.bincount(ids.reshape(-1), minlength=mod.num_embeddings).to(D64) for _, _, ids in ref) / N
+    op = KroneckerEstimator(hf, lik, "empirical").update((X, y)).operator()
+    (b,) = [b for b in op.blocks if b.weight_name == f"{name}.weight"]
+    tol = 1e-6 * float(G.abs().max())
+    torch.testing.assert_close(b.G, G, atol=tol, rtol=0)
+    torch.testing.assert_close(b.A, A, atol=1e-12, rtol=0)
+    frozen, _, _ = case("t5-relative-bias-frozen")
+    other = {b.name: b for b in KroneckerEstimator(frozen, lik, "empirical").update((X, y)).operator().blocks}
+    for blk in op.blocks:
+        if "relative_attention_bias" not in blk.name:
+            torch.testing.assert_close(blk.G, other[blk.name].G, atol=1e-12, rtol=0)
+            torch.testing.assert_close(blk.A, other[blk.name].A, atol=1e-12, rtol=0)
+    ek = EKFACEstimator(hf, lik, "empirical")
+    ek.update((X, y))
+    j = next(i for i, blk in enumerate(ek.basis.blocks) if blk.weight_name == f"{name}.weight")
+    QG = ek.one_term_basis().eigh()[j].G_eigvecs  # A is diagonal: its eigenvectors are the identity
+    s = sum((QG.T @ gw.T).square() for _, gw, _ in ref)  # W_hat = W^T (heads, buckets)
+    torch.testing.assert_close(ek.operator()._spectra[j], s * ek.scale() / N, atol=1e-6 * float(s.abs().max()), rtol=0)

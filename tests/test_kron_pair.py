@@ -126,3 +126,26 @@ def test_a_tied_embedding_and_head_in_the_heads_view(bias: bool, low_rank: bool)
     with pytest.raises(ValueError, match="neither the standard nor the whole transposed view"):
         pair_in_view(head, KroneckerBlock(_psd(D, D, g), counts[:D], "W", None,
                                           transposed_index(D, D, False)[0:2], "part"))
+
+
+def _rearranged(M: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Van Loan's rearrangement: R(G (x) A) = vec(G) vec(A)^T."""
+    return M.reshape(m, n, m, n).permute(0, 2, 1, 3).reshape(m * m, n * n)
+
+
+@pytest.mark.parametrize("diag_g2", [False, True])
+def test_nearest_kronecker_is_the_best_rank_one_approximation_of_the_rearranged_sum(diag_g2: bool) -> None:
+    from curvkit.linalg.factors import nearest_kronecker
+
+    g = torch.Generator().manual_seed(3)
+    G1, A1, A2 = _psd(5, 2, g), _psd(4, 3, g), _psd(4, 4, g)
+    G2 = torch.rand(5, generator=g, dtype=DT) if diag_g2 else _psd(5, 5, g)
+    M = torch.kron(G1, A1) + torch.kron(_dense(G2), A2)
+    G, A = nearest_kronecker(G1, A1, G2, A2)
+    U, S, Vh = torch.linalg.svd(_rearranged(M, 5, 4))
+    torch.testing.assert_close(_rearranged(torch.kron(G, A), 5, 4), S[0] * torch.outer(U[:, 0], Vh[0]), **TOL)
+    assert float(torch.linalg.eigvalsh(G).min()) > -1e-12 and float(torch.linalg.eigvalsh(A).min()) > -1e-12
+    # a sum that is itself a Kronecker product comes back exactly: a term without data, proportional factors
+    for G2_, A2_ in ((torch.zeros(5, 5, dtype=DT), A2), (2.5 * G1, A2), (G2, 3.0 * A1)):
+        G, A = nearest_kronecker(G1, A1, G2_, A2_)
+        torch.testing.assert_close(torch.kron(G, A), torch.kron(G1, A1) + torch.kron(_dense(G2_), A2_), **TOL)

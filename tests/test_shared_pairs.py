@@ -14,11 +14,12 @@ import math
 
 import pytest
 import torch
+from tests.test_kron_pair import _rearranged
 from tests.test_shared_weights import NanoGPT
 from torch import nn
 
 from curvkit.continual.laplace import LaplacePenalty
-from curvkit.curvature import estimators
+from curvkit.curvature import GGNOperator, estimators
 from curvkit.curvature.ekfac import EKFACEstimator
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.laplace import Laplace
@@ -188,10 +189,47 @@ def test_kronecker_laplace_takes_the_pair_with_the_prior_on_its_second_term(pair
         Laplace(model, lik, "kron", "kflr", prior_form="exact").fit(data)
 
 
-def test_ekfac_refuses_the_pair_by_name(pairs):
-    model, data = _model(), _data()
-    with pytest.raises(ValueError, match=r"block 'wte \+ lm_head' is the sum of two Kronecker terms"):
-        EKFACEstimator(model, CrossEntropy("sum")).update(data).operator()
+@pytest.mark.parametrize("curvature", ["empirical", "kflr"])
+def test_ekfac_takes_the_pair_in_the_eigenbasis_of_its_nearest_kronecker_product(pairs, curvature):
+    """EKFAC's pair block is ``Q diag(s) Q^T`` with ``Q = QG (x) QA`` the eigenbasis of the Kronecker product
+    nearest to the pair (the dense best rank-one approximation of its rearrangement) and ``s = diag(Q^T C Q)``,
+    C the second moment of the TRUE per-sample gradients of the tied weight (both uses, cross terms included:
+    autograd per sample for 'empirical'; for 'kflr' at one position per sequence, where its rows are exact, the
+    exact GGN block), i.e. EKFAC's defining property."""
+    model, data = _model(), _data(B=5, T=4 if curvature == "empirical" else 1)  # kflr: exact at one position
+    lik = CrossEntropy("sum")
+    est = EKFACEstimator(model, lik, curvature).update(data)
+    op = est.operator()
+    b = _pair_block(est.basis)
+    (j,) = [i for i, blk in enumerate(est.basis.blocks) if blk.pair]
+    nk = est.one_term_basis().blocks[j]
+    m, n = b.out_dim, b.in_dim
+    pair = torch.kron(b.G, b.A) + torch.kron(torch.diag(b.second[0]), b.second[1])
+    U, S, Vh = torch.linalg.svd(_rearranged(pair, m, n))
+    torch.testing.assert_close(_rearranged(torch.kron(nk.G, nk.A), m, n), S[0] * torch.outer(U[:, 0], Vh[0]),
+                               atol=1e-10, rtol=0)
+    assert float(torch.linalg.eigvalsh(nk.G).min()) > -1e-10 and float(torch.linalg.eigvalsh(nk.A).min()) > -1e-10
+    e = est.one_term_basis().eigh()[j]
+    Q = torch.kron(e.G_eigvecs, e.A_eigvecs)
+    block = op.block(["wte.weight"]).to_dense()
+    if curvature == "empirical":
+        X, y = data
+        g = torch.stack([torch.autograd.grad(nn.functional.cross_entropy(model(X[i:i + 1]).reshape(-1, V),
+                                                                         y[i], reduction="sum"),
+                                             model.wte.weight)[0].reshape(-1) for i in range(X.shape[0])])
+        # (N, V * D): the per-sample gradients of the tied weight (both uses); the head's view [W] is the flat order
+        C = g.T @ g
+    else:  # kflr: the rows are the output Hessian's square root, so C is the exact GGN block of the tied weight
+        C = GGNOperator(model, lik, data).block(["wte.weight"]).to_dense()
+    s = (Q.T @ C @ Q).diagonal()
+    torch.testing.assert_close(block, Q @ torch.diag(s) @ Q.T, atol=1e-10, rtol=1e-10)
+    # its inverse and log-determinant are the closed forms of that matrix
+    d = op.layout.dim
+    v = torch.randn(d, generator=torch.Generator().manual_seed(5), dtype=D64)
+    D = op.to_dense()
+    torch.testing.assert_close(op.solve(v, damping=0.1), torch.linalg.solve(D + 0.1 * torch.eye(d), v), atol=1e-9,
+                               rtol=1e-9)
+    torch.testing.assert_close(op.logdet(0.1), torch.linalg.slogdet(D + 0.1 * torch.eye(d))[1], atol=1e-9, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["online", "ewc"])
@@ -254,6 +292,38 @@ def test_two_embeddings_sharing_a_large_table_are_refused(pairs):
     with pytest.raises(ValueError, match=r"shares a.weight with 1 other use\(s\) \(a \+ b\); their sum has 200 "
                                          r"entries, more than SHARED_DENSE_LIMIT = 10.*two uses of one whole weight"):
         KroneckerEstimator(TwoTables().to(D64), CrossEntropy("sum"))
+
+
+def test_three_genuinely_different_terms_are_exact_below_the_limit_and_refused_above(monkeypatch):
+    """A tied head, a lookup of its table AND a second Linear use (three Kronecker terms no two of which merge):
+    one exact dense block up to SHARED_DENSE_LIMIT (equal to the sum of the three uses' own blocks), refused at
+    construction above it (a block holds at most two terms; only lookups are merged)."""
+
+    class ThreeUses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.mix, self.head = nn.Embedding(V, 5), nn.Linear(5, V, bias=False), nn.Linear(5, V, bias=False)
+            self.mix.weight = self.head.weight = self.wte.weight
+
+        def forward(self, idx):
+            h = torch.tanh(self.wte(idx))
+            return self.head(h + torch.tanh(self.mix(h))[..., :5])
+
+    torch.manual_seed(0)
+    model, data = ThreeUses().to(D64), _data()
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10**9)
+    est = KroneckerEstimator(model, CrossEntropy("sum"), "kflr").update(data)
+    (b,) = est.operator().blocks
+    assert not b.factored and b.name.count("+") == 2
+    uses = est.use_blocks(list(est._stats), est.scale(), float(est.num_data))
+    from curvkit.linalg.kron import KroneckerOperator, dense_sum
+
+    want = KroneckerOperator(est.layout, [dense_sum(est.layout, uses)]).to_dense()
+    torch.testing.assert_close(est.operator().to_dense(), want, atol=1e-12, rtol=0)
+    monkeypatch.setattr(estimators, "SHARED_DENSE_LIMIT", 10)
+    with pytest.raises(ValueError, match=r"shares wte.weight with 2 other use\(s\).*more than SHARED_DENSE_LIMIT = 10"
+                                         r".*two uses of one whole weight"):
+        KroneckerEstimator(model, CrossEntropy("sum"), "kflr")
 
 
 def test_t5_head_and_two_lookups_of_its_table_are_a_pair_with_the_lookups_merged(pairs):

@@ -25,7 +25,7 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "check_sample_rows"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "check_sample_rows", "per_sample_grads"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -288,6 +288,8 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
             raise _not_samples_first(what, lp, site, B, None)
     if B < 2 or coupled or not f.requires_grad:
         return
+    kept = [k for k, s in enumerate(sites) if not s.shared]  # a shared site's rows are per sample by construction
+    blocks, sites = [blocks[k] for k in kept], [sites[k] for k in kept]
     outs: list[Tensor] = []
     for site in sites:
         if site.output.requires_grad and all(site.output is not o for o in outs):
@@ -306,6 +308,25 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
             rows = site.read(g).reshape(B, -1).abs().sum(1)
         if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
             raise _not_samples_first(what, lp, site, B, g)
+
+
+def per_sample_grads(f: Tensor, outs: Sequence[Tensor], V: Tensor, retain_graph: bool = True) -> list[Tensor]:
+    """Per-sample gradients of tensors that every sample uses (:attr:`curvkit.layerkinds.Site.shared`): for
+    vectors V (L, *f.shape) and each o of ``outs``, the (L, B, *o.shape) gradients of ``<V[l, n], f[n]>`` (sample
+    n's part of vector l alone), in ONE batched backward pass of the L * B vectors ``V[l] * e_n``
+    (``is_grads_batched``; one pass per vector where an operation has no batching rule). Memory: L * B times
+    that backward pass's."""
+    L, B = V.shape[0], f.shape[0]
+    Vb = V.new_zeros(L, B, *f.shape)
+    n = torch.arange(B, device=V.device)
+    Vb[:, n, n] = V[:, n]
+    Vb = Vb.reshape(L * B, *f.shape)
+    try:
+        grads = torch.autograd.grad(f, list(outs), grad_outputs=Vb, retain_graph=retain_graph, is_grads_batched=True)
+    except RuntimeError:  # an operation without a batching rule: one backward pass per vector
+        per = [torch.autograd.grad(f, list(outs), grad_outputs=v, retain_graph=True) for v in Vb]
+        grads = tuple(torch.stack([p[i] for p in per]) for i in range(len(outs)))
+    return [g.reshape(L, B, *o.shape) for g, o in zip(grads, outs)]
 
 
 def _not_samples_first(what: str, lp: Any, site: Any, B: int, g: Tensor | None) -> UnsupportedModelError:

@@ -22,6 +22,18 @@ differs from EKFAC over the union of the batches (28-33 % on the models of issue
 once with a :class:`FirstBatchBasisWarning`; one pass over the union takes its basis from the factors of all the
 data: ``EKFACEstimator(model, lik, basis=kflr(model, lik, data)).update(data)``. Same scale and moving-average conventions as
 :class:`~curvkit.curvature.estimators.CurvatureEstimator`.
+
+Shared and tied weights (docs/architecture.md, "Shared and tied weights"). The per-sample gradient of a shared
+parameter is the sum of its uses' (:meth:`~curvkit.curvature.estimators.KroneckerEstimator.shared_per_sample`),
+so the scalings above are those of the true per-sample gradients of the tied parameter in any basis. The basis of
+a dense sum block is its own eigenbasis. A block that is the SUM of two Kronecker terms ``G1 (x) A1 + G2 (x) A2``
+(a tied head and embedding above ``SHARED_DENSE_LIMIT``) has no Kronecker eigenbasis, and EKFAC's form needs an
+orthonormal Kronecker one (``s`` is the Frobenius-optimal diagonal only in an orthonormal basis; the pair's
+generalised eigenvectors ``W_G (x) W_A`` are not orthogonal). Its basis is the eigenbasis of the Kronecker product
+NEAREST to the pair in Frobenius norm (:func:`curvkit.linalg.factors.nearest_kronecker`, Van Loan & Pitsianis:
+``G = x1 G1 + x2 G2``, ``A = y1 A1 + y2 A2`` from a 2 x 2 singular value problem), which is the pair's own
+eigenbasis whenever the pair is a Kronecker product (one use without data, or proportional factors) and KFAC's
+eigenbasis for one term; the scalings in it are the per-sample second moments as above (the defining property).
 """
 
 from __future__ import annotations
@@ -47,7 +59,9 @@ from curvkit.curvature.estimators import (
     PerSample,
 )
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator
+from curvkit.linalg.factors import nearest_kronecker
+from curvkit.linalg.kron import KroneckerEigh, KroneckerOperator, KroneckerSpectralOperator, block_positions
+from curvkit.linalg.operator import sub_layout
 from curvkit.structure import _refuse_sharded_parameters
 from curvkit.validation import Inputs, num_samples
 
@@ -94,6 +108,7 @@ class EKFACEstimator(CurvatureEstimator):
         if basis is not None and not isinstance(basis, KroneckerOperator):
             raise TypeError(f"basis must be a KroneckerOperator, got {type(basis).__name__}")
         self.basis = basis
+        self._eigenbasis: tuple[KroneckerOperator, KroneckerOperator] | None = None  # (basis, its one-term form)
         self._basis_from_data = False  # the basis was taken from the first batch (warn at the next one)
         super().__init__(model, likelihood, ema)
 
@@ -119,10 +134,30 @@ class EKFACEstimator(CurvatureEstimator):
         if est.shared:
             est.operator()  # the blocks of a shared parameter's uses, summed into one (est.members)
         groups = est.members if est.shared else [[i] for i in range(len(est.blocks))]
-        stats = [_projected_squares(est.per_sample[est.blocks[members[0]][1].label] if len(members) == 1 else
-                                    est.shared_per_sample(members, b), e)
-                 for members, b, e in zip(groups, self.basis.blocks, self.basis.eigh())]
+        stats = []
+        for members, b, e in zip(groups, self.basis.blocks, self.one_term_basis().eigh()):
+            if len(members) == 1:
+                stats.append(_projected_squares(est.per_sample[est.blocks[members[0]][1].label], e))
+                continue
+            ps = est.shared_per_sample(members, b)  # (V, B, P): the per-sample gradients of the block's parameters
+            if b.pair:  # in the pair's (head's) view (out, in_aug)
+                pos = block_positions(sub_layout(est.layout, b.names), b.weight_name, b.bias_name, b.index,
+                                      ps.vectors.device)
+                stats.append(_projected_matrices(ps.vectors[..., pos], ps.weights, e))
+            else:
+                stats.append(_projected_squares(ps, e))
         return stats, num_samples(X), est.num_terms
+
+    def one_term_basis(self) -> KroneckerOperator:
+        """The basis with every pair block (a sum of two Kronecker terms) replaced by the Kronecker product
+        nearest to it (module docstring): the operator whose factors' eigenvectors EKFAC uses."""
+        assert self.basis is not None
+        if self._eigenbasis is None or self._eigenbasis[0] is not self.basis:
+            blocks = [b.with_factors(*nearest_kronecker(b.G, b.A, *b.second, what=repr(b.name))) if b.second is not None
+                      else b for b in self.basis.blocks]
+            single = self.basis if not self.basis.has_pairs else KroneckerOperator(self.basis.layout, blocks)
+            self._eigenbasis = (self.basis, single)
+        return self._eigenbasis[1]
 
     def _stat_names(self) -> list[str]:
         if self.basis is not None:
@@ -134,11 +169,11 @@ class EKFACEstimator(CurvatureEstimator):
 
     def _operator(self, means: list[Tensor], scale: float) -> KroneckerSpectralOperator:
         assert self.basis is not None
-        return KroneckerSpectralOperator.in_eigenbasis_of(self.basis, [m * scale for m in means])
+        return KroneckerSpectralOperator.in_eigenbasis_of(self.one_term_basis(), [m * scale for m in means])
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
-        out["basis"] = None if self.basis is None else [(b.G, b.A) for b in self.basis.blocks]
+        out["basis"] = None if self.basis is None else [(b.G, b.A) for b in self.one_term_basis().blocks]
         return out
 
 
@@ -205,6 +240,20 @@ def _with_complement(out: Tensor, e: KroneckerEigh, complement: Any) -> Tensor:
         return out
     row = (complement() / e.G_rest).clamp_min(0)
     return torch.cat([out, row[None, :].to(out.dtype)])
+
+
+def _projected_matrices(dW: Tensor, w: Tensor, e: KroneckerEigh) -> Tensor:
+    """sum_n sum_v w_v (QG^T dW_{n,v} QA)^2 of per-sample gradient matrices ``dW`` (V, B, out, in_aug) (a pair
+    block's, :meth:`EKFACEstimator._batch_statistics`), in chunks of samples."""
+    QG, QA = e.G_eigvecs, e.A_eigvecs
+    dW, w = dW.to(QG.dtype), w.to(QG.dtype)
+    out = dW.new_zeros(dW.shape[-2], dW.shape[-1])
+    step = max(1, _BUDGET // max(1, dW.shape[0] * dW.shape[-2] * dW.shape[-1]))
+    for s in range(0, dW.shape[1], step):
+        M = QG.T @ dW[:, s:s + step]
+        M = M if QA is None else M @ QA
+        out += torch.einsum("v,vboi->oi", w, M.square())
+    return out
 
 
 def _projected_counts(ids: Tensor, pg: Tensor, w: Tensor, vocab: int) -> Tensor:

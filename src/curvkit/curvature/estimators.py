@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
 from curvkit.curvature._vjp import vector_grad
-from curvkit.curvature.capture import BlockCapture, check_sample_rows
+from curvkit.curvature.capture import BlockCapture, check_sample_rows, per_sample_grads
 from curvkit.curvature.config import (
     BatchStatistics,
     CurvatureConfig,
@@ -616,8 +616,16 @@ class KroneckerEstimator(CurvatureEstimator):
         outs: list[Tensor] = []
         where: dict[int, int] = {}
         feeds: list[list[int]] = []
+        shared: dict[int, list[int]] = {}  # sites whose output every sample uses (Site.shared), by output
+        shared_outs: list[Tensor] = []
         for i, s in enumerate(sites):
             if s is None:
+                continue
+            if s.shared:
+                if id(s.output) not in shared:
+                    shared[id(s.output)] = []
+                    shared_outs.append(s.output)
+                shared[id(s.output)].append(i)
                 continue
             if id(s.output) not in where:
                 where[id(s.output)] = len(outs)
@@ -628,11 +636,18 @@ class KroneckerEstimator(CurvatureEstimator):
         per: list[list[Tensor]] = [[] for _ in sites]
         weights: list[float] = []
         fired = [False] * len(outs)
+        batched = [False]  # inside the per-sample backward pass of the shared outputs
+        pending: list[tuple[Tensor, float]] = []  # vectors whose per-sample pass is still to run
 
         def consume(j: int, g: Tensor) -> None:
+            if batched[0]:  # the hooks also see the per-sample pass of the shared outputs: not theirs
+                return
             fired[j] = True
-            w = weights[-1]
-            for i in feeds[j]:
+            read(feeds[j], g)
+
+        def read(idx: list[int], g: Tensor, w: float | None = None) -> None:
+            w = weights[-1] if w is None else w
+            for i in idx:
                 r = sites[i].read(g.detach())
                 term = self._output_term(self.blocks[i][1], r, self.low_rank[i]) * w
                 stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
@@ -654,6 +669,18 @@ class KroneckerEstimator(CurvatureEstimator):
                 for j in roots:
                     if j not in closed:
                         consume(j, V)
+                if shared_outs:  # per-sample gradients of the outputs every sample uses (Site.shared), for
+                    pending.append((V, w))  # several vectors in one batched pass (L * B vectors of f's size)
+                    if following is None or (len(pending) + 1) * f.shape[0] * f.numel() > _BUDGET:
+                        batched[0] = True
+                        try:
+                            grads = per_sample_grads(f, shared_outs, torch.stack([v for v, _ in pending]))
+                        finally:
+                            batched[0] = False
+                        for o, g in zip(shared_outs, grads):
+                            for l, (_, wl) in enumerate(pending):
+                                read(shared[id(o)], g[l], wl)
+                        pending.clear()
                 if len(targets) > 1 or targets[0] is not f:
                     vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
                 current = following

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.func import jacrev, vmap
 
-from curvkit.curvature.capture import BlockCapture, check_sample_rows
+from curvkit.curvature.capture import BlockCapture, check_sample_rows, per_sample_grads
 from curvkit.laplace._glm import GLMTerm
 from curvkit.structure import ModelStructure
 from curvkit.validation import Inputs, map_inputs, num_samples, take_samples
@@ -156,11 +156,14 @@ def _from_sites(cap: BlockCapture, f: Tensor, terms: Sequence[GLMTerm], diagonal
     roots = [_is_output_layer(spec, site, f) for spec, site in zip(specs, sites)]
     rest = [i for i, r in enumerate(roots) if not r]
     outs: list[Tensor] = []
+    shared: list[Tensor] = []  # outputs every sample uses (Site.shared): their per-sample gradients
     for i in rest:
-        if sites[i].output is not f and all(sites[i].output is not o for o in outs):
-            outs.append(sites[i].output)
-    per_entry = 2 * sum(int(o.numel()) for o in outs) + 2 * sum(
-        int(sites[i].output.numel()) if specs[i].form == "kron" else B * specs[i].in_features for i in rest)
+        into = shared if sites[i].shared else outs
+        if sites[i].output is not f and all(sites[i].output is not o for o in into):
+            into.append(sites[i].output)
+    per_entry = 2 * sum(int(o.numel()) for o in outs) + 2 * B * sum(int(o.numel()) for o in shared) + 2 * sum(
+        int(sites[i].output.numel()) * (B if sites[i].shared else 1) if specs[i].form == "kron"
+        else B * specs[i].in_features for i in rest)
     k = _chunk_size(per_entry, K, C, diagonal)
     states = [term.prepare(_inputs(spec, site), spec.ids, k) if term.rows == "kron" else None
               for spec, site, term in zip(specs, sites, terms)]
@@ -175,6 +178,8 @@ def _from_sites(cap: BlockCapture, f: Tensor, terms: Sequence[GLMTerm], diagonal
         e1 = min(K, e0 + k)
         V = _one_hot(f, e0, e1)
         grads = dict(zip(map(id, outs), _batched_grad(f, outs, V)))
+        if shared:  # (k, B, *o.shape): each sample's gradient of the output they all use
+            grads.update(zip(map(id, shared), per_sample_grads(f, shared, V)))
         for i in rest:
             g = V if sites[i].output is f else grads[id(sites[i].output)]
             D = _read(sites[i], g)

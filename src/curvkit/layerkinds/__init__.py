@@ -272,14 +272,14 @@ def _refuse_sharing(structure: ModelStructure, what: str) -> None:
 
 def refuse_shared(structure: ModelStructure, what: str) -> None:
     """Raise for a trainable parameter shared by several modules (weight tying), for the routes that keep one
-    Kronecker posterior per layer and no sum of terms (the Kronecker filters), naming the parameter, its
+    Kronecker block per layer and no sum of terms (KFRA's recursion along a chain), naming the parameter, its
     modules and the fixes."""
     modules = dict(structure.modules)
     for pname, owners in structure.shared_parameters.items():
         uses = ", ".join(f"{o!r} ({type(modules[o if o != '<root>' else '']).__name__})" for o in owners)
         raise UnsupportedModelError(
             f"{what}: parameter {pname!r} is shared by modules {uses} (weight tying); {what} keeps one Kronecker "
-            "posterior per layer, not a sum of its uses' terms; untie the weights (e.g. causal_lm(tie_weights="
+            "block per layer, not a sum of its uses' terms; untie the weights (e.g. causal_lm(tie_weights="
             "False), or a Hugging Face model built with config.tie_word_embeddings=False), freeze the shared "
             "parameter (requires_grad_(False)), or use GaussNewton / Laplace(structure='kron'), which take tied "
             "weights")

@@ -92,12 +92,18 @@ class Site:
         output: a tensor on the autograd graph (the layer's output, or an intermediate of it).
         read: the gradient of ``output`` -> output rows (B, R, out) (``form='kron'``) or per-sample
             gradients (B, P) of the block's parameters, in its index order (``form='grad'``).
+        shared: ``output`` has no batch dimension: one output that every sample uses (T5's relative attention
+            bias, looked up on (T, T) buckets and broadcast over the batch by the model), so its gradient is the
+            samples' sum. ``read`` then takes the PER-SAMPLE gradients (B, *output.shape), which the consumers
+            get from one batched backward pass of the per-sample parts of their output vectors
+            (:func:`curvkit.curvature.capture.per_sample_grads`).
     """
 
     block: int
     inputs: Tensor
     output: Tensor
     read: Callable[[Tensor], Tensor]
+    shared: bool = False
 
 
 class UnfoldedSite(Site):

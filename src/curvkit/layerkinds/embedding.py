@@ -19,6 +19,15 @@ ids is read as one id per sample (a label or time-step embedding), unless the mo
 chunk stays right); position ids whose length equals the batch size in the FIRST pass are read per sample,
 so give such ids their batch dimension ((1, T) or (B, T)).
 
+Ids of two or more dimensions without the batch (T5's relative attention bias: an Embedding looked up on the
+(T, T) bucket ids, whose (T, T, heads) output the model permutes to (1, heads, T, T) and broadcasts over the
+batch) cannot be widened in place (the model's own reshapes expect its shape). Where the capture knows the batch
+size B and the ids' first dimension is neither B nor 1 (or the module was seen so before), the output is kept
+and emitted as a SHARED site (:attr:`~curvkit.layerkinds.Site.shared`): its id rows are the same for every
+sample, and its per-sample output rows are read from per-sample gradients of the output, which the consumers
+form by one batched backward pass of each sample's part of their vectors (the sample's gradient of a tensor all
+samples use; costs B times that backward pass's memory).
+
 ``padding_idx``: torch never updates that row (its gradient is zero), so positions holding it count as a
 zero input row: the row gets no curvature. Refused: ``max_norm`` (renormalises W in place during the
 forward pass, so the function changes while it is evaluated), ``scale_grad_by_freq`` and ``sparse`` (the
@@ -76,19 +85,24 @@ class EmbeddingHandler(LayerHandler):
             ids = batched_input(mod, label, inputs[0], 1, what, "token ids (batch, ...)").detach()
             B, wide = ids.shape[0], None
             batch = batch_of(emit)
-            if ids.dim() == 1 and batch is not None and ids.shape[0] != batch:  # arange(T)
-                _SHARED[mod] = True
+            if batch is not None and ids.shape[0] != batch and (ids.dim() == 1 or ids.shape[0] != 1):
+                _SHARED[mod] = True  # arange(T), (T, T) buckets: shared by the samples from now on
+            shared = False
             if batch is not None and ids.dim() == 1 and (ids.shape[0] != batch or _SHARED.get(mod, False)):
                 wide = out.unsqueeze(0).expand(batch, *out.shape)
             elif batch is not None and batch > 1 and ids.dim() >= 2 and ids.shape[0] == 1:  # (1, T) position ids
                 wide = out.expand(batch, *out.shape[1:])
-            if wide is not None:  # ids shared by every sample: each sample gets its own copy of the output
-                B, out = batch, wide  # type: ignore[assignment]
+            elif batch is not None and ids.dim() >= 2 and _SHARED.get(mod, False):  # (T, T) buckets: kept as is
+                shared = True
+            if wide is not None or shared:  # ids shared by every sample: each sample gets its own output rows
+                B = batch  # type: ignore[assignment]
+                if wide is not None:
+                    out = wide
                 ids = ids.reshape(1, -1).expand(B, -1)
             ids = ids.reshape(B, -1).long()
             if pad is not None:
                 ids = ids.masked_fill(ids == pad, -1)
-            emit(Site(0, ids, out, lambda g: g.reshape(B, -1, D)))
+            emit(Site(0, ids, out, lambda g: g.reshape(B, -1, D), shared))
             return wide
 
         return [module.register_forward_hook(hook)]

@@ -407,9 +407,9 @@ class KroneckerPairEigh:
     (Q (V, r)), ``W_G = S Q`` on the span and the whitened complement ``S (I - Q Q^T) S`` has eigenvalue 0 in
     G, so the sum's spectrum there is 1:
     ``M^{-1} X = W_G [(W_G^T X W_A) / (g a^T + 1)] W_A^T + S (I - Q Q^T) S X W_A W_A^T`` (O(V r) per column). Three or more terms have no such closed form
-    (the damping identity is already a third term, which is why it rides on the second): they are handled as
-    the sum of the first two plus the rest by the operator's generic routes (CG solves, SLQ log-determinants),
-    never silently dropped.
+    (the damping identity is already a third term, which is why it rides on the second): a block holds at most
+    two (:attr:`~curvkit.linalg.blocks.KroneckerBlock.second`), and EXACT damping, the third, goes through the
+    operator's generic routes (conjugate gradients on the block, dense or SLQ log-determinants).
     """
 
     WG: Tensor  # (out, out)
@@ -488,6 +488,51 @@ class KroneckerPairEigh:
         WG, WA = self.WG, self.WA
         Y = WG[:, None, None] * X if WG.dim() == 1 else _sandwich(WG, X, None)
         return _sandwich(None, Y, WA.T if WA.dim() == 2 else WA)
+
+
+def nearest_kronecker(G1: Tensor, A1: Tensor, G2: Tensor, A2: Tensor, what: str = "block") -> tuple[Tensor, Tensor]:
+    """``(G, A)`` with ``G (x) A`` the Kronecker product nearest in Frobenius norm to ``G1 (x) A1 + G2 (x) A2``
+    (Van Loan & Pitsianis 1993: the best rank-one approximation of the rearrangement
+    ``R = vec(G1) vec(A1)^T + vec(G2) vec(A2)^T``, a rank-two matrix).
+
+    R's top singular pair lies in span(vec G1, vec G2) x span(vec A1, vec A2): with the 2 x 2 Gram matrices
+    ``K_G = [<G_i, G_j>]``, ``K_A = [<A_i, A_j>]`` (Frobenius inner products; a vector is a diagonal factor) and
+    the top singular triplet ``(u, sigma, v)`` of ``K_G^{1/2} K_A^{1/2}``,
+
+        G = sigma sum_i x_i G_i,  x = K_G^{+1/2} u;    A = sum_j y_j A_j,  y = K_A^{+1/2} v
+
+    (pseudo-inverse square roots: a use with zero factors, or proportional factors, leaves a rank-one Gram).
+    For positive semi-definite factors the Gram matrices are entrywise non-negative, so u, v, x and y are too
+    (Perron-Frobenius; their common sign is fixed here) and G, A are positive semi-definite. When the sum is
+    itself a Kronecker product (one term zero, or ``G2 = c G1``, or ``A2 = c A1``) it is returned exactly.
+    Shapes: G (out, out) dense unless both G's are vectors; likewise A. Low-rank factors are refused."""
+    if any(isinstance(M, LowRankFactor) for M in (G1, A1, G2, A2)):
+        raise ValueError(f"nearest_kronecker({what}): a low-rank output factor has no dense eigenbasis here; build "
+                         "the estimator with output_factor='dense'")
+
+    def inner(M: Tensor, N: Tensor) -> Tensor:
+        return (M * N).sum() if M.dim() == N.dim() else (_diag(M) * _diag(N)).sum()
+
+    def roots(M1: Tensor, M2: Tensor) -> tuple[Tensor, Tensor]:  # K^{1/2} and K^{+1/2} of the 2 x 2 Gram matrix
+        K = torch.stack([torch.stack([inner(a, b) for b in (M1, M2)]) for a in (M1, M2)])
+        lam, Q = torch.linalg.eigh(K)
+        lam = lam.clamp_min(0)
+        keep = lam > 1e-12 * float(lam.max())
+        return (Q * lam.sqrt()) @ Q.T, (Q[:, keep] * lam[keep].rsqrt()) @ Q[:, keep].T
+
+    def combine(c: Tensor, M1: Tensor, M2: Tensor) -> Tensor:
+        if M1.dim() == 1 and M2.dim() == 1:
+            return c[0] * M1 + c[1] * M2
+        return _symmetrise(c[0] * (torch.diag(M1) if M1.dim() == 1 else M1) +
+                           c[1] * (torch.diag(M2) if M2.dim() == 1 else M2))
+
+    rG, pG = roots(G1, G2)
+    rA, pA = roots(A1, A2)
+    U, S, Vh = torch.linalg.svd(rG @ rA)
+    u, v = U[:, 0], Vh[0]
+    if float(u.sum()) < 0:  # the common sign (u v^T is unchanged)
+        u, v = -u, -v
+    return combine((pG @ u).clamp_min(0) * S[0], G1, G2), combine((pA @ v).clamp_min(0), A1, A2)
 
 
 def _generalised_eigh(M1: Tensor, M2: Tensor, what: str) -> tuple[Tensor, Tensor, Tensor]:

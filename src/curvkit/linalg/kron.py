@@ -169,6 +169,7 @@ class KroneckerOperator(CurvatureOperator):
                     f"({ix.in_aug}, {ix.in_aug})"
                 )
         self._eigh: list[KroneckerEigh] | None = None
+        self._singles: tuple[KroneckerOperator, Tensor] | None = None  # the one-term blocks (_solve_by_blocks)
 
     @property
     def has_pairs(self) -> bool:
@@ -398,9 +399,49 @@ class KroneckerOperator(CurvatureOperator):
         return self._apply_to(b, lambda B: inv._matmat(_finite(B, "solve")), "solve")
 
     def _solve(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
-        if self.has_pairs:  # a sum of two terms plus delta I has no closed form: conjugate gradients
-            return super()._solve(B, damping, tol, max_iter)
+        if self.has_pairs:  # a sum of two terms plus delta I has no closed form: conjugate gradients on it alone
+            return self._solve_by_blocks(B, damping, tol, max_iter)
         return KroneckerInverseOperator(self, damping)._matmat(B)
+
+    def _solve_by_blocks(self, B: Tensor, damping: float, tol: float | None, max_iter: int | None) -> Tensor:
+        """``(C + damping I)^{-1} B`` block by block (C block-diagonal): the one-term blocks in closed form
+        (:class:`KroneckerInverseOperator` of their restriction, eigendecompositions cached), each pair block
+        ``G (x) A + G2 (x) A2 + delta I`` by conjugate gradients on its own (out, in_aug) matrices (``tol``,
+        ``max_iter`` as in :meth:`CurvatureOperator.solve`; a product costs one pass over the block's two
+        terms). The same numbers whether the block is solved inside the whole operator or in
+        ``op.block(names)`` (a data-parallel owner's restriction)."""
+        from curvkit.linalg.krylov import _default_tol, conjugate_gradient
+
+        B = B.to(self.dtype)
+        out = torch.empty_like(B)
+        singles = [b for b in self.blocks if not b.pair]
+        if singles:
+            if self._singles is None:
+                names = [n for b in singles for n in b.names]
+                sub = KroneckerOperator(sub_layout(self.layout, names), singles, self.damping)
+                slices = self.layout.slices()
+                rows = torch.cat([torch.arange(slices[n].start, slices[n].stop, device=self.device)
+                                  for n in sub.layout.names])
+                self._singles = (sub, rows)
+            sub, rows = self._singles
+            out[rows] = KroneckerInverseOperator(sub, damping)._matmat(B[rows])
+        delta = self.damping + damping
+        for b, ix in zip(self.blocks, self._index):
+            if b.second is None:
+                continue
+            X = ix.gather(B)
+            m, n = X.shape[0], X.shape[1]
+
+            def product(V: Tensor, b: KroneckerBlock = b, G2: Tensor = b.second[0], A2: Tensor = b.second[1],
+                        m: int = m, n: int = n) -> Tensor:
+                Xv = V.reshape(m, n, -1)
+                Y = _sandwich(b.G, Xv, b.A) + _term(G2, A2, Xv)
+                return (Y + delta * Xv if delta != 0 else Y).reshape(V.shape)
+
+            Y = conjugate_gradient(product, X.reshape(m * n, -1), tol=_default_tol(self.dtype) if tol is None else tol,
+                                   max_iter=max_iter)
+            ix.scatter(Y.reshape(m, n, -1), out)
+        return out
 
     def block(self, names: Sequence[str]) -> CurvatureOperator:
         """The restriction to ``names``: a KroneckerOperator when the names are whole blocks (weight and

@@ -8,8 +8,9 @@ Kronecker layers: those whose handler reads the layer's one block as its weight 
 (B*T, out)) and, where the filter takes rows that are always positions, groups=1 ``nn.Conv1d/2d/3d`` (x:
 unfolded patches (B*L, C*k[+1]), delta: (B*L, out), L output locations, any padding mode). The model is read by
 :func:`curvkit.layerkinds.plan`, which raises an ``UnsupportedModelError`` naming an unknown module with
-trainable parameters, a shared parameter or a module registered twice; the other trainable parameters are
-returned as :class:`DiagonalParam` (the filters' diagonal form); a layer called twice in one forward pass is
+trainable parameters or a module registered twice; the other trainable parameters, and those of layers that hold
+a parameter shared with another module (weight tying), are returned as :class:`DiagonalParam` (the filters'
+diagonal form; :func:`collect_layers` says why); a layer called twice in one forward pass is
 refused at the step. The input rows are stored
 without the bias column; ``x_rows(k)`` appends the column of ones on demand, so a caller that needs only k
 of the B rows does not copy all of them. Several backward passes before one step (gradient
@@ -139,15 +140,19 @@ def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params:
     with the diagonal form of the filter).
 
     The model is read by :func:`curvkit.layerkinds.plan`, which names and refuses what no layer kind takes (an
-    unknown module with trainable parameters, a parameter shared by two modules - weight tying -, a module
-    registered twice, random or sample-coupling modules in training mode). A Kronecker layer is a planned layer
-    whose handler has paired rows (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`): ``'samples'`` always,
-    ``'positions'`` (a convolution) only with ``positions_ok``. ``params`` (default: all trainable parameters)
+    unknown module with trainable parameters, a module registered twice, random or sample-coupling modules in
+    training mode). A Kronecker layer is a planned layer whose handler has paired rows
+    (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`): ``'samples'`` always, ``'positions'`` (a convolution)
+    only with ``positions_ok``, and none of whose parameters is shared by several modules (weight tying: the
+    parameter's per-example gradient is the sum of its uses', ``delta_h x_h^T + u delta_e^T`` for a tied head and
+    embedding in one view, of rank two, not the rank-one ``x (x) delta`` of Eqs. 23-24; such a parameter, and the
+    other parameters of the layers that hold it, get the diagonal form, whose Fisher sample is the parameter's
+    own gradient, the sum of its uses'). ``params`` (default: all trainable parameters)
     selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer whose weight
     is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
     structure = read_model(model)
-    layerkinds.refuse_shared(structure, optimiser)
     plans = layerkinds.plan(structure, optimiser)
+    tied = structure.shared_parameters  # name -> the modules that hold it
     named = dict(model.named_parameters())
     names = {id(p): n for n, p in named.items()}
     if params is not None:
@@ -164,9 +169,11 @@ def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params:
     for lp in plans:
         for spec in lp.blocks:
             for n in spec.names:
-                where[n] = (lp.label, lp.handler.kind)
+                where[n] = (" + ".join(tied[n]), "tied") if n in tied else (lp.label, lp.handler.kind)
         rows = lp.handler.paired_rows(lp.module)
         if rows is None or (rows == "positions" and not positions_ok):
+            continue
+        if any(n in tied for spec in lp.blocks for n in spec.names):  # the diagonal form (docstring)
             continue
         spec = lp.blocks[0]
         if spec.weight not in chosen:

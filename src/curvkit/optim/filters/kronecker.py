@@ -49,8 +49,8 @@ followed by the exact KL projection (flip-flop); it equals the full Kalman filte
 stays Kronecker (one output, one input, or isotropic output noise; derived, not in the paper, and tested).
 
 Models: every model the layer kinds take (:func:`curvkit.layerkinds.plan`, which refuses, naming the module, an
-unknown module with trainable parameters, weight tying, a module registered twice, random or sample-coupling
-modules in training mode). The Kronecker posterior is kept on the layers these equations are written for:
+unknown module with trainable parameters, a module registered twice, random or sample-coupling modules in
+training mode). The Kronecker posterior is kept on the layers these equations are written for:
 
 * ``nn.Linear`` on (B, in) inputs (all three filters);
 * KFWhiten also on weight-shared ``nn.Linear`` layers (inputs (B, *S, in): every position is a row, as KFC's
@@ -61,6 +61,14 @@ modules in training mode). The Kronecker posterior is kept on the layers these e
   of a weight shared over positions (a sum over them) is not; such a Linear layer gets the diagonal form at the
   first step (its input shape is known only then; a layer started as Kronecker that later gets positions is
   refused).
+
+A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is
+not given a Kronecker posterior: its per-example gradient is the sum of its uses', ``delta_h x_h^T + u delta_e^T``
+in the head's view (the embedding's one-hot rows u against its output gradient), of rank two for one example at
+one position, so it is not the rank-one Fisher sample ``x (x) delta`` that Eqs. 23-24 update the two factors with
+(the reason a Linear layer shared over positions is not one either), and KFWhiten's ``C^{-1/2}`` of a sum of
+two Kronecker terms has no Kronecker form. It gets the diagonal form below, with the layers that hold it (the
+head's bias too); its Fisher sample is its own gradient, the sum of its uses' (``DiagonalParam.kind`` 'tied').
 
 Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions
 (and for KFNatGrad/KFBayes every convolution), raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:

@@ -20,7 +20,14 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
   a vocabulary-sized head's low-rank G (:class:`~curvkit.linalg.factors.LowRankFactor`, identical on every
   rank: its rows were gathered) is thin and never travels: each worker takes its own inverse or eigenpairs;
   ``comm-opt`` sends them to every rank, ``mem-opt`` keeps them on the owner and broadcasts the unit's
-  direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups;
+  direction instead, ``hybrid`` does both within KAISA's gradient-worker and receiver groups. A block that
+  is the SUM of two Kronecker terms (a tied weight: :attr:`curvkit.linalg.kron.KroneckerBlock.second`; its
+  second term's factors are all-reduced with the first's, as every use's statistics are) is placed like any
+  other unit, at the cost of both terms: for ``'factored'`` its owner computes the generalised
+  eigendecompositions of the damped pair (:class:`~curvkit.linalg.kron.KroneckerPairEigh`: ``W_G``, ``W_A``,
+  ``g``, ``a``) and shares them like Cholesky factors; for ``'eigen'`` (``G (x) A + G2 (x) A2 + delta I`` has
+  no closed form: conjugate gradients on the block alone, as in one process) its owner solves for the unit's
+  direction and shares that with every rank, whatever the placement;
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
   is a sum over the counted terms, evaluated on the shard with the summed loss and reduced like the loss
   (:func:`reduce_sums`), and the objective after the step (rho, Eq. 4.21) likewise. alpha*, rho, tau and zeta are then computed from identical numbers on
@@ -53,9 +60,9 @@ def reduce_sums(distributed: Reducer, sums: list[Tensor], terms: int, reduction:
 def _assignment(op: Any, units: list[list[int]], distributed: Reducer) -> Assignment:
     """KAISA placement of the parameter units (:func:`~curvkit.optim.second_order.direction.parameter_units`)
     by their factorisation cost (a diagonal input factor costs nothing to invert)."""
-    def cost(b: Any) -> float:
-        G = 0.0 if isinstance(b.G, LowRankFactor) else factor_cost(b.G.shape[0])  # thin: every rank's own
-        return G + (0.0 if b.A.dim() == 1 else factor_cost(b.A.shape[0]))
+    def cost(b: Any) -> float:  # a pair block: both terms' factors; a thin G: every rank's own, free
+        G = 0.0 if isinstance(b.G, LowRankFactor) else factor_cost(b.G.shape[0])
+        return (1 + b.pair) * (G + (0.0 if b.A.dim() == 1 else factor_cost(b.A.shape[0])))
 
     costs = [sum(cost(op.blocks[l]) for l in unit) for unit in units]
     return assign_owners(costs, distributed.world_size, distributed.placement, distributed.grad_worker_fraction)
@@ -83,8 +90,6 @@ class DistributedKroneckerInverse:
     def __init__(self, op: Any, damping: float, inversion: str, omegas: list[float] | None, distributed: Reducer):
         from curvkit.optim.second_order.direction import parameter_units  # a sibling module
 
-        for b in op.blocks:
-            b.single("data-parallel Gauss-Newton (owner-placed inverses)")
         self.op, self.damping, self.inversion, self.red = op, float(damping), inversion, distributed
         cached = getattr(op, "_curvkit_assignment", None)
         if cached is None:
@@ -95,6 +100,9 @@ class DistributedKroneckerInverse:
         self.assign: Assignment = cached[1]
         red, rank = distributed, distributed.rank
         self.mine = [u for u, w in enumerate(self.assign.grad_workers) if rank in w]  # units this rank preconditions
+        #: units with a pair block, whose direction their owner solves for and shares with every rank ('eigen')
+        self.solved = ([u for u, unit in enumerate(self.units) if any(op.blocks[l].pair for l in unit)]
+                       if inversion == "eigen" else [])
         # subgroups are created by every rank in the same order (torch.distributed.new_group's rule): the
         # gradient-worker groups and, when directions are broadcast, KAISA's receiver blocks
         P = red.world_size
@@ -121,11 +129,14 @@ class DistributedKroneckerInverse:
 
         op, red, assign, rank = self.op, self.red, self.assign, self.red.rank
         damped = damped_blocks(op, self.damping, omegas)
-        entries = []
+        entries: list[tuple[Any, Any, Any]] = []
         for u in self.mine:
             workers, owner = assign.grad_workers[u], assign.owner[u]
             for l in self.units[u]:
                 d = damped.blocks[l]
+                if d.pair:  # the sum of two terms: the owner's generalised eigendecompositions
+                    entries.append((op.blocks[l], self._pair_eigh(d, owner, workers), None))
+                    continue
                 if rank == owner:
                     LG, LA = cholesky_factors(d)
                 elif isinstance(d.G, LowRankFactor):  # thin, from identical factors: every worker's own
@@ -151,6 +162,28 @@ class DistributedKroneckerInverse:
                 entries.append((op.blocks[l], LG, LA))
         self._factored = FactoredInverse.of_blocks(entries)
 
+    def _pair_eigh(self, d: Any, owner: int, workers: tuple[int, ...]) -> Any:
+        """The owner's :class:`~curvkit.linalg.kron.KroneckerPairEigh` of the damped pair block ``d`` (the
+        damping already on its second term), shared with the unit's gradient workers (the owner included)."""
+        from curvkit.linalg.kron import KroneckerPairEigh, pair_eigh
+
+        red = self.red
+        if d.low_rank_output:  # the estimator refuses a low-rank output factor with distributed=
+            raise ValueError(f"data-parallel Gauss-Newton: block {d.name!r} has a low-rank output factor, which "
+                             "distributed runs do not take; use output_factor='dense'")
+        if red.rank == owner:
+            pe = pair_eigh(d)
+        else:  # the shapes of KroneckerPairEigh.of for a dense G: W_A a vector when both A's are diagonal
+            G, A, (_, A2) = d.G, d.A, d.second
+            diagonal = A.dim() == 1 and A2.dim() == 1
+            pe = KroneckerPairEigh(G.new_empty(G.shape), A.new_empty(A.shape if diagonal else (A.shape[0],) * 2),
+                                   G.new_empty(G.shape[0]), A.new_empty(A.shape[0]), G.new_empty(()))
+        if len(workers) > 1:
+            WG, WA, g, a, base = red.share([pe.WG, pe.WA, pe.g, pe.a, pe.logdet_base], owner,
+                                           "broadcast of pair eigendecompositions", group=red.subgroup(workers))
+            pe = KroneckerPairEigh(WG, WA, g, a, base)
+        return pe
+
     def _eigen_blocks(self) -> None:
         """Owner eigendecompositions (cached on the operator: independent of the damping), broadcast to the
         gradient workers; a sub-operator of this rank's units carries them."""
@@ -160,7 +193,7 @@ class DistributedKroneckerInverse:
         eig: dict[int, Any] | None = getattr(op, "_curvkit_eigh", None)
         if eig is None:
             eig = {}
-            for u in self.mine:
+            for u in (u for u in self.mine if u not in self.solved):
                 workers, owner = assign.grad_workers[u], assign.owner[u]
                 for l in self.units[u]:
                     b = op.blocks[l]
@@ -186,7 +219,7 @@ class DistributedKroneckerInverse:
                         QA = None if diagonal else shared[1]
                     eig[l] = KroneckerEigh(lG, QG, lA, QA, *rest)
             setattr(op, "_curvkit_eigh", eig)  # noqa: B010
-        mine_blocks = [l for u in self.mine for l in self.units[u]]
+        mine_blocks = [l for u in self.mine if u not in self.solved for l in self.units[u]]
         names = list(dict.fromkeys(n for l in mine_blocks for n in op.blocks[l].names))
         if len(mine_blocks) == len(op.blocks):
             sub = op
@@ -210,9 +243,17 @@ class DistributedKroneckerInverse:
         elif self._sub is not None:
             out.update(zip(self._sub_names, self._sub @ [grads[n] for n in self._sub_names]))
         P = self.red.world_size
+        for u in self.solved:  # pair units under 'eigen': the owner's conjugate-gradient direction, to every rank
+            names = list(dict.fromkeys(n for l in self.units[u] for n in self.op.blocks[l].names))
+            if self.red.rank == self.assign.owner[u]:
+                inv = self.op.block(names).inverse(self.damping, method="eigen")
+                tensors = list(inv @ [grads[n] for n in names])
+            else:
+                tensors = [torch.empty_like(grads[n]) for n in names]
+            out.update(zip(names, self.red.share(tensors, self.assign.owner[u], "broadcast of pair directions")))
         for u, unit in enumerate(self.units):
             workers = self.assign.grad_workers[u]
-            if len(workers) == P:
+            if len(workers) == P or u in self.solved:
                 continue
             names = list(dict.fromkeys(n for l in unit for n in self.op.blocks[l].names))
             # receiver blocks: ranks c*n .. c*n + n - 1 receive from the worker among them (KAISA's receivers)
