@@ -95,3 +95,40 @@ def pair_worker(rank, world):
 def test_data_parallel_gauss_newton_takes_a_pair_block_equal_to_one_process_on_the_union():
     pytest.importorskip("transformers")  # tests.test_shared_weights (NanoGPT's module) needs it
     spawn(pair_worker, 2, timeout=240, collective_timeout=60)
+
+
+def low_rank_pair_worker(rank, world):
+    """The tied head's G low rank (``LOW_RANK_OUTPUTS`` lowered below its 40 outputs): its rows gathered over
+    the ranks, the pair's thin generalised eigendecompositions on the owner; each rank samples its own labels
+    (``kfac``), so the reference is the same data-parallel run with every factor dense."""
+    from tests.test_shared_weights import NanoGPT
+
+    from curvkit.curvature import estimators
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.optim import GaussNewton
+
+    estimators.SHARED_DENSE_LIMIT = 10
+    rows = slice(BOUNDS[rank], BOUNDS[rank + 1])
+    for inversion, placement in (("factored", "comm-opt"), ("eigen", "mem-opt")):
+        red = Reducer(placement=placement, timeout=60)
+        out = {}
+        for threshold in (8, 10**9):
+            estimators.LOW_RANK_OUTPUTS = threshold
+            torch.manual_seed(0)
+            net = NanoGPT(vocab=V, dim=5).to(D64)
+            opt = GaussNewton(net.parameters(), model=net, likelihood=CrossEntropy("mean"), curvature="kfac",
+                              inversion=inversion, tau_every=1, zeta_every=2, distributed=red)
+            for t in range(3):
+                X, y = _batch(t)
+                opt.step(batch=(X[rows], y[rows]))
+            (b,) = [b for b in opt._op.blocks if b.pair]
+            assert b.low_rank_output == (threshold == 8), b
+            out[threshold] = [p.detach().clone() for p in net.parameters()]
+        for p1, p2 in zip(out[8], out[10**9]):
+            _close(p1, p2, f"low-rank pair, {inversion} {placement}: parameters", tol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_data_parallel_gauss_newton_takes_a_pair_block_with_a_low_rank_head():
+    pytest.importorskip("transformers")
+    spawn(low_rank_pair_worker, 2, timeout=240, collective_timeout=60)

@@ -25,7 +25,8 @@ Per step on P ranks (rank r holds B_r of the minibatch's B examples):
   second term's factors are all-reduced with the first's, as every use's statistics are) is placed like any
   other unit, at the cost of both terms: for ``'factored'`` its owner computes the generalised
   eigendecompositions of the damped pair (:class:`~curvkit.linalg.kron.KroneckerPairEigh`: ``W_G``, ``W_A``,
-  ``g``, ``a``) and shares them like Cholesky factors; for ``'eigen'`` (``G (x) A + G2 (x) A2 + delta I`` has
+  ``g``, ``a``) and shares them like Cholesky factors (with a low-rank head G every worker computes the thin
+  ones itself); for ``'eigen'`` (``G (x) A + G2 (x) A2 + delta I`` has
   no closed form: conjugate gradients on the block alone, as in one process) its owner solves for the unit's
   direction and shares that with every rank, whatever the placement;
 * the exact-GGN quadratic model: the k x k Gram matrix d_i^T G d_j of the candidate directions (Eq. 4.18)
@@ -168,9 +169,8 @@ class DistributedKroneckerInverse:
         from curvkit.linalg.kron import KroneckerPairEigh, pair_eigh
 
         red = self.red
-        if d.low_rank_output:  # the estimator refuses a low-rank output factor with distributed=
-            raise ValueError(f"data-parallel Gauss-Newton: block {d.name!r} has a low-rank output factor, which "
-                             "distributed runs do not take; use output_factor='dense'")
+        if d.low_rank_output:  # thin (O(V r^2)) from factors identical on every rank: each worker's own
+            return pair_eigh(d)
         if red.rank == owner:
             pe = pair_eigh(d)
         else:  # the shapes of KroneckerPairEigh.of for a dense G: W_A a vector when both A's are diagonal
