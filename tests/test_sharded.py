@@ -376,6 +376,14 @@ def hsdp_worker(rank, world):
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
     red.check_identical([p.full_tensor() for p in net.parameters()], "the HSDP model's parameters")
+    # the inverses placed by owner over the 4 ranks as data-parallel (mem-opt: directions broadcast by owners)
+    net, ref = _hsdp_and_reference()
+    got = GaussNewton(net.parameters(), model=net, distributed=Reducer(placement="mem-opt"), **kw)
+    want_opt = GaussNewton(ref.parameters(), model=ref, **kw)
+    for X, y in batches[:2]:
+        got.step(batch=(X[mine], y[mine])), want_opt.step(batch=(X, y))
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
 
 
 def test_hsdp_curvature_and_gauss_newton_steps_are_the_union_of_all_ranks():
