@@ -3,7 +3,9 @@ each rank runs the model on its own shard of the data and the ranks' statistics 
 those of the union on every rank, equal to the single-process factors of an unsharded copy on all the data
 (float64, 1e-12; 2 and 3 processes, unequal shards, 'sum' and 'mean' losses, per-token targets). Every other
 route still refuses a sharded model in curvkit's words (issue 33 found KroneckerEstimator returning each rank's
-operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). Gloo, CPU."""
+operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). HSDP (2 x 2 mesh, 4
+processes) equals one process on the union too; other layouts (Shard(1), tensor parallelism) are refused by name;
+a rank killed mid-step or mid-update ends the others with CollectiveError. Gloo, CPU."""
 
 from __future__ import annotations
 
