@@ -515,3 +515,27 @@ def _fail_then_peer_fails(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("boom on rank 1")
     red.all_reduce_([torch.ones(2)])
+
+
+# ============================================================================ the byte counter (benchmarks)
+def comm_stats_worker(rank: int, world: int) -> None:
+    """Reducer.stats counts the payload this rank hands to each kind of collective: an all-reduce's coalesced
+    buffer, a broadcast by its sender only, an all-gather's own tensor (in a subgroup too), the barrier none."""
+    red = Reducer(timeout=30)
+    red.stats.reset()
+    red.all_reduce_([torch.ones(3, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64)])  # one message
+    red.broadcast_([torch.ones(5, dtype=torch.float32)], src=1)
+    pair = red.subgroup((0, 1))  # every rank creates it; only its members gather in it
+    if rank < 2:
+        assert len(red.all_gather(torch.ones(4, dtype=torch.float32), group=pair)) == 2
+    red.barrier()
+    snap = red.stats.snapshot()
+    want = {"all_reduce": 7 * 8, "broadcast": 5 * 4 if rank == 1 else 0, "all_gather": 16 if rank < 2 else 0}
+    assert {k: v for k, v in snap["bytes"].items() if v} == {k: v for k, v in want.items() if v}, snap
+    assert snap["calls"]["all_reduce"] == 1 and snap["total_bytes"] == sum(want.values())
+    red.stats.reset()
+    assert red.stats.total() == 0 and red.stats.snapshot()["calls"] == {}
+
+
+def test_the_reducer_counts_the_bytes_of_every_collective():
+    spawn(comm_stats_worker, 3, timeout=120, collective_timeout=60)

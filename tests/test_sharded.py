@@ -3,7 +3,9 @@ each rank runs the model on its own shard of the data and the ranks' statistics 
 those of the union on every rank, equal to the single-process factors of an unsharded copy on all the data
 (float64, 1e-12; 2 and 3 processes, unequal shards, 'sum' and 'mean' losses, per-token targets). Every other
 route still refuses a sharded model in curvkit's words (issue 33 found KroneckerEstimator returning each rank's
-operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). Gloo, CPU."""
+operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). HSDP (2 x 2 mesh, 4
+processes) equals one process on the union too; other layouts (Shard(1), tensor parallelism) are refused by name;
+a rank killed mid-step or mid-update ends the others with CollectiveError. Gloo, CPU."""
 
 from __future__ import annotations
 
@@ -131,11 +133,20 @@ def refusals_worker(rank, world):
 
     cols = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(D64)
     fully_shard(cols, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
-    for route in (lambda: GaussNewton(cols.parameters(), model=cols, likelihood=lik, distributed=Reducer()),
-                  lambda: sharded_operator(GGNOperator, cols, lik, (torch.randn(2, 4, dtype=D64), y[:2, 0]),
-                                           distributed=Reducer())):
-        with pytest.raises(NotImplementedError, match=r"Shard\(dim=1\).*FSDP2's default layout"):
-            route()
+    # tensor parallelism: Shard(0) on a 1-D mesh as FSDP2's, but its ranks see the same data (counted P times)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(D64)
+    parallelize_module(tp, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
+    for model, match in ((cols, r"Shard\(dim=1\).*FSDP2's layouts only.*HSDP"),
+                         (tp, r"'0.weight' is a DTensor .*FSDP2 \(fully_shard\) does not manage: tensor parallelism")):
+        for route in (lambda m: GaussNewton(m.parameters(), model=m, likelihood=lik, distributed=Reducer()),
+                      lambda m: sharded_operator(GGNOperator, m, lik, (torch.randn(2, 4, dtype=D64), y[:2, 0]),
+                                                 distributed=Reducer()),
+                      lambda m: KroneckerEstimator(m, lik, "kflr", distributed=Reducer())):
+            with pytest.raises(NotImplementedError, match=match):
+                route(model)
     raw, _ = _sharded_and_reference(extra=True)
     with pytest.raises(UnsupportedModelError, match=r"module 'gamma'.*layer kind 'parameter'.*FSDP2"):
         KroneckerEstimator(raw, lik, "kflr", distributed=Reducer())
@@ -314,3 +325,131 @@ def operators_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_exact_operators_of_a_sharded_model_are_the_union(world):
     spawn(operators_worker, world, timeout=300, collective_timeout=60)
+
+
+def _hsdp_and_reference():
+    """The Tagger under HSDP: FSDP2 within each shard group of a 2 x 2 (replicate, shard) mesh of 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    net, ref = Tagger().to(D64), Tagger().to(D64)
+    ref.load_state_dict(net.state_dict())
+    for m in (net.emb, net.lin, net.conv, net.head):
+        fully_shard(m, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, ref
+
+
+def hsdp_worker(rank, world):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from curvkit.curvature import GGNOperator, KroneckerEstimator, sharded_operator
+    from curvkit.distributed import Reducer
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.optim import GaussNewton
+
+    batches, _ = _batches(world)
+    bounds = [0, 1, 3, 6, 9]  # unequal data shards: every rank its own, also within a shard group
+    mine = slice(bounds[rank], bounds[rank + 1])
+    lik = CrossEntropy("mean", ignore_index=-100)
+    net, ref = _hsdp_and_reference()
+    assert net.lin.weight.placements == (Replicate(), Shard(0)) and net.lin.weight.to_local().shape[0] == 4
+    red = Reducer()
+    # the Kronecker factors and the exact GGN of the union of the 4 ranks' data
+    X, y = batches[0]
+    K = KroneckerEstimator(net, lik, "kflr", distributed=red).update((X[mine], y[mine])).operator()
+    want = KroneckerEstimator(ref, lik, "kflr").update((X, y)).operator()
+    torch.testing.assert_close(K.to_dense(), want.to_dense(), atol=1e-12, rtol=0)
+    G = sharded_operator(GGNOperator, net, lik, (X[mine], y[mine]), distributed=red)
+    torch.testing.assert_close(G.to_dense(), GGNOperator(ref, lik, (X, y)).to_dense(), atol=1e-12, rtol=0)
+    before = red.stats.snapshot()["bytes"].get("all_gather", 0)
+    sharded_operator(GGNOperator, net, lik, (X[mine], y[mine]), distributed=red)
+    gathered = red.stats.snapshot()["bytes"]["all_gather"] - before  # within the shard group of 2: half of
+    numel = sum(p.numel() for p in ref.parameters())                  # the sharded parameters, padded
+    assert 8 * numel / 2 <= gathered < 8 * numel, (gathered, numel)
+    # GaussNewton: the single-process optimiser on the union; the two replicas of each shard stay identical
+    kw = dict(likelihood=lik, curvature="kflr", tau_every=1, zeta_every=2, weight_decay=1e-3, momentum=True)
+    got = GaussNewton(net.parameters(), model=net, distributed=red, **kw)
+    want_opt = GaussNewton(ref.parameters(), model=ref, **kw)
+    for X, y in batches:
+        torch.testing.assert_close(got.step(batch=(X[mine], y[mine])), want_opt.step(batch=(X, y)), atol=1e-12, rtol=0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
+    red.check_identical([p.full_tensor() for p in net.parameters()], "the HSDP model's parameters")
+    # the inverses placed by owner over the 4 ranks as data-parallel (mem-opt: directions broadcast by owners)
+    net, ref = _hsdp_and_reference()
+    got = GaussNewton(net.parameters(), model=net, distributed=Reducer(placement="mem-opt"), **kw)
+    want_opt = GaussNewton(ref.parameters(), model=ref, **kw)
+    for X, y in batches[:2]:
+        got.step(batch=(X[mine], y[mine])), want_opt.step(batch=(X, y))
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
+
+
+def test_hsdp_curvature_and_gauss_newton_steps_are_the_union_of_all_ranks():
+    spawn(hsdp_worker, 4, timeout=400, collective_timeout=120)
+
+
+def killed_rank_worker(rank, world, where, result):
+    """Rank 1 dies (os._exit) in the middle of a GaussNewton step on the replica, or of an estimator update
+    in FSDP2's forward pass or just before one of FSDP2's own all-gathers in the backward pass (outside the
+    Reducer); rank 0 must end with curvkit's CollectiveError, well within the reducer's timeout."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    from curvkit.curvature import KroneckerEstimator
+    from curvkit.distributed import CollectiveError, Reducer
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.optim import GaussNewton
+
+    net, _ = _sharded_and_reference()
+    batches, bounds = _batches(world)
+    X, y = batches[0]
+    mine = slice(bounds[rank], bounds[rank + 1])
+    lik, red = CrossEntropy(ignore_index=-100), Reducer(timeout=20)
+    if where == "step":
+        run = GaussNewton(net.parameters(), model=net, likelihood=lik, curvature="kflr", distributed=red)
+        if rank == 1:  # a hook added after the optimiser: the replica runs it too (its forward, in the step)
+            net.head.register_forward_hook(lambda *_: os._exit(3))
+    else:
+        run = KroneckerEstimator(net, lik, "kflr", distributed=red)
+        if rank == 1 and where == "forward":
+            net.head.register_forward_hook(lambda *_: os._exit(3))
+        elif rank == 1:  # the third of FSDP2's all-gathers in the backward passes never starts
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+            unshard, calls = pg.FSDPParamGroup.unshard, []
+
+            def dying(group, *args, **kwargs):
+                calls.append("BACKWARD" in str(group._training_state))
+                if sum(calls) == 3:
+                    os._exit(3)
+                return unshard(group, *args, **kwargs)
+
+            pg.FSDPParamGroup.unshard = dying
+    t0 = time.monotonic()
+    try:
+        run.step(batch=(X[mine], y[mine])) if where == "step" else run.update((X[mine], y[mine]))
+        got = ["completed", 0.0]
+    except CollectiveError as err:
+        got = [f"{type(err).__name__}: {err}", time.monotonic() - t0]
+    Path(result).write_text(json.dumps(got))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("where", ["step", "forward", "backward"])
+def test_a_killed_rank_ends_the_others_with_a_curvkit_error(tmp_path, where):
+    from torch.multiprocessing import ProcessExitedException
+
+    result = tmp_path / "got.json"
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with exit code 3"):
+        spawn(killed_rank_worker, 2, (where, str(result)), timeout=180, collective_timeout=120)
+    msg, elapsed = __import__("json").loads(result.read_text())
+    assert msg.startswith("CollectiveError: rank 0: ") and "another rank has probably" in msg, msg
+    assert elapsed < 20, (msg, elapsed)  # the reducer's timeout; the process group's is 120 s
+    if where == "backward":
+        assert "a collective of FSDP2" in msg, msg

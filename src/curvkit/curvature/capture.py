@@ -263,7 +263,7 @@ class BlockCapture:
 
 
 def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f: Tensor, what: str,
-                      coupled: bool = False) -> None:
+                      coupled: bool = False, always_pass: bool = False) -> None:
     """Verify that the first dimension of every block's rows is the SAMPLE, by what it depends on, not by its size.
 
     The handlers read a layer's input and output gradient as rows (B, R, ...) with the sample first. A
@@ -281,12 +281,15 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
 
     ``blocks``: (layer plan, block spec) per site, for the messages; ``f``: the model output (B, ...) on the
     graph of the sites' outputs; ``coupled``: the samples are coupled on purpose (batch statistics with
-    ``batch_statistics='couple'``), so only the shapes are checked."""
+    ``batch_statistics='couple'``), so only the shapes are checked. ``always_pass``: run the backward pass even
+    where it concludes nothing (one sample, none, coupled samples): on an FSDP2 model every backward pass runs
+    FSDP2's collectives, so every rank must run the same passes whatever its number of samples."""
     B = int(f.shape[0])
     for (lp, _), site in zip(blocks, sites):
         if site.inputs.shape[0] != B:
             raise _not_samples_first(what, lp, site, B, None)
-    if B < 2 or coupled or not f.requires_grad:
+    conclude = B >= 2 and not coupled
+    if not f.requires_grad or not (conclude or always_pass):
         return
     kept = [k for k, s in enumerate(sites) if not s.shared]  # a shared site's rows are per sample by construction
     blocks, sites = [blocks[k] for k in kept], [sites[k] for k in kept]
@@ -298,7 +301,10 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     gen = torch.Generator(device=f.device).manual_seed(0)
     w = torch.randn(f.shape[1:], generator=gen, device=f.device, dtype=f.dtype)
     with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
-        grads = torch.autograd.grad((f[n] * w).sum(), outs, retain_graph=True, allow_unused=True)
+        s = (f[n] * w).sum() if B else f.sum() * 0
+        grads = torch.autograd.grad(s, outs, retain_graph=True, allow_unused=True)
+    if not conclude:
+        return
     by_id = {id(o): g for o, g in zip(outs, grads)}
     for (lp, _), site in zip(blocks, sites):
         g = by_id.get(id(site.output))

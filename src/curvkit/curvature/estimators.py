@@ -35,6 +35,7 @@ Per-step use inside an optimiser shares the forward pass::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ class KroneckerEstimator(CurvatureEstimator):
         structure = read_model(model, sharded=True)
         self.structure = structure
         if structure.sharded:
-            _check_sharded(method, distributed)
+            _check_sharded(method, distributed, model=model)
         self.chain = kfra_chain(structure) if method == "kfra" else None
         self.plans = layerkinds.plan(structure, method, batch_statistics=batch_statistics)
         if structure.sharded:
@@ -328,7 +329,20 @@ class KroneckerEstimator(CurvatureEstimator):
 
         return take
 
+    def _fsdp(self, what: str) -> Any:
+        """On an FSDP2 model, whose passes run FSDP2's own collectives: report their failure in curvkit's words
+        (:func:`curvkit.distributed.sharded.fsdp_collectives`)."""
+        if not self.structure.sharded:
+            return contextlib.nullcontext()
+        from curvkit.distributed.sharded import fsdp_collectives
+
+        return fsdp_collectives(self.distributed, f"KroneckerEstimator({self.method!r}).{what}")
+
     def _batch_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
+        with self._fsdp("update"):
+            return self._pass_statistics(X, y)
+
+    def _pass_statistics(self, X: Inputs, y: Tensor) -> tuple[list[Tensor], int, int]:
         if self._raw and not self._raw_checked:
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad(), kept_running_statistics(self.model):
@@ -376,7 +390,8 @@ class KroneckerEstimator(CurvatureEstimator):
             raise UnsupportedModelError(f"{self.method}: the raw parameter(s) {', '.join(map(repr, raw))} get their "
                                         "per-sample gradients from the estimator's own forward pass: run the "
                                         "pass with f, _ = est.forward(cap, X), use update((X, y)), or freeze them")
-        self._combine(*self._statistics(capture, f, y))
+        with self._fsdp("accumulate"):
+            self._combine(*self._statistics(capture, f, y))
 
     def _check_raw(self, X: Inputs) -> None:
         """Verify once that every raw parameter p (1, *S) acts per sample (:mod:`curvkit.layerkinds.parameter`):
@@ -420,10 +435,13 @@ class KroneckerEstimator(CurvatureEstimator):
         sites = cap.sites()  # None: one use of a shared parameter that this pass did not call
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
         layout = (B, tuple(None if site is None else tuple(site.output.shape) for site in sites))
-        if layout not in self._layouts:  # samples first, traced once per layout (check_sample_rows)
+        traced = layout not in self._layouts
+        if self.structure.sharded:  # each backward pass runs FSDP2's collectives: every rank the same passes
+            traced = self.distributed.sum_int(int(traced)) > 0
+        if traced:  # samples first, traced once per layout (check_sample_rows)
             live = [i for i, site in enumerate(sites) if site is not None]
             check_sample_rows([self.blocks[i] for i in live], [sites[i] for i in live], f, self.method,
-                              coupled=self.batch_statistics == "couple")
+                              coupled=self.batch_statistics == "couple", always_pass=bool(self.structure.sharded))
             if self.shared:
                 self._check_uses(sites, f)
             self._layouts.add(layout)
@@ -1023,7 +1041,7 @@ def merge_terms(terms: Sequence[KroneckerBlock]) -> KroneckerBlock:
     return KroneckerBlock.from_gram(G, A, first.weight_name, None, index=first.index, label=first.label)
 
 
-def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> None:
+def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), model: nn.Module | None = None) -> None:
     """Refuse what the Kronecker statistics cannot do on an FSDP2 (``fully_shard``) model.
 
     Under FSDP2 every rank runs the whole model on ITS shard of the data (the weights are all-gathered inside
@@ -1031,14 +1049,21 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = ()) -> 
     factors of the union need ``distributed=`` (a :class:`curvkit.distributed.Reducer` over the ranks that
     hold the data shards), which sums them as for data parallelism. The factors and the operator are then
     whole (every rank holds every factor, in the full parameter layout: products take and return full flat
-    vectors). Refused: no ``distributed=``; KFRA (its recursion reads the weights); layer kinds that read
-    their weights or replace them with per-sample copies (raw parameters, the per-sample fallback,
-    attention, transposed linear), which would meet a shard."""
+    vectors). HSDP (a 2-D (replicate, shard) mesh) is the same: every rank has its own data, and the reducer
+    sums over all of them. Refused: no ``distributed=``; a layout that is not FSDP2's or HSDP's, or a mesh that
+    is not the reducer's ranks (:func:`curvkit.distributed.sharded.check_layouts`: tensor parallelism, where the
+    ranks of a group see the same data, would be counted once per rank); KFRA (its recursion reads the weights);
+    layer kinds that read their weights or replace them with per-sample copies (raw parameters, the per-sample
+    fallback, attention, transposed linear), which would meet a shard."""
     if distributed is None:
         raise ValueError(
             "KroneckerEstimator: the model's parameters are FSDP2 (DTensor) shards, so each rank runs it on its "
             "own shard of the data and its statistics are not the union's; pass distributed=Reducer() (the "
             "ranks' statistics are summed: the factors of all the data, on every rank)")
+    if model is not None:
+        from curvkit.distributed.sharded import check_layouts
+
+        check_layouts(model, distributed, f"KroneckerEstimator({method!r})")
     if method == "kfra":
         raise UnsupportedModelError("kfra on an FSDP2-sharded model: the recursion reads the weights, which are "
                                     "shards; use curvature='kflr' or 'kfac'")

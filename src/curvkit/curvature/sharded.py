@@ -57,8 +57,9 @@ def sharded_operator(operator: type[ExactCurvatureOperator], model: nn.Module, l
         operator: an exact operator class (``GGNOperator``, ``HessianOperator``, ``FisherOperator``,
             ``EmpiricalFisherOperator``, ``MCFisherOperator``).
         model: the ``fully_shard`` model (its DTensor parameters sharded on dim 0 over a 1-D mesh of the
-            reducer's ranks, FSDP2's default); a model without DTensor parameters is taken as it is (the
-            data-parallel operator).
+            reducer's ranks, FSDP2's default, or HSDP's ``(Replicate(), Shard(0))`` over a 2-D mesh of them:
+            gathered within each shard group, the data reduced over all the ranks); a model without DTensor
+            parameters is taken as it is (the data-parallel operator).
         likelihood, data: as for ``operator``; ``data`` is THIS rank's shard (every rank its own).
         distributed: the :class:`~curvkit.distributed.Reducer` of the ranks.
         options: the operator's own keywords (``chunk_size``, ``snapshot``, ``compute_dtype``, ...).

@@ -507,18 +507,22 @@ class Reducer:
             out.append(m)
         return out
 
-    def _all_gather(self, t: Tensor, what: str) -> list[Tensor]:
-        """Every rank's ``t`` (the same shape on every rank), in rank order."""
-        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+    def _all_gather(self, t: Tensor, what: str, group: Any = None) -> list[Tensor]:
+        """Every rank's ``t`` (the same shape on every rank), in rank order (of ``group``, default this
+        reducer's)."""
+        g = self.group if group is None else group
+        outs = [torch.empty_like(t) for _ in range(self.world_size if group is None else dist.get_world_size(g))]
         self._collective("all_gather", what, [t, *outs],
-                         lambda: dist.all_gather(outs, t, group=self.group, async_op=True), _nbytes([t]))
+                         lambda: dist.all_gather(outs, t, group=g, async_op=True), _nbytes([t]))
         return outs
 
-    def all_gather(self, t: Tensor, what: str = "all_gather") -> list[Tensor]:
-        """Every rank's ``t`` (the same shape and dtype on every rank), in rank order."""
-        if self.world_size == 1:
+    def all_gather(self, t: Tensor, what: str = "all_gather", group: Any = None) -> list[Tensor]:
+        """Every rank's ``t`` (the same shape and dtype on every rank), in rank order. ``group``: a process
+        group of some of this reducer's ranks to gather within (e.g. one shard group of an FSDP2 device mesh);
+        the result is then in that group's rank order, and only its members call."""
+        if (self.world_size if group is None else dist.get_world_size(group)) == 1:
             return [t]
-        return self._all_gather(t, what)
+        return self._all_gather(t, what, group)
 
     def all_gather_rows(self, t: Tensor) -> Tensor:
         """Concatenate (in rank order) every rank's tensor along dim 0; the leading sizes may differ."""

@@ -20,7 +20,8 @@ Memory per rank during a step: the whole parameters, their gradient and the cand
 Refused by name: no ``distributed=`` (each rank's data alone is not the minibatch); ``step(closure)`` (the
 closure's ``backward()`` runs FSDP2's own gradient reduce-scatter, which averages the ranks' gradients without
 their counted terms and writes ``p.grad`` shards: use ``step(batch=(X, y))``); parameters sharded otherwise than
-FSDP2's default (``Shard(0)`` on a 1-D mesh of the reducer's ranks).
+FSDP2's (``Shard(0)`` on a 1-D mesh, or HSDP's ``(Replicate(), Shard(0))`` on a 2-D mesh, of the reducer's
+ranks; :data:`curvkit.distributed.sharded.LAYOUTS`).
 """
 
 from __future__ import annotations

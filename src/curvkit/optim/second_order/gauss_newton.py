@@ -94,7 +94,7 @@ quadratic model, the loss, rho's objective); the update never travels. Memory pe
 parameters, their gradient and the candidate directions (|theta| each) beside the whole factors; between steps
 the replica's storage is freed and only the shards remain. Every curvature source and layer kind works (the
 replica is a plain model); refused: no ``distributed=``, ``step(closure)`` (its ``backward()`` runs FSDP2's own
-gradient reduce-scatter), and parameters sharded otherwise than FSDP2's default (``Shard(0)``, 1-D mesh). Every step appends a record to :attr:`history`
+gradient reduce-scatter), and parameters sharded otherwise than FSDP2 (``Shard(0)``, 1-D mesh) or HSDP (``(Replicate(), Shard(0))``, 2-D mesh) do. Every step appends a record to :attr:`history`
 (loss, alpha, rho, tau, zeta, omega per layer, predicted change, wall-clock).
 """
 
