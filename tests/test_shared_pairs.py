@@ -19,7 +19,7 @@ from tests.test_shared_weights import NanoGPT
 from torch import nn
 
 from curvkit.continual.laplace import LaplacePenalty
-from curvkit.curvature import GGNOperator, estimators
+from curvkit.curvature import CurvatureConfig, GGNOperator, estimators
 from curvkit.curvature.ekfac import EKFACEstimator
 from curvkit.curvature.estimators import KroneckerEstimator
 from curvkit.laplace import Laplace
@@ -230,6 +230,16 @@ def test_ekfac_takes_the_pair_in_the_eigenbasis_of_its_nearest_kronecker_product
     torch.testing.assert_close(op.solve(v, damping=0.1), torch.linalg.solve(D + 0.1 * torch.eye(d), v), atol=1e-9,
                                rtol=1e-9)
     torch.testing.assert_close(op.logdet(0.1), torch.linalg.slogdet(D + 0.1 * torch.eye(d))[1], atol=1e-9, rtol=0)
+
+
+def test_ekfac_refuses_a_pair_with_a_low_rank_head_naming_its_fixes(pairs, monkeypatch):
+    """A vocabulary-sized tied head (its G low rank) plus the embedding's term has no thin eigenbasis for EKFAC's
+    nearest Kronecker product: refused with the fixes EKFAC accepts (freezing, or its config's dense factor)."""
+    monkeypatch.setattr(estimators, "LOW_RANK_OUTPUTS", 8)
+    with pytest.raises(ValueError, match=r"freeze the tied weight.*config=CurvatureConfig\(output_factor='dense'\)"):
+        EKFACEstimator(_model(), CrossEntropy("sum"), "kfac").update(_data())
+    cfg = CurvatureConfig(output_factor="dense")
+    assert EKFACEstimator(_model(), CrossEntropy("sum"), "kfac", config=cfg).update(_data()).operator() is not None
 
 
 @pytest.mark.parametrize("mode", ["online", "ewc"])

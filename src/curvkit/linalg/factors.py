@@ -507,8 +507,9 @@ def nearest_kronecker(G1: Tensor, A1: Tensor, G2: Tensor, A2: Tensor, what: str 
     itself a Kronecker product (one term zero, or ``G2 = c G1``, or ``A2 = c A1``) it is returned exactly.
     Shapes: G (out, out) dense unless both G's are vectors; likewise A. Low-rank factors are refused."""
     if any(isinstance(M, LowRankFactor) for M in (G1, A1, G2, A2)):
-        raise ValueError(f"nearest_kronecker({what}): a low-rank output factor has no dense eigenbasis here; build "
-                         "the estimator with output_factor='dense'")
+        raise ValueError(f"nearest_kronecker({what}): a low-rank output factor (a vocabulary-sized head) plus a "
+                         "second term has no thin eigenbasis; freeze the tied weight (requires_grad_(False)), or form "
+                         "the factor densely with config=CurvatureConfig(output_factor='dense') (a V^2 matrix)")
 
     def inner(M: Tensor, N: Tensor) -> Tensor:
         return (M * N).sum() if M.dim() == N.dim() else (_diag(M) * _diag(N)).sum()
