@@ -3,7 +3,8 @@ each rank runs the model on its own shard of the data and the ranks' statistics 
 those of the union on every rank, equal to the single-process factors of an unsharded copy on all the data
 (float64, 1e-12; 2 and 3 processes, unequal shards, 'sum' and 'mean' losses, per-token targets). Every other
 route still refuses a sharded model in curvkit's words (issue 33 found KroneckerEstimator returning each rank's
-operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). Gloo, CPU."""
+operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). Laplace on sharded
+models: tests/test_laplace_sharded.py. Gloo, CPU."""
 
 from __future__ import annotations
 
@@ -119,10 +120,11 @@ def refusals_worker(rank, world):
         KroneckerEstimator(net, lik, "kflr")
     with pytest.raises(UnsupportedModelError, match="kfra on an FSDP2-sharded model"):
         KroneckerEstimator(net, lik, "kfra", distributed=Reducer())
-    for route in (lambda: GGNOperator(net, lik, (X, y)), lambda: EKFACEstimator(net, lik),
-                  lambda: Laplace(net, lik, structure="kron").fit([(X, y)])):
-        with pytest.raises(NotImplementedError, match=r"DTensor shard.*KroneckerEstimator"):
+    for route in (lambda: GGNOperator(net, lik, (X, y)), lambda: EKFACEstimator(net, lik)):
+        with pytest.raises(NotImplementedError, match=r"DTensor shard.*KroneckerEstimator.*GaussNewton, Laplace"):
             route()
+    with pytest.raises(ValueError, match=r"Laplace: .*FSDP2 .*pass distributed=Reducer"):
+        Laplace(net, lik, structure="kron")
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
