@@ -145,11 +145,15 @@ def crafted_worker(rank, world, path):
         load_sharded_checkpoint(os.path.join(path, "nothing"), red, model=net)
     with pytest.raises(CheckpointError, match="not DCP metadata that curvkit reads safely"):
         load_sharded_checkpoint(os.path.join(path, "gn-kflr"), red, model=net)
+    # a save stopped between its two renames: the previous checkpoint, complete, is read from PATH.old
+    state, own = load_sharded_checkpoint(os.path.join(path, "gn-kfac"), red, model=net, rank_state_required=True)
+    assert state["opt"]["gauss_newton"]["num_steps"] == 2 and own is not None
 
 
-def test_a_crafted_metadata_file_is_refused_unrun(tmp_path):
+def test_a_crafted_metadata_file_is_refused_unrun_and_an_interrupted_save_reads_the_previous(tmp_path):
     spawn(save_worker, 2, (str(tmp_path),), timeout=300, collective_timeout=60)
     with open(tmp_path / "gn-kflr" / "model" / ".metadata", "wb") as f:
         pickle.dump(_Boom(str(tmp_path / "ran")), f)
+    os.replace(tmp_path / "gn-kfac", tmp_path / "gn-kfac.old")
     spawn(crafted_worker, 2, (str(tmp_path),), timeout=120, collective_timeout=60)
     assert not (tmp_path / "ran").exists()

@@ -14,6 +14,8 @@ every rank (the weights for unequal shards are in :mod:`curvkit.distributed.redu
   they are refreshed, inverses computed once per layer on an owner rank and broadcast
   (:mod:`curvkit.distributed.placement`: KAISA's comm-opt, mem-opt, hybrid), damping and step-size
   scalars from all-reduced quantities, so every rank takes the identical step;
+* ``Laplace`` posteriors: the curvature sources' reductions above, the posterior of the union whole on every rank
+  (an FSDP2 model's on its whole-parameter replica, :mod:`curvkit.distributed.sharded`);
 * LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.slt._distributed`);
 * checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`; of FSDP2-sharded runs (the model's shards through
   ``torch.distributed.checkpoint``, curvkit's whole state beside them, resumable on another number of processes):
