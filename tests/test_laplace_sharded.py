@@ -73,6 +73,7 @@ def laplace_worker(rank, world):
         for p, q in zip(net.parameters(), ref.parameters()):  # the user's model: still sharded, unchanged
             assert type(p).__name__ == "DTensor"
             torch.testing.assert_close(p.full_tensor(), q, atol=0, rtol=0)
+            q.untyped_storage().resize_(q.untyped_storage().nbytes())  # still resizable (FSDP2 frees storage so)
     # a raw parameter with empty shards on the other ranks (a kind the estimator cannot take on shards), a
     # subset, and the last layer found on the replica's forward pass
     net, ref = _scaled_sharded_and_reference()
@@ -110,6 +111,20 @@ def laplace_worker(rank, world):
     # the ranks must pass equally many batches: every rank raises, none pairs its statistics with another message
     with pytest.raises(ValueError, match="every rank must pass the same number of batches"):
         Laplace(net, lik, "kron", distributed=Reducer()).fit(mine[:1] if rank == 0 else mine)
+    # one theta*: replicas that differ are refused on every rank (an unsharded parameter of a sharded model too)
+    from tests.test_sharded import Tagger
+    from torch.distributed.fsdp import fully_shard
+
+    from curvkit.distributed import ReplicaMismatch
+
+    torch.manual_seed(0)
+    plain, partly = Tagger().to(D64), Tagger().to(D64)
+    fully_shard(partly.lin)  # the other parameters stay ordinary tensors, each rank's own
+    for model in (plain, partly):
+        with torch.no_grad():
+            model.head.bias.add_(rank)
+        with pytest.raises(ReplicaMismatch, match=r"Laplace\.fit with distributed=: .*differ between the ranks"):
+            Laplace(model, lik, "kron", distributed=Reducer()).fit(mine)
     with pytest.raises(ValueError, match=r"FSDP2 .*pass distributed=Reducer"):
         Laplace(net, lik, "kron")
     with pytest.raises(TypeError, match=r"distributed must be a curvkit\.distributed\.Reducer"):

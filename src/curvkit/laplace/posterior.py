@@ -63,7 +63,9 @@ batch's sums with their sample and counted-term counts, as the estimators with `
 factors as upper triangles; KFRA's batch means are the union's batch by batch; a diagonal's d-vector), the
 ``'full'`` structure's dense sum once at the end, and the count N and the log-likelihood of theta* once at the
 end (two scalars). Sampled sources (``kfac``, ``projection``, ``mc_fisher``) draw their labels with each rank's
-own seed (``Reducer.seed``), so they equal the data-parallel posterior, not a single process. After the fit every
+own seed (``Reducer.seed``), so they equal the data-parallel posterior, not a single process. The fit first
+checks that every rank holds bitwise the same parameters and buffers (one SHA-256 digest per rank; a difference
+raises :class:`~curvkit.distributed.ReplicaMismatch` on every rank). After the fit every
 posterior quantity is WHOLE and identical on every rank, in the full layout of the covered parameters: the mean,
 the statistics, :meth:`precision`, :meth:`covariance`, :meth:`log_marginal_likelihood` (and prior optimisation),
 :meth:`sample` (same generator, same draws); predictions are local to the rank's inputs and need no collective.
@@ -107,7 +109,7 @@ from torch import Tensor, nn
 from curvkit import precision
 from curvkit.curvature._graph import warn_unused
 from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
-from curvkit.distributed.reducer import Reducer
+from curvkit.distributed.reducer import Reducer, ReplicaMismatch
 from curvkit.distributed.sharded import ShardedReplica, is_sharded
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock, factors_state
 from curvkit.laplace._curvature import (
@@ -483,6 +485,8 @@ class Laplace:
         structure.require_deterministic("Laplace")
         structure.require_independent_samples("Laplace")
         self._check_parameters()
+        if self.distributed is not None:
+            self._check_replicas()
         saved = (self._selection, getattr(self, "_prior", None))
         try:
             sources: dict[str, Any] | None = None
@@ -541,6 +545,18 @@ class Laplace:
                                  "equally many batches, or pass one (X, y) pair per rank")
             assert batch is not None
             yield batch
+
+    def _check_replicas(self) -> None:
+        """Raise on every rank unless every rank holds bitwise the same parameters and buffers (the replica's
+        gathered ones for a sharded model): the posterior of the union is centred on ONE theta* (one digest per
+        rank travels)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        try:
+            self.distributed.check_identical(tensors, "the model's parameters and buffers")  # type: ignore[union-attr]
+        except ReplicaMismatch as e:
+            raise ReplicaMismatch(f"Laplace.fit with distributed=: {e.args[0].split('; ')[0]}; the posterior of the "
+                                  "union is centred on one theta*: fit the same trained model on every rank (e.g. "
+                                  "broadcast rank 0's with reducer.sync_tensors_(model.parameters()))") from None
 
     def _check_parameters(self) -> None:
         """A covered parameter with NaN or inf is named before anything is computed from it."""
