@@ -74,6 +74,15 @@ def laplace_worker(rank, world):
             assert type(p).__name__ == "DTensor"
             torch.testing.assert_close(p.full_tensor(), q, atol=0, rtol=0)
             q.untyped_storage().resize_(q.untyped_storage().nbytes())  # still resizable (FSDP2 frees storage so)
+    # the thesis's grid search on the union of the ranks' validation shards: the same table, the same choice
+    from curvkit.laplace import grid_search
+
+    rows = slice(bounds[rank], bounds[rank + 1])
+    for method in ("glm", "mc"):
+        kw = dict(num_data_grid=[9.0, 90.0], prior_grid=[0.1, 1.0, 10.0], method=method, num_samples=3)
+        mine_g, want_g = grid_search(got, (X[rows], y[rows]), **kw), grid_search(want, (X, y), **kw)
+        assert mine_g["best"] == want_g["best"]
+        torch.testing.assert_close(torch.tensor(mine_g["table"]), torch.tensor(want_g["table"]), **TOL)
     # a raw parameter with empty shards on the other ranks (a kind the estimator cannot take on shards), a
     # subset, and the last layer found on the replica's forward pass
     net, ref = _scaled_sharded_and_reference()

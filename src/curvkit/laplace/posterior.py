@@ -68,7 +68,8 @@ checks that every rank holds bitwise the same parameters and buffers (one SHA-25
 raises :class:`~curvkit.distributed.ReplicaMismatch` on every rank). After the fit every
 posterior quantity is WHOLE and identical on every rank, in the full layout of the covered parameters: the mean,
 the statistics, :meth:`precision`, :meth:`covariance`, :meth:`log_marginal_likelihood` (and prior optimisation),
-:meth:`sample` (same generator, same draws); predictions are local to the rank's inputs and need no collective.
+:meth:`sample` (same generator, same draws); predictions are local to the rank's inputs and need no collective
+(:func:`~curvkit.laplace.grid_search` scores the union of the ranks' validation shards: two scalars per point).
 Communication of a fit: one digest per rank (the replicas' check), per batch the statistics (the factors' upper
 triangles, or the d-vector) and one count, at the end two scalars (plus, for ``'full'``, d(d+1)/2 numbers). Memory: the statistics and the mean, whole on
 every rank (the Kronecker factors are not spread by layer ownership).
