@@ -136,6 +136,11 @@ def laplace_worker(rank, world):
             Laplace(model, lik, "kron", distributed=Reducer()).fit(mine)
     with pytest.raises(ValueError, match=r"FSDP2 .*pass distributed=Reducer"):
         Laplace(net, lik, "kron")
+    from curvkit.curvature.estimators import LOW_RANK_OUTPUTS
+
+    wide = nn.Linear(2, LOW_RANK_OUTPUTS + 1).to(D64)  # a vocabulary-sized output: its low-rank factor is not reduced
+    with pytest.raises(ValueError, match=r"module '<root>' \(Linear\).*distributed cannot use yet.*run in one process"):
+        Laplace(wide, CrossEntropy(), "kron", distributed=Reducer())
     with pytest.raises(TypeError, match=r"distributed must be a curvkit\.distributed\.Reducer"):
         Laplace(ref, lik, "kron", distributed=object())
 

@@ -164,8 +164,8 @@ class DenseSource:
             raise ValueError("no data seen yet")
         total, count = self.total, self.count
         if self.distributed is not None:
-            total, n = self.distributed.sum_symmetric([total, total.new_tensor([float(count)])], [True, False],
-                                                      "Laplace dense curvature")
+            n = total.new_tensor([float(count)], dtype=torch.float64)  # exact beyond float32's 2^24
+            total, n = self.distributed.sum_symmetric([total, n], [True, False], "Laplace dense curvature")
             count = round(float(n[0]))
         M = total / count
         return 0.5 * (M + M.T)

@@ -71,8 +71,11 @@ the statistics, :meth:`precision`, :meth:`covariance`, :meth:`log_marginal_likel
 :meth:`sample` (same generator, same draws); predictions are local to the rank's inputs and need no collective
 (:func:`~curvkit.laplace.grid_search` scores the union of the ranks' validation shards: two scalars per point).
 Communication of a fit: one digest per rank (the replicas' check), per batch the statistics (the factors' upper
-triangles, or the d-vector) and one count, at the end two scalars (plus, for ``'full'``, d(d+1)/2 numbers). Memory: the statistics and the mean, whole on
-every rank (the Kronecker factors are not spread by layer ownership).
+triangles, or the d-vector) and one count, at the end two scalars (plus, for ``'full'``, d(d+1)/2 numbers).
+Memory: the statistics and the mean, whole on every rank (the Kronecker factors are not spread by layer
+ownership). Refused with ``distributed=``: a block with a vocabulary-sized output (more than
+:data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS`), whose low-rank output factor the estimators do not
+all-reduce yet (the error names the layer: freeze it, or fit in one process).
 
 An FSDP2 model (``fully_shard``: DTensor parameters sharded on dim 0, FSDP2's default) is taken through
 :class:`~curvkit.distributed.sharded.ShardedReplica`, the route of ``GaussNewton`` and ``sharded_operator``: the
