@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.test_sharded import _data, _scaled_sharded_and_reference, _sharded_and_reference
+from tests.test_sharded import Tagger, _data, _scaled_sharded_and_reference, _sharded_and_reference
 from torch import nn
 
 from curvkit.distributed import spawn
@@ -47,8 +47,11 @@ def _same_posterior(got, want, X, *, mc: bool = True):
 
 
 def laplace_worker(rank, world):
-    from curvkit.distributed import Reducer
-    from curvkit.laplace import Laplace, optimize_prior_precision
+    from torch.distributed.fsdp import fully_shard
+
+    from curvkit.curvature.estimators import LOW_RANK_OUTPUTS
+    from curvkit.distributed import Reducer, ReplicaMismatch
+    from curvkit.laplace import Laplace, grid_search, optimize_prior_precision
     from curvkit.likelihoods import CrossEntropy
 
     X, y, bounds = _data(world)
@@ -75,8 +78,6 @@ def laplace_worker(rank, world):
             torch.testing.assert_close(p.full_tensor(), q, atol=0, rtol=0)
             q.untyped_storage().resize_(q.untyped_storage().nbytes())  # still resizable (FSDP2 frees storage so)
     # the thesis's grid search on the union of the ranks' validation shards: the same table, the same choice
-    from curvkit.laplace import grid_search
-
     rows = slice(bounds[rank], bounds[rank + 1])
     for method in ("glm", "mc"):
         kw = dict(num_data_grid=[9.0, 90.0], prior_grid=[0.1, 1.0, 10.0], method=method, num_samples=3)
@@ -96,8 +97,6 @@ def laplace_worker(rank, world):
     assert got.names == ["head.weight", "head.bias"]
     _same_posterior(got, want, X)
     # KFRA (batch means of the union, batch by batch) on a sharded MLP chain
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(4)
     mlp, ref = (nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).to(D64) for _ in range(2))
     ref.load_state_dict(mlp.state_dict())
@@ -121,11 +120,6 @@ def laplace_worker(rank, world):
     with pytest.raises(ValueError, match="every rank must pass the same number of batches"):
         Laplace(net, lik, "kron", distributed=Reducer()).fit(mine[:1] if rank == 0 else mine)
     # one theta*: replicas that differ are refused on every rank (an unsharded parameter of a sharded model too)
-    from tests.test_sharded import Tagger
-    from torch.distributed.fsdp import fully_shard
-
-    from curvkit.distributed import ReplicaMismatch
-
     torch.manual_seed(0)
     plain, partly = Tagger().to(D64), Tagger().to(D64)
     fully_shard(partly.lin)  # the other parameters stay ordinary tensors, each rank's own
@@ -136,8 +130,6 @@ def laplace_worker(rank, world):
             Laplace(model, lik, "kron", distributed=Reducer()).fit(mine)
     with pytest.raises(ValueError, match=r"FSDP2 .*pass distributed=Reducer"):
         Laplace(net, lik, "kron")
-    from curvkit.curvature.estimators import LOW_RANK_OUTPUTS
-
     wide = nn.Linear(2, LOW_RANK_OUTPUTS + 1).to(D64)  # a vocabulary-sized output: its low-rank factor is not reduced
     with pytest.raises(ValueError, match=r"module '<root>' \(Linear\).*distributed cannot use yet.*run in one process"):
         Laplace(wide, CrossEntropy(), "kron", distributed=Reducer())
