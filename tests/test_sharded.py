@@ -5,7 +5,8 @@ those of the union on every rank, equal to the single-process factors of an unsh
 route still refuses a sharded model in curvkit's words (issue 33 found KroneckerEstimator returning each rank's
 operator of its own data without a word, GGNOperator and GaussNewton failing inside torch). HSDP (2 x 2 mesh, 4
 processes) equals one process on the union too; other layouts (Shard(1), tensor parallelism) are refused by name;
-a rank killed mid-step or mid-update ends the others with CollectiveError. Gloo, CPU."""
+a rank killed mid-step or mid-update ends the others with CollectiveError. Laplace on sharded models:
+tests/test_laplace_sharded.py. Gloo, CPU."""
 
 from __future__ import annotations
 
@@ -121,10 +122,11 @@ def refusals_worker(rank, world):
         KroneckerEstimator(net, lik, "kflr")
     with pytest.raises(UnsupportedModelError, match="kfra on an FSDP2-sharded model"):
         KroneckerEstimator(net, lik, "kfra", distributed=Reducer())
-    for route in (lambda: GGNOperator(net, lik, (X, y)), lambda: EKFACEstimator(net, lik),
-                  lambda: Laplace(net, lik, structure="kron").fit([(X, y)])):
-        with pytest.raises(NotImplementedError, match=r"DTensor shard.*KroneckerEstimator"):
+    for route in (lambda: GGNOperator(net, lik, (X, y)), lambda: EKFACEstimator(net, lik)):
+        with pytest.raises(NotImplementedError, match=r"DTensor shard.*KroneckerEstimator.*GaussNewton, Laplace"):
             route()
+    with pytest.raises(ValueError, match=r"Laplace: .*FSDP2 .*pass distributed=Reducer"):
+        Laplace(net, lik, structure="kron")
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 

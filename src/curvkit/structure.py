@@ -267,15 +267,15 @@ def _refuse_sharded_parameters(model: nn.Module) -> None:
     """Refuse a model with sharded trainable parameters (:func:`sharded_parameters`) on a route that reads a
     parameter as the whole tensor on this process: on a shard it would build each rank's curvature of its own
     slice and data without a word (issue 33). The Kronecker estimators take FSDP2 models (with
-    ``distributed=``; :class:`curvkit.curvature.KroneckerEstimator`), and so do ``GaussNewton`` and the exact
-    operators through :func:`curvkit.curvature.sharded_operator` (on a whole-parameter replica)."""
+    ``distributed=``; :class:`curvkit.curvature.KroneckerEstimator`), and so do ``GaussNewton``, ``Laplace`` and the
+    exact operators through :func:`curvkit.curvature.sharded_operator` (on a whole-parameter replica)."""
     sharded = sharded_parameters(model)
     if sharded:
         raise NotImplementedError(
             f"parameter {sharded[0]!r} (and {len(sharded) - 1} more) is a DTensor shard (FSDP2 fully_shard or "
             "tensor parallelism): this curvkit route does not compute curvature of sharded models yet. These do, "
             "with distributed=Reducer(): the Kronecker estimators (KroneckerEstimator(model, likelihood, 'kfac', "
-            "distributed=Reducer())), GaussNewton, and the exact operators through curvkit.curvature."
+            "distributed=Reducer())), GaussNewton, Laplace, and the exact operators through curvkit.curvature."
             "sharded_operator(GGNOperator, model, likelihood, data, distributed=Reducer()). Otherwise use "
             "data parallelism (every rank holds the whole model, pass distributed=Reducer()), or gather a full "
             "replica of the model on each rank (e.g. torch.distributed.checkpoint's get_model_state_dict with "

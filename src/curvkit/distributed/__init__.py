@@ -14,8 +14,12 @@ every rank (the weights for unequal shards are in :mod:`curvkit.distributed.redu
   they are refreshed, inverses computed once per layer on an owner rank and broadcast
   (:mod:`curvkit.distributed.placement`: KAISA's comm-opt, mem-opt, hybrid), damping and step-size
   scalars from all-reduced quantities, so every rank takes the identical step;
+* ``Laplace`` posteriors: the curvature sources' reductions above, the posterior of the union whole on every rank
+  (an FSDP2 model's on its whole-parameter replica, :mod:`curvkit.distributed.sharded`);
 * LLC: chains spread over ranks or data-parallel gradients within a chain (:mod:`curvkit.slt._distributed`);
-* checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`;
+* checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint`; of FSDP2-sharded runs (the model's shards through
+  ``torch.distributed.checkpoint``, curvkit's whole state beside them, resumable on another number of processes):
+  :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`;
 * launching: ``torchrun --nproc_per_node=N`` + :func:`init`, and :func:`finish` to end every process
   cleanly (exit code 0 after correct work, 1 after an error); :func:`spawn` for tests; :func:`ddp` for
   DistributedDataParallel with the union gradient on unequal shards (:func:`set_loss_terms` for a padded mean).
@@ -43,6 +47,7 @@ from curvkit.distributed.reducer import (
     shard_range,
     wait_for,
 )
+from curvkit.distributed.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 __all__ = [
     "Assignment",
@@ -66,7 +71,9 @@ __all__ = [
     "finish",
     "init",
     "load_checkpoint",
+    "load_sharded_checkpoint",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "set_current",
     "set_loss_terms",
     "shard_range",

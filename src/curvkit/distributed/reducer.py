@@ -618,12 +618,16 @@ class Reducer:
     def check_identical(self, tensors: Iterable[Tensor], what: str = "the replicated tensors") -> None:
         """Raise :class:`ReplicaMismatch` on every rank unless every rank holds bitwise the same
         ``tensors`` (shapes, dtypes and bytes; e.g. ``model.parameters()`` and an optimiser's state):
-        one SHA-256 digest per rank travels."""
+        one SHA-256 digest per rank travels. The bytes are read from a transient copy: numpy's view of a tensor
+        makes its storage non-resizable for good, which would break FSDP2 and
+        :meth:`curvkit.distributed.sharded.ShardedReplica.release`."""
         h = hashlib.sha256()
         for t in tensors:
             t = t.detach()
             h.update(f"{tuple(t.shape)}{t.dtype};".encode())
-            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            u = t.reshape(-1).contiguous().view(torch.uint8)
+            host = u.cpu()  # u itself where it is on the host already
+            h.update((host.clone() if host is u else host).numpy().tobytes())
         digests = self.all_gather_object(h.hexdigest(), f"all_gather_object of the digests of {what}")
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         if differ:

@@ -106,11 +106,11 @@ class DiagonalSource:
     """Per-datum mean diagonal curvature of the parameters ``names``."""
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
-                 mc_samples: int, seed: int, **dtypes: Any):
+                 mc_samples: int, seed: int, **options: Any):
         self.model, self.names = model, list(names)
         with only_trainable(model, self.names):  # 'sum' divided by the samples: per-datum (mean())
             self.estimator = DiagonalEstimator(model, likelihood.with_reduction("sum"), method,  # type: ignore[arg-type]
-                                               mc_samples=mc_samples, seed=seed, **dtypes)
+                                               mc_samples=mc_samples, seed=seed, **options)
 
     def update(self, X: Inputs, y: Tensor) -> None:
         with only_trainable(self.model, self.names):
@@ -128,13 +128,14 @@ class DenseSource:
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, names: Sequence[str], method: str,
                  mc_samples: int, seed: int, statistics_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, distributed: Any = None):
         if method not in ELEMENT_METHODS:
             raise ValueError(f"unknown dense curvature {method!r}; use one of {ELEMENT_METHODS}")
         self.model, self.names, self.method = model, list(names), method
         self.likelihood = likelihood.with_reduction("sum")
         self.mc_samples = int(mc_samples)
-        self._seeds = torch.Generator().manual_seed(int(seed))
+        self.distributed = distributed
+        self._seeds = torch.Generator().manual_seed(int(seed) if distributed is None else distributed.seed(int(seed)))
         self.total: Tensor | None = None
         self.count = 0
         self.dtypes: dict[str, Any] = {"statistics_dtype": statistics_dtype, "compute_dtype": compute_dtype}
@@ -157,7 +158,14 @@ class DenseSource:
         self.count += num_samples(X)
 
     def mean(self) -> Tensor:
+        """The per-datum mean; with ``distributed`` the union's (the ranks' sums and counts all-reduced once,
+        here: call it once per fit)."""
         if self.total is None:
             raise ValueError("no data seen yet")
-        M = self.total / self.count
+        total, count = self.total, self.count
+        if self.distributed is not None:
+            n = total.new_tensor([float(count)], dtype=torch.float64)  # exact beyond float32's 2^24
+            total, n = self.distributed.sum_symmetric([total, n], [True, False], "Laplace dense curvature")
+            count = round(float(n[0]))
+        M = total / count
         return 0.5 * (M + M.T)

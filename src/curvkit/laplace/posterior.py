@@ -56,6 +56,37 @@ Eq. 5.14, the ICLR paper's tau); ``N`` defaults to the number of data seen by :m
 
 BatchNorm must be in eval mode (running statistics; thesis Sec. 5.2.4), Dropout too (``model.eval()``).
 
+Data-parallel and sharded fits (``distributed=`` a :class:`~curvkit.distributed.Reducer`; issue 33). Each rank
+passes :meth:`Laplace.fit` ITS shard of the data, as equally many batches (sizes may differ; a rank that runs out
+first makes every rank raise). The fit is that of the union D = U_r D_r: the curvature sources all-reduce each
+batch's sums with their sample and counted-term counts, as the estimators with ``distributed=`` do (Kronecker
+factors as upper triangles; KFRA's batch means are the union's batch by batch; a diagonal's d-vector), the
+``'full'`` structure's dense sum once at the end, and the count N and the log-likelihood of theta* once at the
+end (two scalars). Sampled sources (``kfac``, ``projection``, ``mc_fisher``) draw their labels with each rank's
+own seed (``Reducer.seed``), so they equal the data-parallel posterior, not a single process. The fit first
+checks that every rank holds bitwise the same parameters and buffers (one SHA-256 digest per rank; a difference
+raises :class:`~curvkit.distributed.ReplicaMismatch` on every rank). After the fit every
+posterior quantity is WHOLE and identical on every rank, in the full layout of the covered parameters: the mean,
+the statistics, :meth:`precision`, :meth:`covariance`, :meth:`log_marginal_likelihood` (and prior optimisation),
+:meth:`sample` (same generator, same draws); predictions are local to the rank's inputs and need no collective
+(:func:`~curvkit.laplace.grid_search` scores the union of the ranks' validation shards: two scalars per point).
+Communication of a fit: one digest per rank (the replicas' check), per batch the statistics (the factors' upper
+triangles, or the d-vector) and one count, at the end two scalars (plus, for ``'full'``, d(d+1)/2 numbers).
+Memory: the statistics and the mean, whole on every rank (the Kronecker factors are not spread by layer
+ownership). Refused with ``distributed=``: a block with a vocabulary-sized output (more than
+:data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS`), whose low-rank output factor the estimators do not
+all-reduce yet (the error names the layer: freeze it, or fit in one process).
+
+An FSDP2 model (``fully_shard``: DTensor parameters sharded on dim 0, FSDP2's default) is taken through
+:class:`~curvkit.distributed.sharded.ShardedReplica`, the route of ``GaussNewton`` and ``sharded_operator``: the
+module tree without FSDP2's hooks whose whole parameters are all-gathered at construction and at every
+:meth:`Laplace.fit` (one all-gather, about |theta| values received per rank) and freed after them; :attr:`model`
+is that replica, and the posterior runs on it as on a data-parallel replica, so every structure, curvature
+source and layer kind works (raw parameters, KFRA, ``subset='last_layer'``). The user's model is never changed.
+Memory per rank: one whole copy of the covered parameters (the posterior mean, as on one process) beside the
+shards, and during a fit one whole copy of all parameters (the replica). Without ``distributed=`` a sharded model
+is refused (each rank alone has neither the union's data nor the whole parameters).
+
 Inputs: ``X`` is a tensor (B, ...) or a mapping of tensors sharing the batch dimension
 (:data:`curvkit.validation.Inputs`: a Hugging Face batch ``{"input_ids": ..., "attention_mask": ...}``
 through :class:`curvkit.hf.HuggingFace`), in :meth:`Laplace.fit`'s data and in the predictions alike; the
@@ -71,7 +102,8 @@ the same keys, and per key the dtype and shape).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -81,6 +113,8 @@ from torch import Tensor, nn
 from curvkit import precision
 from curvkit.curvature._graph import warn_unused
 from curvkit.curvature.config import CurvatureConfig, NormStructure, WeightSharing
+from curvkit.distributed.reducer import Reducer, ReplicaMismatch
+from curvkit.distributed.sharded import ShardedReplica, is_sharded
 from curvkit.laplace._blocks import DenseBlock, DiagonalBlock, KroneckerBlock, PosteriorBlock, factors_state
 from curvkit.laplace._curvature import (
     ELEMENT_METHODS,
@@ -250,6 +284,9 @@ class Laplace:
             model, else the model's) or torch.float32/float64 (:mod:`curvkit.precision`). :attr:`dtype`.
         compute_dtype: None (the curvature passes run in the model's dtype) or torch.float32/float64 (on an
             upcast copy of the model's state; :mod:`curvkit.precision`). Predictions run the model as it is.
+        distributed: a :class:`~curvkit.distributed.Reducer`: each rank fits on its shard of the data and gets
+            the posterior of the union (module docstring, "Data-parallel and sharded fits"); required for an
+            FSDP2-sharded model. Every rank must construct, fit and select the prior alike.
     """
 
     def __init__(self, model: nn.Module, likelihood: Likelihood, structure: StructureName = "kron",
@@ -257,10 +294,24 @@ class Laplace:
                  mc_samples: int = 1, seed: int = 0, prior_form: str = "factored", trace_balance: bool = False,
                  norm_structure: NormStructure = "full", weight_sharing: WeightSharing = "expand",
                  parameter_structure: NormStructure = "diag", statistics_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, distributed: Reducer | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)  # the same parameters (curvkit.structure.uncompiled)
+        if distributed is not None and not isinstance(distributed, Reducer):
+            raise TypeError(f"Laplace: distributed must be a curvkit.distributed.Reducer, got "
+                            f"{type(distributed).__name__}")
+        #: the Reducer of a data-parallel or sharded fit (module docstring, "Data-parallel and sharded fits")
+        self.distributed = distributed
+        #: an FSDP2 model's whole-parameter replica (:class:`~curvkit.distributed.sharded.ShardedReplica`), else None
+        self.replica: ShardedReplica | None = None
+        if is_sharded(model):
+            if distributed is None:
+                raise ValueError("Laplace: the model's parameters are FSDP2 (DTensor) shards, so each rank fits on "
+                                 "its own shard of the data; pass distributed=Reducer() (the posterior of the union "
+                                 "of the ranks' data, whole on every rank)")
+            self.replica = ShardedReplica(model, distributed, "Laplace")
+            model = self.replica.module  # the posterior is built, fitted and evaluated on the replica
         if not isinstance(likelihood, Likelihood) or type(likelihood).mean is Likelihood.mean:
             raise TypeError("likelihood must be a curvkit Likelihood with a predictive mean (mean(f): CrossEntropy, "
                             f"BernoulliBCE, Gaussian or a head of your own that defines it), got "
@@ -304,6 +355,8 @@ class Laplace:
                 positive("prior_precision", prior_precision)
         else:
             self._select(resolve_subset(model, subset))
+        if self.replica is not None:  # gathered again by fit
+            self.replica.release()
         #: (dtype, shape without the batch dimension) of the inputs fit saw first (per key for a mapping:
         #: :data:`InputSpec`); predictions are checked against it
         self.input_spec: InputSpec | None = None
@@ -421,18 +474,29 @@ class Laplace:
         ``num_data`` sets N (default: the number of data seen). Replaces any earlier fit; on an error (NaN in
         a batch, targets that do not fit the outputs, a model the structure cannot take) the posterior keeps
         its earlier fit, if any."""
-        model, lik = self.model, self.likelihood
         N = None if num_data is None else positive("num_data", num_data)
+        if self.replica is not None:  # the shards as they are now (the model may have been trained since)
+            self.replica.gather()
+            try:
+                return self._fit(data, N)
+            finally:
+                self.replica.release()
+        return self._fit(data, N)
+
+    def _fit(self, data: Any, N: float | None) -> Self:
+        model, lik = self.model, self.likelihood
         structure = read_model(model)
         structure.require_deterministic("Laplace")
         structure.require_independent_samples("Laplace")
         self._check_parameters()
+        if self.distributed is not None:
+            self._check_replicas()
         saved = (self._selection, getattr(self, "_prior", None))
         try:
             sources: dict[str, Any] | None = None
             count, ll = 0, 0.0
             dtypes = frozenset(p.dtype for p in model.parameters() if p.is_floating_point())
-            for i, (X, y) in enumerate(iter_batches(data, self.device, mappings=True)):
+            for i, (X, y) in enumerate(self._lockstep(iter_batches(data, self.device, mappings=True))):
                 _check_finite_batch(i, X, y, dtypes)
                 if sources is None:
                     self._inspect(X, y)
@@ -446,6 +510,9 @@ class Laplace:
                     ll += float(log_likelihood(lik, f.to(self.dtype), y).sum())
                 count += num_samples(X)
             assert sources is not None  # iter_batches refuses data without a batch
+            if self.distributed is not None:  # the union's count and log-likelihood (the statistics are reduced)
+                total, ll = self.distributed.sum_scalars(count, ll)
+                count = round(total)
             stats = self._statistics(sources)
             blocks = self._build(stats)
         except BaseException:
@@ -460,6 +527,40 @@ class Laplace:
         self._num_data = float(count) if N is None else N
         self.input_spec = self._first_input
         return self
+
+    def _lockstep(self, batches: Iterable[tuple[Inputs, Tensor]]) -> Iterator[tuple[Inputs, Tensor]]:
+        """``batches``, and with ``distributed=`` a check before each one that every rank has a batch too: the
+        statistics are all-reduced batch by batch, so the ranks must pass equally many batches (one count per
+        batch travels; a rank that runs out first makes every rank raise, instead of pairing one rank's
+        statistics with another's next message)."""
+        if self.distributed is None:
+            yield from batches
+            return
+        red, it = self.distributed, iter(batches)
+        for i in itertools.count():
+            batch = next(it, None)
+            ranks = red.sum_int(batch is not None)
+            if ranks == 0:
+                return
+            if ranks != red.world_size:
+                raise ValueError(f"Laplace.fit with distributed=: {ranks} of {red.world_size} ranks have a batch {i} "
+                                 f"(rank {red.rank} {'has' if batch is not None else 'has none'}); every rank must pass "
+                                 "the same number of batches (their sizes may differ): split each rank's shard into "
+                                 "equally many batches, or pass one (X, y) pair per rank")
+            assert batch is not None
+            yield batch
+
+    def _check_replicas(self) -> None:
+        """Raise on every rank unless every rank holds bitwise the same parameters and buffers (the replica's
+        gathered ones for a sharded model): the posterior of the union is centred on ONE theta* (one digest per
+        rank travels)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        try:
+            self.distributed.check_identical(tensors, "the model's parameters and buffers")  # type: ignore[union-attr]
+        except ReplicaMismatch as e:
+            raise ReplicaMismatch(f"Laplace.fit with distributed=: {e.args[0].split('; ')[0]}; the posterior of the "
+                                  "union is centred on one theta*: fit the same trained model on every rank (e.g. "
+                                  "broadcast rank 0's with reducer.sync_tensors_(model.parameters()))") from None
 
     def _check_parameters(self) -> None:
         """A covered parameter with NaN or inf is named before anything is computed from it."""
@@ -501,7 +602,8 @@ class Laplace:
 
     def _kron_source(self, names: Sequence[str]) -> KroneckerSource:
         """The Kronecker statistics of ``names`` (the estimator refuses a layer the engine cannot take, naming it)."""
-        options = {"config": self.config, "statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype}
+        options = {"config": self.config, "statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype,
+                   "distributed": self.distributed}
         source = KroneckerSource(self.model, self.likelihood, names, self.curvature, self.mc_samples, self.seed,
                                  options, default=self._default_curvature)
         self.curvature = source.method
@@ -509,7 +611,8 @@ class Laplace:
 
     def _sources(self) -> dict[str, Any]:
         m, lik, k, s = self.model, self.likelihood, self.mc_samples, self.seed
-        dtypes = {"statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype}
+        dtypes: dict[str, Any] = {"statistics_dtype": self.dtype, "compute_dtype": self.compute_dtype,
+                                  "distributed": self.distributed}
         if self.structure == "diag":
             return {"diag": DiagonalSource(m, lik, self.names, self.curvature, k, s, **dtypes)}
         if self.structure == "full":

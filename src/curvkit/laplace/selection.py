@@ -59,6 +59,20 @@ def optimize_prior_precision(post: Any, per_layer: bool = False, steps: int = 20
     return post.prior_precision
 
 
+def _union_nll(post: Any, prediction: Any, y: Tensor) -> float:
+    """The validation NLL of the union of the ranks' validation shards (a posterior with ``distributed=``): the
+    ranks' sums over their counted targets divided by the union's count (one all-reduce of two scalars)."""
+    lik = post.likelihood
+    y = y.to(post.device)
+    terms = lik.predictive_nll_terms(prediction, y)
+    keep = lik.mask(y)
+    total, count = (terms.sum(), terms.numel()) if keep is None else (terms[keep].sum(), int(keep.sum()))
+    total, count = post.distributed.sum_scalars(float(total), count)
+    if count == 0:
+        raise ValueError("grid_search: every validation target of every rank is padding; there is nothing to score")
+    return total / count
+
+
 def default_grids(num_data: float, prior_precision: float) -> tuple[list[float], list[float]]:
     """N in num_data * {1, 10, ..., 1e6}; lambda in prior_precision * {1e-4, ..., 1e4} plus the natural
     values (7 x 9 points)."""
@@ -72,7 +86,8 @@ def grid_search(post: Any, val_data: tuple[Tensor, Tensor], num_data_grid: Seque
     ``num_samples`` samples from a generator seeded ``seed`` for every pair, so pairs differ only by the
     hyperparameters; 'glm' with ``link``); set the best pair on ``post``. Pairs whose precision is not
     positive definite score inf. Returns ``{'best': (N, lambda), 'nll': best score, 'table': [(N, lambda,
-    nll), ...]}``."""
+    nll), ...]}``. A posterior fitted with ``distributed=`` scores the union of the ranks' ``val_data`` shards
+    (every rank passes its own, and gets the same table and the same choice)."""
     X, y = val_data
     if not num_data_grid or not prior_grid:
         raise ValueError("both grids need at least one value")
@@ -89,7 +104,7 @@ def grid_search(post: Any, val_data: tuple[Tensor, Tensor], num_data_grid: Seque
                     pred = glm_predictive(post, X, link=link, batch_size=batch_size)  # type: ignore[arg-type]
                 else:
                     raise ValueError(f"method must be 'mc' or 'glm', got {method!r}")
-                nll = predictive_nll(post, pred, y)
+                nll = predictive_nll(post, pred, y) if post.distributed is None else _union_nll(post, pred, y)
             except NotPositiveDefiniteError:
                 nll = float("inf")
             table.append((float(N), float(lam), nll))

@@ -991,6 +991,21 @@ class GaussNewton(CurvatureOptimizer):
         }
         return sd
 
+    def rank_state(self) -> Tensor | None:
+        """What this rank's :meth:`state_dict` holds that the other ranks' do not (data-parallel and sharded runs):
+        the state of the generator of sampled labels and projections (``kfac``, ``projection``, and ``'auto'``
+        before its first step), or None for the deterministic sources (``kflr``, ``kfra``), which never draw
+        from it. Pass it as ``rank_state=`` to :func:`curvkit.distributed.save_checkpoint` or
+        :func:`~curvkit.distributed.save_sharded_checkpoint`, with ``rank_state_required=opt.rank_state() is not
+        None`` when loading, and give the loaded one back with :meth:`load_rank_state` after
+        :meth:`load_state_dict` (which sets rank 0's)."""
+        return None if self.source in ("kflr", "kfra") else self._generator.get_state()
+
+    def load_rank_state(self, rank_state: Tensor | None) -> None:
+        """Restore this rank's :meth:`rank_state` (None: nothing to restore)."""
+        if rank_state is not None:
+            self._generator.set_state(rank_state)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`. The saved configuration must match this optimiser's, except that an
         optimiser created with ``curvature='auto'`` that has not stepped yet takes the saved source (a resumed
