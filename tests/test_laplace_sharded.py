@@ -49,6 +49,7 @@ def _same_posterior(got, want, X, *, mc: bool = True):
 def laplace_worker(rank, world):
     from torch.distributed.fsdp import fully_shard
 
+    from curvkit.curvature import estimators
     from curvkit.curvature.estimators import LOW_RANK_OUTPUTS
     from curvkit.distributed import Reducer, ReplicaMismatch
     from curvkit.laplace import Laplace, grid_search, optimize_prior_precision
@@ -130,9 +131,21 @@ def laplace_worker(rank, world):
             Laplace(model, lik, "kron", distributed=Reducer()).fit(mine)
     with pytest.raises(ValueError, match=r"FSDP2 .*pass distributed=Reducer"):
         Laplace(net, lik, "kron")
-    wide = nn.Linear(2, LOW_RANK_OUTPUTS + 1).to(D64)  # a vocabulary-sized output: its low-rank factor is not reduced
-    with pytest.raises(ValueError, match=r"module '<root>' \(Linear\).*distributed cannot use yet.*run in one process"):
-        Laplace(wide, CrossEntropy(), "kron", distributed=Reducer())
+    # a vocabulary-sized output (the threshold lowered below its 7 outputs): its low-rank factor's rows gathered
+    estimators.LOW_RANK_OUTPUTS = 4
+    try:
+        torch.manual_seed(6)
+        wide = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 7)).to(D64)
+        g = torch.Generator().manual_seed(7)
+        Xw, yw = torch.randn(5, 3, generator=g, dtype=D64), torch.randint(0, 7, (5,), generator=g)
+        cut = [0, 1, 3, 5] if world == 3 else [0, 2, 5]  # unequal shards of the 5 rows
+        a, b = cut[rank], cut[rank + 1]
+        want = Laplace(wide, CrossEntropy(), "kron", "empirical").fit([(Xw, yw)])
+        got = Laplace(wide, CrossEntropy(), "kron", "empirical", distributed=Reducer()).fit([(Xw[a:b], yw[a:b])])
+        assert any(f.low_rank_output for blk in got.blocks for f in getattr(blk, "factors", []))
+        _same_posterior(got, want, Xw)
+    finally:
+        estimators.LOW_RANK_OUTPUTS = LOW_RANK_OUTPUTS
     with pytest.raises(TypeError, match=r"distributed must be a curvkit\.distributed\.Reducer"):
         Laplace(ref, lik, "kron", distributed=object())
 

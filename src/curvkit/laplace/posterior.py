@@ -73,9 +73,9 @@ the statistics, :meth:`precision`, :meth:`covariance`, :meth:`log_marginal_likel
 Communication of a fit: one digest per rank (the replicas' check), per batch the statistics (the factors' upper
 triangles, or the d-vector) and one count, at the end two scalars (plus, for ``'full'``, d(d+1)/2 numbers).
 Memory: the statistics and the mean, whole on every rank (the Kronecker factors are not spread by layer
-ownership). Refused with ``distributed=``: a block with a vocabulary-sized output (more than
-:data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS`), whose low-rank output factor the estimators do not
-all-reduce yet (the error names the layer: freeze it, or fit in one process).
+ownership). A block with a vocabulary-sized output (more than
+:data:`~curvkit.curvature.estimators.LOW_RANK_OUTPUTS`) keeps its low-rank output factor: the ranks' rows are
+gathered per batch (k_r x V values per rank), never a V x V matrix.
 
 An FSDP2 model (``fully_shard``: DTensor parameters sharded on dim 0, FSDP2's default) is taken through
 :class:`~curvkit.distributed.sharded.ShardedReplica`, the route of ``GaussNewton`` and ``sharded_operator``: the
