@@ -520,15 +520,18 @@ class KroneckerEstimator(CurvatureEstimator):
         block from per-sample gradients (formed with the output side). Blocks with the same input rows share
         one statistic (``cache``). Rows that are not formed yet (:class:`~curvkit.layerkinds.UnfoldedSite`),
         or that are not a view of (B * R, in) rows, are taken a few samples at a time (:data:`_BUDGET`
-        scalars): expand sums the chunks' Gram matrices, reduce stacks their position means."""
+        scalars): expand sums the chunks' Gram matrices, reduce stacks their position means (or takes them from
+        the site without the rows, :meth:`~curvkit.layerkinds.UnfoldedSite.position_means`: a convolution's)."""
         if spec.form == "grad":
             return None
         mode, bias = self._sharing(spec), spec.bias is not None
         if isinstance(site, UnfoldedSite) and not site.formed:
             key = (id(site), mode, bias)
             if key not in cache:
+                means = site.position_means() if mode == "reduce" else None
                 chunk = max(1, _BUDGET // max(1, site.row_size))
-                cache[key] = self._chunked_gram(site.sample_rows, site.batch, chunk, mode, bias)
+                cache[key] = (self._input_gram(means, bias) if means is not None else
+                              self._chunked_gram(site.sample_rows, site.batch, chunk, mode, bias))
             return cache[key]
         a = site.inputs
         if spec.ids:
