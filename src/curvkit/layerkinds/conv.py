@@ -201,7 +201,9 @@ def conv_patch_means(conv: nn.Module, x: Tensor) -> Tensor:
     out = [(x.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(D)]
     sums = []
     for j in itertools.product(*(range(n) for n in k)):
-        view = x[(..., *(slice(j[i] * d[i], j[i] * d[i] + s[i] * (out[i] - 1) + 1, s[i]) for i in range(D)))]
+        index: tuple[Any, ...] = (..., *(slice(j[i] * d[i], j[i] * d[i] + s[i] * (out[i] - 1) + 1, s[i])
+                                         for i in range(D)))
+        view = x[index]
         sums.append(view.sum(tuple(range(2, 2 + D))))
     return torch.stack(sums, dim=-1).flatten(1).div_(math.prod(out))  # (B, C, k) -> (B, C*k)
 
