@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature._graph import lowest_tensors
 from curvkit.layerkinds import Site
 from curvkit.structure import (
     UnsupportedModelError,
@@ -289,23 +290,52 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     if B < 2 or coupled or not f.requires_grad:
         return
     outs: list[Tensor] = []
-    for site in sites:
-        if site.output.requires_grad and all(site.output is not o for o in outs):
+    feeds: list[list[int]] = []  # the sites (positions in ``sites``) each output feeds
+    for i, site in enumerate(sites):
+        if not site.output.requires_grad:
+            continue
+        j = next((j for j, o in enumerate(outs) if site.output is o), None)
+        if j is None:
             outs.append(site.output)
+            feeds.append([i])
+        else:
+            feeds[j].append(i)
+    if not outs:
+        return
     n = B - 1
     gen = torch.Generator(device=f.device).manual_seed(0)
     w = torch.randn(f.shape[1:], generator=gen, device=f.device, dtype=f.dtype)
-    with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
-        grads = torch.autograd.grad((f[n] * w).sum(), outs, retain_graph=True, allow_unused=True)
-    by_id = {id(o): g for o, g in zip(outs, grads)}
-    for (lp, _), site in zip(blocks, sites):
-        g = by_id.get(id(site.output))
-        if g is None:
-            continue
+    failed: list[tuple[int, Tensor]] = []
+
+    def check(j: int, g: Tensor) -> None:  # each output's gradient is reduced to row sums as it passes
         with torch.no_grad():
-            rows = site.read(g).reshape(B, -1).abs().sum(1)
-        if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
-            raise _not_samples_first(what, lp, site, B, g)
+            for i in feeds[j]:
+                rows = sites[i].read(g.detach()).reshape(B, -1).abs().sum(1)
+                if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
+                    failed.append((i, g.detach()))
+
+    # gradients asked for the lowest outputs only (lowest_tensors), read by hooks: one output's at a time
+    handles = [o.register_hook(_row_check(check, j)) for j, o in enumerate(outs) if o is not f]
+    try:
+        with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
+            targets = [outs[j] for j in lowest_tensors(outs)]
+            grads = torch.autograd.grad((f[n] * w).sum(), targets, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for j, o in enumerate(outs):  # the model output itself (a head's site) has no hook: its gradient is direct
+        if o is f:
+            check(j, torch.zeros_like(f).index_copy_(0, torch.tensor([n], device=f.device), w[None]))
+    del grads
+    if failed:  # the first block in the plan's order, as a reader expects
+        i, g = min(failed, key=lambda t: t[0])
+        raise _not_samples_first(what, blocks[i][0], sites[i], B, g)
+
+
+def _row_check(check: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:
+    def hook(g: Tensor) -> None:
+        check(j, g)
+    return hook
 
 
 def _not_samples_first(what: str, lp: Any, site: Any, B: int, g: Tensor | None) -> UnsupportedModelError:

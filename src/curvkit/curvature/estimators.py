@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
+from curvkit.curvature._graph import lowest_tensors
 from curvkit.curvature._vjp import vector_grad
 from curvkit.curvature.capture import BlockCapture, check_sample_rows
 from curvkit.curvature.config import (
@@ -641,7 +642,7 @@ class KroneckerEstimator(CurvatureEstimator):
         (``sum_n u u^T`` or its diagonal) for the other blocks (stored as their input statistic, in A).
 
         The statistics are formed by tensor hooks on the sites' outputs while the gradient passes through
-        them, and the backward pass asks only for the lowest sites (:func:`_lowest`), so the layer-output
+        them, and the backward pass asks only for the lowest sites (:func:`~curvkit.curvature._graph.lowest_tensors`), so the layer-output
         gradients are never all held at once; with ``free`` the last vector's pass frees the graph as it
         goes (the estimator's own forward pass; a caller's graph is kept)."""
         outs: list[Tensor] = []
@@ -672,7 +673,7 @@ class KroneckerEstimator(CurvatureEstimator):
 
         roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
         closed = [j for j in roots if self._closed_form_root([sites[i] for i in feeds[j]], [i for i in feeds[j]], f)]
-        targets = [outs[j] for j in _lowest(outs) if j not in roots] or [f]
+        targets = [outs[j] for j in lowest_tensors(outs) if j not in roots] or [f]
         handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
         try:
             vectors = self._vectors(f.detach(), y)
@@ -1053,35 +1054,6 @@ def _hook(consume: Any, j: int) -> Any:
     def hook(g: Tensor) -> None:
         consume(j, g)
     return hook
-
-
-def _lowest(outs: list[Tensor]) -> list[int]:
-    """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
-    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``. One memoised
-    pass over the graph below the tensors (iterative: graphs are deep)."""
-    sites = {o.grad_fn for o in outs if o.grad_fn is not None}
-    leaves = {id(o) for o in outs if o.grad_fn is None}
-    holds: dict[Any, bool] = {}  # node -> a tensor of outs is produced at or below it
-
-    def children(n: Any) -> list[Any]:
-        return [m for m, _ in n.next_functions if m is not None]
-
-    def solve(root: Any) -> bool:
-        stack = [(root, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if n in holds:
-                continue
-            if n in sites or id(getattr(n, "variable", None)) in leaves:
-                holds[n] = True
-            elif expanded:
-                holds[n] = any(holds[m] for m in children(n))
-            else:
-                stack.append((n, True))
-                stack.extend((m, False) for m in children(n) if m not in holds)
-        return holds[root]
-
-    return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]
 
 
 def _view_rows(t: Tensor) -> Tensor | None:
