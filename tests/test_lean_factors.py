@@ -143,3 +143,33 @@ def test_reduce_factors_from_mean_patches_equal_those_from_chunked_patches(monke
     slow = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing="reduce", seed=0).update(data).factors()
     for (n, G, A), (n2, G2, A2) in zip(fast, slow):
         assert n == n2 and _close(A, A2) and _close(G, G2), n
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+@pytest.mark.parametrize("name", ["resnet", "gpt", "vit"])
+def test_outputs_the_pass_drops_are_freed_and_the_factors_unchanged(name: str, mode: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimator's capture keeps a layer's output only by its place in the graph (SiteOutput): outputs no
+    backward formula saves (eval-mode BatchNorm's, LayerNorm's) are freed during the forward pass, and the
+    factors (G read by the producing node's hook, or from autograd.grad for the lowest outputs) equal those
+    of a capture that holds every output, to 1e-12 in float64."""
+    import curvkit.curvature.capture as capture
+
+    model, data = _models()[name]
+    est = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0)
+    with est.capture() as cap, torch.enable_grad():
+        est.forward(cap, data[0])  # raw parameters (the ViT's class token) run as per-sample copies
+    freed = [s for s in cap.sites() if s is not None and isinstance(s.output, capture.SiteOutput)]
+    if name == "resnet":  # BatchNorm in eval mode: its output is saved by nothing
+        assert freed and all(s.output.tensor() is None for s in freed)
+    lean = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+
+    class Holding(capture.BlockCapture):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["lean"] = False
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(estimators, "BlockCapture", Holding)
+    held = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+    for (n, G, A), (n2, G2, A2) in zip(lean, held, strict=True):
+        assert n == n2 and _close(A, A2) and _close(G, G2), n

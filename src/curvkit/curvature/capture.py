@@ -10,6 +10,8 @@ the graph whose gradient ``site.read`` turns into its output rows (B, R, out). N
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "check_sample_rows"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "grad_inputs"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -143,6 +145,60 @@ class PairCapture:
 
 
 # ---------------------------------------------------------------------------------------------- layer kinds
+class SiteOutput:
+    """A site's output tensor as a lean capture keeps it (:class:`BlockCapture`'s ``lean``): its place in the
+    autograd graph (``torch.autograd.graph.get_gradient_edge``: the node that produced it and the output's
+    number), its shape, dtype and device, and a weak reference, but not its storage, so that an output the
+    rest of the forward pass does not keep (an eval-mode BatchNorm's or a LayerNorm's, which no backward
+    formula saves) is freed as in a plain training pass instead of living until the statistics are read.
+
+    What the estimators read of an output works on it: :attr:`shape`, :attr:`requires_grad`, :attr:`grad_fn`
+    (:func:`~curvkit.curvature._graph.lowest_tensors`), :meth:`register_hook` (the gradient of the output as the
+    backward pass reaches its node, the node's pre-hook: the gradient with respect to the values the layer
+    produced, also when a later operation changed them in place) and :attr:`edge` as an input of
+    ``torch.autograd.grad`` (where the node is not run, so its hooks do not fire: :func:`grad_inputs`). Every
+    site of one tensor shares one object, as they share the tensor; :meth:`BlockCapture.sites` gives back the
+    tensor itself wherever it is still alive.
+    """
+
+    def __init__(self, t: Tensor):
+        self.edge = torch.autograd.graph.get_gradient_edge(t)
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.requires_grad = t.requires_grad
+        self._ref = weakref.ref(t)
+
+    @property
+    def grad_fn(self) -> Any:
+        return self.edge.node
+
+    def tensor(self) -> Tensor | None:
+        """The output tensor while something else keeps it alive, else None."""
+        return self._ref()
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def new_empty(self, *size: int) -> Tensor:
+        return torch.empty(*size, dtype=self.dtype, device=self.device)
+
+    def register_hook(self, fn: Callable[[Tensor], None]) -> Any:
+        """Call ``fn(gradient of the output)`` when a backward pass runs the producing node; returns a handle
+        with ``remove()``."""
+        nr = self.edge.output_nr
+
+        def pre(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if grad_outputs[nr] is not None:
+                fn(grad_outputs[nr])  # type: ignore[arg-type]
+        return self.edge.node.register_prehook(pre)
+
+
+def grad_inputs(outs: Sequence[Any]) -> list[Any]:
+    """``outs`` (tensors or :class:`SiteOutput`) as inputs of ``torch.autograd.grad``: a :class:`SiteOutput`
+    by its gradient edge. The nodes of such inputs are not run, so their hooks do not fire: the caller reads
+    their gradients from what ``torch.autograd.grad`` returns."""
+    return [o.edge if isinstance(o, SiteOutput) else o for o in outs]
+
+
 class BlockCapture:
     """The hooks of the layer-kind handlers (:mod:`curvkit.layerkinds`) on a planned model, for one forward
     pass: every block gets one :class:`~curvkit.layerkinds.Site` (input rows, an output on the graph and how
@@ -160,10 +216,12 @@ class BlockCapture:
     """
 
     def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture",
-                 take: Callable[[int, Any], Any] | None = None):
+                 take: Callable[[int, Any], Any] | None = None, lean: bool = False):
         self.plans = list(plans)
         self.what = what
         self.take = take
+        self.lean = lean
+        self._outputs: dict[tuple[int, int], SiteOutput] = {}
         self.taken: dict[int, Any] = {}
         self.specs = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self._first = []  # first global block position of each layer
@@ -186,6 +244,12 @@ class BlockCapture:
         def emit(site: Any) -> None:
             self._sites[first + site.block].append(site)
             self._versions[first + site.block].append(site.output._version)
+            if self.lean and site.output.grad_fn is not None:  # its storage is not held (SiteOutput)
+                edge = torch.autograd.graph.get_gradient_edge(site.output)
+                key = (id(edge.node), edge.output_nr)
+                if key not in self._outputs:
+                    self._outputs[key] = SiteOutput(site.output)
+                site.output = self._outputs[key]
             if self.take is not None:
                 self.taken[first + site.block] = self.take(first + site.block, site)
         emit.capture = self  # type: ignore[attr-defined]  # handlers read the batch size (batch_of)
@@ -222,6 +286,7 @@ class BlockCapture:
         for v in self._versions:
             v.clear()
         self.taken.clear()
+        self._outputs.clear()
 
     def substitute(self, batch: int, values: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a
@@ -255,7 +320,12 @@ class BlockCapture:
                     "one forward pass (with autograd on); a Kronecker block pairs one input with one output gradient, "
                     "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)"
                     + (_NO_AUTOGRAD if not any(self._sites) else ""))
-            if sites[0].output._version != versions[0]:
+            kept = sites[0].output
+            if isinstance(kept, SiteOutput):  # a lean capture: the tensor itself where it is still alive
+                kept = kept.tensor()
+                if kept is not None:
+                    sites[0].output = kept
+            if kept is not None and kept._version != versions[0]:
                 raise UnsupportedModelError(
                     f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass"
                     + _IN_PLACE)
@@ -289,7 +359,7 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
             raise _not_samples_first(what, lp, site, B, None)
     if B < 2 or coupled or not f.requires_grad:
         return
-    outs: list[Tensor] = []
+    outs: list[Any] = []  # tensors or SiteOutput
     feeds: list[list[int]] = []  # the sites (positions in ``sites``) each output feeds
     for i, site in enumerate(sites):
         if not site.output.requires_grad:
@@ -318,11 +388,15 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     handles = [o.register_hook(_row_check(check, j)) for j, o in enumerate(outs) if o is not f]
     try:
         with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
-            targets = [outs[j] for j in lowest_tensors(outs)]
-            grads = torch.autograd.grad((f[n] * w).sum(), targets, retain_graph=True, allow_unused=True)
+            low = lowest_tensors(outs)
+            grads = torch.autograd.grad((f[n] * w).sum(), grad_inputs([outs[j] for j in low]), retain_graph=True,
+                                        allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    for j, g in zip(low, grads):  # a lean output asked for: its node did not run (grad_inputs)
+        if isinstance(outs[j], SiteOutput) and g is not None:
+            check(j, g)
     for j, o in enumerate(outs):  # the model output itself (a head's site) has no hook: its gradient is direct
         if o is f:
             check(j, torch.zeros_like(f).index_copy_(0, torch.tensor([n], device=f.device), w[None]))

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from curvkit import layerkinds, precision
 from curvkit.curvature._graph import lowest_tensors
 from curvkit.curvature._vjp import vector_grad
-from curvkit.curvature.capture import BlockCapture, check_sample_rows
+from curvkit.curvature.capture import BlockCapture, SiteOutput, check_sample_rows, grad_inputs
 from curvkit.curvature.config import (
     BatchStatistics,
     CurvatureConfig,
@@ -329,7 +329,8 @@ class KroneckerEstimator(CurvatureEstimator):
         """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``); the pass
         inside runs under :func:`curvkit.structure.curvature_kernels`. Each block's input statistic is formed
         inside the pass, when its layer runs, and its input rows are dropped there (:meth:`_taker`)."""
-        return BlockCapture(self.plans, self.method, take=None if self.keep_per_sample else self._taker())
+        return BlockCapture(self.plans, self.method, take=None if self.keep_per_sample else self._taker(),
+                            lean=self.method != "kfra")  # KFRA reads the outputs' values
 
     def _taker(self) -> Any:
         """The ``take`` of a capture (:class:`BlockCapture`): a Kronecker block's input statistic the moment
@@ -673,7 +674,8 @@ class KroneckerEstimator(CurvatureEstimator):
 
         roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
         closed = [j for j in roots if self._closed_form_root([sites[i] for i in feeds[j]], [i for i in feeds[j]], f)]
-        targets = [outs[j] for j in lowest_tensors(outs) if j not in roots] or [f]
+        low = [j for j in lowest_tensors(outs) if j not in roots]
+        targets = [outs[j] for j in low] or [f]
         handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
         try:
             vectors = self._vectors(f.detach(), y)
@@ -687,7 +689,11 @@ class KroneckerEstimator(CurvatureEstimator):
                     if j not in closed:
                         consume(j, V)
                 if len(targets) > 1 or targets[0] is not f:
-                    vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
+                    grads = vector_grad(f, grad_inputs(targets), V, retain_graph=not (free and following is None),
+                                        allow_unused=True)
+                    for j, g in zip(low, grads):  # a lean output asked for: its node did not run (grad_inputs)
+                        if isinstance(outs[j], SiteOutput) and g is not None:
+                            consume(j, g)
                 current = following
         finally:
             for h in handles:
