@@ -15,6 +15,9 @@ Arms:
   alpha* from one Jacobian-vector product of the exact GGN, rho with one extra forward pass on one step in
   five (``tau_every=5``; a whole number of 5-step periods is timed, so the mean is exact). Every trainable
   parameter has a block (packed attention projections, LayerNorm, class token and position table included);
+* ``GaussNewton KFAC, alpha* every 5th step``: the same with ``quadratic_every=5`` (factors and inverses every
+  step; the Jacobian-vector product of alpha* on the steps that adapt tau, one in five, the others take the
+  geometric mean of the past alpha*s; not the thesis's setting);
 * ``GaussNewton KFAC, factors every 10``: the same with ``curvature_every=10`` (factors and inverses of every
   tenth minibatch, the usual KFAC practice; not the thesis's setting). Time 10 steps or a multiple (``--steps``)
   for an exact mean;
@@ -60,7 +63,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
 
-ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
+ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC, alpha* every 5th step",
+        "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
 VIT = dict(image_size=28, patch_size=4, channels=1, dim=256, depth=2, heads=4, mlp_dim=672, num_classes=10)
 
 
@@ -117,8 +121,9 @@ def make_arm(arm: str, batch: int) -> tuple[Any, torch.nn.Module, float]:
             sgd.step()
     else:
         every = 10 if arm.endswith("every 10") else 1
+        quadratic = 5 if "alpha*" in arm else 1
         gn = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfac", weight_decay=1e-5,
-                         curvature_every=every)
+                         curvature_every=every, quadratic_every=quadratic)
 
         def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
             gn.step(batch=(xb, yb))
