@@ -10,7 +10,6 @@ the graph whose gradient ``site.read`` turns into its output rows (B, R, out). N
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -175,9 +174,6 @@ class SiteOutput:
         """The output tensor while something else keeps it alive, else None."""
         return self._ref()
 
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     def new_empty(self, *size: int) -> Tensor:
         return torch.empty(*size, dtype=self.dtype, device=self.device)
 
@@ -213,6 +209,8 @@ class BlockCapture:
             the forward pass; what it returns is kept in :attr:`taken` under the block's position. The
             Kronecker estimators form a block's input statistic there and drop the input rows, so at most
             one layer's input rows (a convolution's unfolded patches) exist at a time.
+        lean: keep the sites' outputs as :class:`SiteOutput` (their place in the graph, not their storage);
+            the Kronecker estimators' captures are lean except KFRA's, which reads the outputs' values.
     """
 
     def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture",
