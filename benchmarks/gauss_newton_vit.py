@@ -145,15 +145,23 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     wall: dict[str, list[float]] = {arm: [] for arm in arms}
     cpu: dict[str, list[float]] = {arm: [] for arm in arms}
     names = list(arms)
+    failed: dict[str, str] = {}  # an arm that raises stops; the others go on
     for k in range(warmup + steps):
         for arm in names[k % len(names):] + names[:k % len(names)]:
+            if arm in failed:
+                continue
             c0, t0 = time.process_time(), time.perf_counter()
-            arms[arm][0](*batches[k % len(batches)])
+            try:
+                arms[arm][0](*batches[k % len(batches)])
+            except Exception as exc:
+                failed[arm] = f"step {k + 1}: {type(exc).__name__}: {exc}"
+                continue
             if k >= warmup:
                 wall[arm].append(time.perf_counter() - t0)
                 cpu[arm].append(time.process_time() - c0)
-    return {arm: {"wall_s": statistics.fmean(wall[arm]), "cpu_s": statistics.fmean(cpu[arm]),
-                  "params": sum(p.numel() for p in arms[arm][1].parameters()), "coverage": arms[arm][2]}
+    return {arm: {"error": failed[arm]} if arm in failed else
+            {"wall_s": statistics.fmean(wall[arm]), "cpu_s": statistics.fmean(cpu[arm]),
+             "params": sum(p.numel() for p in arms[arm][1].parameters()), "coverage": arms[arm][2]}
             for arm in names}
 
 
@@ -162,10 +170,11 @@ def table(timing: list[dict[str, Any]], memory: dict[str, dict[str, Any]], args:
     """The markdown table: per arm the medians over the timing processes of its mean wall and CPU time per step,
     the CPU-time ratios to AdamW, the gradient pass and ASDL (same processes), and its peak memory."""
     def median(arm: str, key: str) -> float | None:
-        ok = [t[arm][key] for t in timing if arm in t]
+        ok = [t[arm][key] for t in timing if key in t.get(arm, {})]
         return statistics.median(ok) if ok else None
 
     ref = {name: median(name, "cpu_s") for name in ("AdamW", "gradient pass", "ASDL KFAC + SGD")}
+    notes: list[str] = []
     lines = [f"### GaussNewton (KFAC) step on a ViT vs AdamW and ASDL ({datetime.date.today()})", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, torch "
              f"{torch.__version__}, {args.threads} torch thread(s); load average (1 min) {load[0]:.2f} at the start, "
@@ -176,19 +185,21 @@ def table(timing: list[dict[str, Any]], memory: dict[str, dict[str, Any]], args:
              "peak memory (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     errors = [t["error"] for t in timing if "error" in t]
     for arm in ARMS:
-        if not any(arm in t for t in timing):
-            why = ("not run (optional dependency asdfghjkl missing)" if arm == "ASDL KFAC + SGD" and not errors
-                   else f"error: {(errors or ['?'])[0][:100]}")
+        wall, cpu = median(arm, "wall_s"), median(arm, "cpu_s")
+        failures = [t[arm]["error"] for t in timing if "error" in t.get(arm, {})]
+        if cpu is None:
+            why = ("not run (optional dependency asdfghjkl missing)" if not any(arm in t for t in timing)
+                   and not errors else f"error: {(failures or errors or ['?'])[0][:160]}")
             lines.append(f"| {arm} | - | - | {why} | - | - | - | - | - |")
             continue
-        wall, cpu = median(arm, "wall_s"), median(arm, "cpu_s")
-        assert cpu is not None
-        first = next(t[arm] for t in timing if arm in t)
+        if failures:  # failed in some timing processes: the median is over the others
+            notes.append(f"{arm}: failed in {len(failures)} of {len(timing)} process(es) ({failures[0][:160]})")
+        first = next(t[arm] for t in timing if "cpu_s" in t.get(arm, {}))
         mem = memory.get(arm, {}).get("peak_delta_mib")
         ratios = " | ".join(fmt_ratio(cpu / r if r else None) for r in ref.values())
         lines.append(f"| {arm} | {first['params']:,} | {100 * first['coverage']:.0f} % | {fmt_seconds(wall)} | "
                      f"{fmt_seconds(cpu)} | {ratios} | {fmt_mib(mem)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + [f"Note: {n}." for n in notes]) + "\n"
 
 
 def main() -> None:
@@ -220,8 +231,8 @@ def main() -> None:
         res = run_worker(__file__, {**common, "kind": "timing", "arms": arms}, timeout=7200)
         timing.append(res)
         for arm in arms:
-            got = res.get(arm)
-            print(f"timing {r + 1} {arm:36s} " + (res.get("error", "?") if got is None else
+            got = res.get(arm) or {"error": res.get("error", "?")}
+            print(f"timing {r + 1} {arm:36s} " + (got["error"] if "error" in got else
                   f"wall {fmt_seconds(got['wall_s'])}, CPU {fmt_seconds(got['cpu_s'])}"), file=sys.stderr)
     memory: dict[str, dict[str, Any]] = {}
     for arm in [] if args.no_memory else arms:
