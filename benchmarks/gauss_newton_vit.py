@@ -9,7 +9,7 @@ of ``--batch`` = 128, cycling over 4 of them.
 Arms:
 
 * ``gradient pass``: forward, loss and ``backward()`` (plain PyTorch, the user's default kernels);
-* ``AdamW``: ``torch.optim.AdamW`` (lr 1e-3): a gradient pass and the update; the baseline of every ratio;
+* ``AdamW``: ``torch.optim.AdamW`` (lr 1e-3): a gradient pass and the update (a baseline of the ratios);
 * ``GaussNewton KFAC``: ``curvkit.optim.GaussNewton(curvature='kfac')`` with the thesis's settings: factors
   of the current minibatch (one sampled label per example) and their factored damped inverses every step,
   alpha* from one Jacobian-vector product of the exact GGN, rho with one extra forward pass on one step in
