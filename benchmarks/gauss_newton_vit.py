@@ -6,15 +6,18 @@ Model and data (float32, CPU, train mode with dropout 0, softmax cross-entropy w
 token = 50 tokens), width 256, 2 pre-norm blocks of 4 heads, MLP width 672: 1,238,858 parameters; minibatches
 of ``--batch`` = 128, cycling over 4 of them.
 
-Arms (each in its own fresh process, ``_common.run_worker``):
+Arms:
 
 * ``gradient pass``: forward, loss and ``backward()`` (plain PyTorch, the user's default kernels);
-* ``AdamW``: ``torch.optim.AdamW`` (lr 1e-3): a gradient pass and the update; the baseline of every ratio;
+* ``AdamW``: ``torch.optim.AdamW`` (lr 1e-3): a gradient pass and the update (a baseline of the ratios);
 * ``GaussNewton KFAC``: ``curvkit.optim.GaussNewton(curvature='kfac')`` with the thesis's settings: factors
   of the current minibatch (one sampled label per example) and their factored damped inverses every step,
   alpha* from one Jacobian-vector product of the exact GGN, rho with one extra forward pass on one step in
   five (``tau_every=5``; a whole number of 5-step periods is timed, so the mean is exact). Every trainable
   parameter has a block (packed attention projections, LayerNorm, class token and position table included);
+* ``GaussNewton KFAC, alpha* every 5th step``: the same with ``quadratic_every=5`` (factors and inverses every
+  step; the Jacobian-vector product of alpha* on the steps that adapt tau, one in five, the others take the
+  geometric mean of the past alpha*s; not the thesis's setting);
 * ``GaussNewton KFAC, factors every 10``: the same with ``curvature_every=10`` (factors and inverses of every
   tenth minibatch, the usual KFAC practice; not the thesis's setting). Time 10 steps or a multiple (``--steps``)
   for an exact mean;
@@ -26,14 +29,20 @@ Arms (each in its own fresh process, ``_common.run_worker``):
   ``ignore_modules``; the packed in-projection, class token and position table belong to no module it knows.
   Those parameters get no curvature from ASDL: the ``coverage`` column gives the fraction that does.
 
-Measurement: ``--warmup`` steps, then ``--steps`` timed steps (a multiple of 10) per process; the per-step time
-is the mean over the timed steps, the peak memory the peak RSS increase during the timed steps over the RSS
-before them (model, data and optimiser state already allocated). ``--rounds`` rounds run the arms in rotating
-order, so that machine load affects all alike; the table gives the median over rounds and the ratios to
-AdamW's and to the gradient pass's medians. One torch thread by default (``--threads``).
+Measurement. Time: ONE process holds every arm (each with its own copy of the model, the same initial
+weights), runs ``--warmup`` steps of each, then ``--steps`` rounds (a multiple of 10) of one step of every arm
+in rotating order, so that the machine's load falls on all arms alike; per arm the mean wall-clock and CPU
+time (``time.process_time``) of its steps (its own consecutive steps: whole rho and factor periods, an exact
+mean). ``--rounds`` such processes, the median over them. On a shared machine the CPU time is the measure to
+compare (one torch thread: it counts the arm's own work, not the time it waited for a core). Memory: each arm
+in a fresh process (``_common.run_worker``; ``--no-memory`` skips it), the peak RSS increase during its timed
+steps over the RSS before them (model, data and optimiser state already allocated). One torch thread by
+default (``--threads``).
 
-Target (issue 21): a GaussNewton step at most 3x an AdamW step. Run: ``.venv/bin/python
-benchmarks/gauss_newton_vit.py`` (``--quick``: one round of 10 steps; ``--out FILE.md`` also writes the table).
+Targets: a GaussNewton step at most 3x an AdamW step (issue 21); a GaussNewton KFAC step with factors every
+step at or below ASDL's step time in the same process, every parameter covered (issue 35). Run:
+``.venv/bin/python benchmarks/gauss_newton_vit.py`` (``--quick``: one round of 10 steps; ``--out FILE.md``
+also writes the table).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +63,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
 
-ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
+ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC, alpha* every 5th step",
+        "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
 VIT = dict(image_size=28, patch_size=4, channels=1, dim=256, depth=2, heads=4, mlp_dim=672, num_classes=10)
 
 
@@ -78,17 +89,14 @@ def _asdl(model: torch.nn.Module, batch: int) -> tuple[Any, float]:
     return gm, n / sum(p.numel() for p in model.parameters())
 
 
-def worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Time ``spec['arm']`` in this process (module docstring)."""
-    torch.set_num_threads(int(spec["threads"]))
+def make_arm(arm: str, batch: int) -> tuple[Any, torch.nn.Module, float]:
+    """(step(X, y), its model, the fraction of parameters with curvature) of one arm (module docstring)."""
     from curvkit.architectures import vit
     from curvkit.likelihoods import CrossEntropy
     from curvkit.optim import GaussNewton
 
-    arm, batch = spec["arm"], int(spec["batch"])
     model = vit(**VIT, seed=0)  # type: ignore[arg-type]
     lik = CrossEntropy("mean")
-    batches = _batches(batch, 4)
     coverage = 1.0
     if arm == "gradient pass":
         def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
@@ -113,54 +121,96 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             sgd.step()
     else:
         every = 10 if arm.endswith("every 10") else 1
+        quadratic = 5 if "alpha*" in arm else 1
         gn = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfac", weight_decay=1e-5,
-                         curvature_every=every)
+                         curvature_every=every, quadratic_every=quadratic)
 
         def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
             gn.step(batch=(xb, yb))
-    out = time_steps(step, batches, int(spec["warmup"]), int(spec["steps"]))
-    return {**out, "params": sum(p.numel() for p in model.parameters()), "coverage": coverage}
+    return step, model, coverage
 
 
-def table(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    def median(arm: str) -> float | None:
-        ok = [s["mean_s"] for s in samples.get(arm, []) if "mean_s" in s]
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """``kind='memory'``: the peak memory of ``spec['arm']`` in this fresh process; ``kind='timing'``: every arm
+    of ``spec['arms']`` in this process, interleaved step by step (module docstring)."""
+    torch.set_num_threads(int(spec["threads"]))
+    batch, warmup, steps = int(spec["batch"]), int(spec["warmup"]), int(spec["steps"])
+    batches = _batches(batch, 4)
+    if spec["kind"] == "memory":
+        step, model, coverage = make_arm(spec["arm"], batch)
+        out = time_steps(step, batches, warmup, steps)
+        return {"peak_delta_mib": out["peak_delta_mib"], "params": sum(p.numel() for p in model.parameters()),
+                "coverage": coverage}
+    arms = {arm: make_arm(arm, batch) for arm in spec["arms"]}
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
+    names = list(arms)
+    failed: dict[str, str] = {}  # an arm that raises stops; the others go on
+    for k in range(warmup + steps):
+        for arm in names[k % len(names):] + names[:k % len(names)]:
+            if arm in failed:
+                continue
+            c0, t0 = time.process_time(), time.perf_counter()
+            try:
+                arms[arm][0](*batches[k % len(batches)])
+            except Exception as exc:
+                failed[arm] = f"step {k + 1}: {type(exc).__name__}: {exc}"
+                continue
+            if k >= warmup:
+                wall[arm].append(time.perf_counter() - t0)
+                cpu[arm].append(time.process_time() - c0)
+    return {arm: {"error": failed[arm]} if arm in failed else
+            {"wall_s": statistics.fmean(wall[arm]), "cpu_s": statistics.fmean(cpu[arm]),
+             "params": sum(p.numel() for p in arms[arm][1].parameters()), "coverage": arms[arm][2]}
+            for arm in names}
+
+
+def table(timing: list[dict[str, Any]], memory: dict[str, dict[str, Any]], args: argparse.Namespace,
+          load: tuple[float, float]) -> str:
+    """The markdown table: per arm the medians over the timing processes of its mean wall and CPU time per step,
+    the CPU-time ratios to AdamW, the gradient pass and ASDL (same processes), and its peak memory."""
+    def median(arm: str, key: str) -> float | None:
+        ok = [t[arm][key] for t in timing if key in t.get(arm, {})]
         return statistics.median(ok) if ok else None
 
-    adamw, grad = median("AdamW"), median("gradient pass")
+    ref = {name: median(name, "cpu_s") for name in ("AdamW", "gradient pass", "ASDL KFAC + SGD")}
+    notes: list[str] = []
     lines = [f"### GaussNewton (KFAC) step on a ViT vs AdamW and ASDL ({datetime.date.today()})", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, torch "
              f"{torch.__version__}, {args.threads} torch thread(s); load average (1 min) {load[0]:.2f} at the start, "
-             f"{load[1]:.2f} at the end (shared machine). Batch {args.batch}, float32; {args.warmup} warm-up and "
-             f"{args.steps} timed steps per process, median over {args.rounds} round(s).", "",
-             "| arm | params | coverage | time / step | vs AdamW | vs gradient pass | peak memory (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+             f"{load[1]:.2f} at the end (shared machine). Batch {args.batch}, float32; every arm in one process, "
+             f"{args.warmup} warm-up and {args.steps} timed steps each, interleaved; median over {args.rounds} "
+             "process(es). Ratios of CPU time.", "",
+             "| arm | params | coverage | wall time / step | CPU time / step | vs AdamW | vs gradient pass | vs ASDL | "
+             "peak memory (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    errors = [t["error"] for t in timing if "error" in t]
     for arm in ARMS:
-        got = samples.get(arm)
-        if got is None:
-            lines.append(f"| {arm} | - | - | not run (optional dependency asdfghjkl missing) | - | - | - |")
+        wall, cpu = median(arm, "wall_s"), median(arm, "cpu_s")
+        failures = [t[arm]["error"] for t in timing if "error" in t.get(arm, {})]
+        if cpu is None:
+            why = ("not run (optional dependency asdfghjkl missing)" if not any(arm in t for t in timing)
+                   and not errors else f"error: {(failures or errors or ['?'])[0][:160]}")
+            lines.append(f"| {arm} | - | - | {why} | - | - | - | - | - |")
             continue
-        ok = [s for s in got if "mean_s" in s]
-        if not ok:
-            lines.append(f"| {arm} | - | - | error: {got[0].get('error', '?')[:100]} | - | - | - |")
-            continue
-        t = median(arm)
-        assert t is not None
-        mem = [s["peak_delta_mib"] for s in ok if s["peak_delta_mib"] is not None]
-        lines.append(f"| {arm} | {ok[0]['params']:,} | {100 * ok[0]['coverage']:.0f} % | {fmt_seconds(t)} | "
-                     f"{fmt_ratio(t / adamw if adamw else None)} | {fmt_ratio(t / grad if grad else None)} | "
-                     f"{fmt_mib(max(mem) if mem else None)} |")
-    return "\n".join(lines) + "\n"
+        if failures:  # failed in some timing processes: the median is over the others
+            notes.append(f"{arm}: failed in {len(failures)} of {len(timing)} process(es) ({failures[0][:160]})")
+        first = next(t[arm] for t in timing if "cpu_s" in t.get(arm, {}))
+        mem = memory.get(arm, {}).get("peak_delta_mib")
+        ratios = " | ".join(fmt_ratio(cpu / r if r else None) for r in ref.values())
+        lines.append(f"| {arm} | {first['params']:,} | {100 * first['coverage']:.0f} % | {fmt_seconds(wall)} | "
+                     f"{fmt_seconds(cpu)} | {ratios} | {fmt_mib(mem)} |")
+    return "\n".join(lines + [""] + [f"Note: {n}." for n in notes]) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="timing processes (median over them)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -175,16 +225,21 @@ def main() -> None:
     asdl = require_library("ASDL KFAC + SGD", "asdl", "benchmarks/gauss_newton_vit.py", optional=True)
     arms = [a for a in ARMS if asdl or a != "ASDL KFAC + SGD"]
     load0 = os.getloadavg()[0]
-    samples: dict[str, list[dict[str, Any]]] = {}
+    common = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup, "threads": args.threads}
+    timing = []
     for r in range(args.rounds):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-            spec = {"arm": arm, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                    "threads": args.threads}
-            res = run_worker(__file__, spec, timeout=3600)
-            samples.setdefault(arm, []).append(res)
-            print(f"round {r + 1} {arm:18s} " + (res["error"] if "error" in res else fmt_seconds(res["mean_s"])),
-                  file=sys.stderr)
-    text = table(samples, args, (load0, os.getloadavg()[0]))
+        res = run_worker(__file__, {**common, "kind": "timing", "arms": arms}, timeout=7200)
+        timing.append(res)
+        for arm in arms:
+            got = res.get(arm) or {"error": res.get("error", "?")}
+            print(f"timing {r + 1} {arm:36s} " + (got["error"] if "error" in got else
+                  f"wall {fmt_seconds(got['wall_s'])}, CPU {fmt_seconds(got['cpu_s'])}"), file=sys.stderr)
+    memory: dict[str, dict[str, Any]] = {}
+    for arm in [] if args.no_memory else arms:
+        memory[arm] = run_worker(__file__, {**common, "kind": "memory", "arm": arm}, timeout=3600)
+        print(f"memory {arm:36s} " + memory[arm].get("error", fmt_mib(memory[arm].get("peak_delta_mib"))),
+              file=sys.stderr)
+    text = table(timing, memory, args, (load0, os.getloadavg()[0]))
     print(text)
     if args.out:
         Path(args.out).write_text(text)

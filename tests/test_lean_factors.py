@@ -98,3 +98,78 @@ def test_a_convolution_keeps_no_patches_after_its_layer_ran() -> None:
     convs = [site for (lp, spec), site in zip(est.blocks, cap.sites()) if isinstance(lp.module, nn.Conv2d)]
     assert convs and all(tuple(s.inputs.shape) == (X.shape[0], 0) for s in convs)
     assert all(cap.taken[i] is not None for i, (_, spec) in enumerate(est.blocks) if spec.form == "kron")
+
+
+@pytest.mark.parametrize("conv, shape", [
+    (nn.Conv2d(3, 4, 3, padding=1), (5, 3, 9, 11)),
+    (nn.Conv2d(3, 4, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1)), (5, 3, 9, 11)),
+    (nn.Conv2d(3, 4, 3, padding="same", padding_mode="reflect"), (5, 3, 9, 11)),
+    (nn.Conv2d(3, 4, 4, stride=3, padding=2, padding_mode="circular"), (5, 3, 9, 11)),
+    (nn.Conv2d(3, 6, 3, groups=3), (5, 3, 9, 11)),
+    (nn.Conv1d(3, 4, 5, stride=2, padding=3, dilation=2), (5, 3, 17)),
+    (nn.Conv3d(2, 4, (2, 3, 2), stride=(1, 2, 1), padding=(1, 0, 1)), (5, 2, 6, 7, 5)),
+])
+def test_mean_patch_without_unfolding_equals_the_unfolded_mean(conv: nn.Module, shape: tuple[int, ...]) -> None:
+    """KFAC-reduce's input of a convolution (the mean patch of every sample) from strided sums of the input
+    equals the mean of the unfolded patches: any padding mode, stride, dilation, 1-, 2- and 3-D."""
+    from curvkit.layerkinds.conv import conv_patch_means
+
+    conv = conv.double()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref = conv_patches(conv, x).mean(1)
+    got = conv_patch_means(conv, x)
+    assert got.shape == ref.shape
+    assert float((got - ref).abs().max()) <= TOL * float(ref.abs().max())
+
+
+def test_reduce_factors_from_mean_patches_equal_those_from_chunked_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimator's reduce input factors of a ResNet's convolutions from the mean patches (no unfolding)
+    equal those of the chunked unfolded patches (the route without the shortcut)."""
+    from curvkit.layerkinds._base import UnfoldedSite
+
+    model, data = _models()["resnet"]
+    calls = []
+    real = UnfoldedSite.position_means
+
+    def counted(self: UnfoldedSite) -> torch.Tensor | None:
+        out = real(self)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(UnfoldedSite, "position_means", counted)
+    fast = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing="reduce", seed=0).update(data).factors()
+    assert calls and all(calls)
+    monkeypatch.setattr(UnfoldedSite, "position_means", lambda self: None)
+    slow = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing="reduce", seed=0).update(data).factors()
+    for (n, G, A), (n2, G2, A2) in zip(fast, slow):
+        assert n == n2 and _close(A, A2) and _close(G, G2), n
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+@pytest.mark.parametrize("name", ["resnet", "gpt", "vit"])
+def test_outputs_the_pass_drops_are_freed_and_the_factors_unchanged(name: str, mode: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimator's capture keeps a layer's output only by its place in the graph (SiteOutput): outputs no
+    backward formula saves (eval-mode BatchNorm's, LayerNorm's) are freed during the forward pass, and the
+    factors (G read by the producing node's hook, or from autograd.grad for the lowest outputs) equal those
+    of a capture that holds every output, to 1e-12 in float64."""
+    import curvkit.curvature.capture as capture
+
+    model, data = _models()[name]
+    est = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0)
+    with est.capture() as cap, torch.enable_grad():
+        est.forward(cap, data[0])  # raw parameters (the ViT's class token) run as per-sample copies
+    freed = [s for s in cap.sites() if s is not None and isinstance(s.output, capture.SiteOutput)]
+    if name == "resnet":  # BatchNorm in eval mode: its output is saved by nothing
+        assert freed and all(s.output.tensor() is None for s in freed)
+    lean = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+
+    class Holding(capture.BlockCapture):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["lean"] = False
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(estimators, "BlockCapture", Holding)
+    held = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing=mode, seed=0).update(data).factors()
+    for (n, G, A), (n2, G2, A2) in zip(lean, held, strict=True):
+        assert n == n2 and _close(A, A2) and _close(G, G2), n

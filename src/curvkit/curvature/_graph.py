@@ -4,6 +4,9 @@ backward pass, nothing changes).
 * :func:`graph_leaves` - the leaf tensors (parameters, or the fresh leaves of a functional evaluation)
   that an output reaches, optionally without passing through given nodes (used by
   :mod:`curvkit.laplace._subset` to find the layer that produces the output);
+* :func:`lowest_tensors` - of some tensors on a graph, those below which no other lies: a backward pass asking
+  for their gradients reaches all of them (the Kronecker estimators read every layer's gradient by hooks while
+  asking only for these);
 * :func:`warn_unused` - the one check that every curvature operator, estimator and Laplace fit runs: a
   trainable parameter the output does not depend on (an unused head, an adapter bypassed by a fused fast
   path) gets a curvature of exactly zero, so it is named in one :class:`UnusedParameterWarning` per model
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from curvkit.curvature._functional import FunctionalModel
 from curvkit.validation import Inputs
 
-__all__ = ["UnusedParameterWarning", "graph_leaves", "warn_unused", "warn_unused_functional"]
+__all__ = ["UnusedParameterWarning", "graph_leaves", "lowest_tensors", "warn_unused", "warn_unused_functional"]
 
 # model -> the sets of unused parameter names already reported for it (warn once)
 _REPORTED: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -93,3 +96,32 @@ def warn_unused_functional(what: str, fmodel: FunctionalModel, X: Inputs) -> lis
     with torch.enable_grad():
         f = fmodel(leaves, X)
     return warn_unused(what, fmodel.module, fmodel.names, leaves, f)
+
+
+def lowest_tensors(outs: Sequence[Tensor]) -> list[int]:
+    """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
+    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``. One memoised
+    pass over the graph below the tensors (iterative: graphs are deep)."""
+    sites = {o.grad_fn for o in outs if o.grad_fn is not None}
+    leaves = {id(o) for o in outs if o.grad_fn is None}
+    holds: dict[Any, bool] = {}  # node -> a tensor of outs is produced at or below it
+
+    def children(n: Any) -> list[Any]:
+        return [m for m, _ in n.next_functions if m is not None]
+
+    def solve(root: Any) -> bool:
+        stack = [(root, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in holds:
+                continue
+            if n in sites or id(getattr(n, "variable", None)) in leaves:
+                holds[n] = True
+            elif expanded:
+                holds[n] = any(holds[m] for m in children(n))
+            else:
+                stack.append((n, True))
+                stack.extend((m, False) for m in children(n) if m not in holds)
+        return holds[root]
+
+    return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]

@@ -10,6 +10,7 @@ the graph whose gradient ``site.read`` turns into its output rows (B, R, out). N
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvkit.curvature._graph import lowest_tensors
 from curvkit.layerkinds import Site
 from curvkit.structure import (
     UnsupportedModelError,
@@ -25,7 +27,8 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "check_sample_rows", "per_sample_grads"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "grad_inputs",
+           "per_sample_grads"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -142,6 +145,57 @@ class PairCapture:
 
 
 # ---------------------------------------------------------------------------------------------- layer kinds
+class SiteOutput:
+    """A site's output tensor as a lean capture keeps it (:class:`BlockCapture`'s ``lean``): its place in the
+    autograd graph (``torch.autograd.graph.get_gradient_edge``: the node that produced it and the output's
+    number), its shape, dtype and device, and a weak reference, but not its storage, so that an output the
+    rest of the forward pass does not keep (an eval-mode BatchNorm's or a LayerNorm's, which no backward
+    formula saves) is freed as in a plain training pass instead of living until the statistics are read.
+
+    What the estimators read of an output works on it: :attr:`shape`, :attr:`requires_grad`, :attr:`grad_fn`
+    (:func:`~curvkit.curvature._graph.lowest_tensors`), :meth:`register_hook` (the gradient of the output as the
+    backward pass reaches its node, the node's pre-hook: the gradient with respect to the values the layer
+    produced, also when a later operation changed them in place) and :attr:`edge` as an input of
+    ``torch.autograd.grad`` (where the node is not run, so its hooks do not fire: :func:`grad_inputs`). Every
+    site of one tensor shares one object, as they share the tensor; :meth:`BlockCapture.sites` gives back the
+    tensor itself wherever it is still alive.
+    """
+
+    def __init__(self, t: Tensor):
+        self.edge = torch.autograd.graph.get_gradient_edge(t)
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.requires_grad = t.requires_grad
+        self._ref = weakref.ref(t)
+
+    @property
+    def grad_fn(self) -> Any:
+        return self.edge.node
+
+    def tensor(self) -> Tensor | None:
+        """The output tensor while something else keeps it alive, else None."""
+        return self._ref()
+
+    def new_empty(self, *size: int) -> Tensor:
+        return torch.empty(*size, dtype=self.dtype, device=self.device)
+
+    def register_hook(self, fn: Callable[[Tensor], None]) -> Any:
+        """Call ``fn(gradient of the output)`` when a backward pass runs the producing node; returns a handle
+        with ``remove()``."""
+        nr = self.edge.output_nr
+
+        def pre(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if grad_outputs[nr] is not None:
+                fn(grad_outputs[nr])  # type: ignore[arg-type]
+        return self.edge.node.register_prehook(pre)
+
+
+def grad_inputs(outs: Sequence[Any]) -> list[Any]:
+    """``outs`` (tensors or :class:`SiteOutput`) as inputs of ``torch.autograd.grad``: a :class:`SiteOutput`
+    by its gradient edge. The nodes of such inputs are not run, so their hooks do not fire: the caller reads
+    their gradients from what ``torch.autograd.grad`` returns."""
+    return [o.edge if isinstance(o, SiteOutput) else o for o in outs]
+
+
 class BlockCapture:
     """The hooks of the layer-kind handlers (:mod:`curvkit.layerkinds`) on a planned model, for one forward
     pass: every block gets one :class:`~curvkit.layerkinds.Site` (input rows, an output on the graph and how
@@ -156,13 +210,17 @@ class BlockCapture:
             the forward pass; what it returns is kept in :attr:`taken` under the block's position. The
             Kronecker estimators form a block's input statistic there and drop the input rows, so at most
             one layer's input rows (a convolution's unfolded patches) exist at a time.
+        lean: keep the sites' outputs as :class:`SiteOutput` (their place in the graph, not their storage);
+            the Kronecker estimators' captures are lean except KFRA's, which reads the outputs' values.
     """
 
     def __init__(self, plans: Sequence[Any], what: str = "Kronecker capture",
-                 take: Callable[[int, Any], Any] | None = None):
+                 take: Callable[[int, Any], Any] | None = None, lean: bool = False):
         self.plans = list(plans)
         self.what = what
         self.take = take
+        self.lean = lean
+        self._outputs: dict[tuple[int, int], SiteOutput] = {}
         self.taken: dict[int, Any] = {}
         self.specs = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self._first = []  # first global block position of each layer
@@ -185,6 +243,15 @@ class BlockCapture:
         def emit(site: Any) -> None:
             self._sites[first + site.block].append(site)
             self._versions[first + site.block].append(site.output._version)
+            # a lean capture does not hold an output's storage (SiteOutput), except an output every sample uses
+            # (Site.shared: its per-sample gradients are asked of autograd for the tensor itself; it has no
+            # batch dimension, so it is small)
+            if self.lean and site.output.grad_fn is not None and not site.shared:
+                edge = torch.autograd.graph.get_gradient_edge(site.output)
+                key = (id(edge.node), edge.output_nr)
+                if key not in self._outputs:
+                    self._outputs[key] = SiteOutput(site.output)
+                site.output = self._outputs[key]
             if self.take is not None:
                 self.taken[first + site.block] = self.take(first + site.block, site)
         emit.capture = self  # type: ignore[attr-defined]  # handlers read the batch size (batch_of)
@@ -221,6 +288,7 @@ class BlockCapture:
         for v in self._versions:
             v.clear()
         self.taken.clear()
+        self._outputs.clear()
 
     def substitute(self, batch: int, values: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Per-sample copies ``P = p.expand(batch, ...)`` of the raw parameters of the plan (those of a
@@ -254,7 +322,12 @@ class BlockCapture:
                     "one forward pass (with autograd on); a Kronecker block pairs one input with one output gradient, "
                     "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)"
                     + (_NO_AUTOGRAD if not any(self._sites) else ""))
-            if sites[0].output._version != versions[0]:
+            kept = sites[0].output
+            if isinstance(kept, SiteOutput):  # a lean capture: the tensor itself where it is still alive
+                kept = kept.tensor()
+                if kept is not None:
+                    sites[0].output = kept
+            if kept is not None and kept._version != versions[0]:
                 raise UnsupportedModelError(
                     f"{self.what}: the output of module {lp.label!r} was modified in place later in the forward pass"
                     + _IN_PLACE)
@@ -293,27 +366,59 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
         return
     kept = [k for k, s in enumerate(sites) if not s.shared]  # a shared site's rows are per sample by construction
     blocks, sites = [blocks[k] for k in kept], [sites[k] for k in kept]
-    outs: list[Tensor] = []
-    for site in sites:
-        if site.output.requires_grad and all(site.output is not o for o in outs):
+    outs: list[Any] = []  # tensors or SiteOutput
+    feeds: list[list[int]] = []  # the sites (positions in ``sites``) each output feeds
+    for i, site in enumerate(sites):
+        if not site.output.requires_grad:
+            continue
+        j = next((j for j, o in enumerate(outs) if site.output is o), None)
+        if j is None:
             outs.append(site.output)
+            feeds.append([i])
+        else:
+            feeds[j].append(i)
+    if not outs:
+        return
     n = B - 1
     gen = torch.Generator(device=f.device).manual_seed(0)
     w = torch.randn(f.shape[1:], generator=gen, device=f.device, dtype=f.dtype)
-    with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
-        s = (f[n] * w).sum() if B else f.sum() * 0
-        grads = torch.autograd.grad(s, outs, retain_graph=True, allow_unused=True)
-    if not conclude:
-        return
-    by_id = {id(o): g for o, g in zip(outs, grads)}
-    for (lp, _), site in zip(blocks, sites):
-        g = by_id.get(id(site.output))
-        if g is None:
-            continue
+    failed: list[tuple[int, Tensor]] = []
+
+    def check(j: int, g: Tensor) -> None:  # each output's gradient is reduced to row sums as it passes
+        if not conclude:  # the pass runs for FSDP2's collectives only (always_pass)
+            return
         with torch.no_grad():
-            rows = site.read(g).reshape(B, -1).abs().sum(1)
-        if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
-            raise _not_samples_first(what, lp, site, B, g)
+            for i in feeds[j]:
+                rows = sites[i].read(g.detach()).reshape(B, -1).abs().sum(1)
+                if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
+                    failed.append((i, g.detach()))
+
+    # gradients asked for the lowest outputs only (lowest_tensors), read by hooks: one output's at a time
+    handles = [o.register_hook(_row_check(check, j)) for j, o in enumerate(outs) if o is not f]
+    try:
+        with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
+            low = lowest_tensors(outs)
+            s = (f[n] * w).sum() if B else f.sum() * 0
+            grads = torch.autograd.grad(s, grad_inputs([outs[j] for j in low]), retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for j, g in zip(low, grads):  # a lean output asked for: its node did not run (grad_inputs)
+        if isinstance(outs[j], SiteOutput) and g is not None:
+            check(j, g)
+    for j, o in enumerate(outs):  # the model output itself (a head's site) has no hook: its gradient is direct
+        if o is f and conclude:
+            check(j, torch.zeros_like(f).index_copy_(0, torch.tensor([n], device=f.device), w[None]))
+    del grads
+    if failed:  # the first block in the plan's order, as a reader expects
+        i, g = min(failed, key=lambda t: t[0])
+        raise _not_samples_first(what, blocks[i][0], sites[i], B, g)
+
+
+def _row_check(check: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:
+    def hook(g: Tensor) -> None:
+        check(j, g)
+    return hook
 
 
 def per_sample_grads(f: Tensor, outs: Sequence[Tensor], V: Tensor, retain_graph: bool = True) -> list[Tensor]:

@@ -46,8 +46,15 @@ import torch
 from torch import Tensor, nn
 
 from curvkit import layerkinds, precision
+from curvkit.curvature._graph import lowest_tensors
 from curvkit.curvature._vjp import vector_grad
-from curvkit.curvature.capture import BlockCapture, check_sample_rows, per_sample_grads
+from curvkit.curvature.capture import (
+    BlockCapture,
+    SiteOutput,
+    check_sample_rows,
+    grad_inputs,
+    per_sample_grads,
+)
 from curvkit.curvature.config import (
     BatchStatistics,
     CurvatureConfig,
@@ -301,7 +308,8 @@ class KroneckerEstimator(CurvatureEstimator):
         """A capture to run one forward pass in (``with est.capture() as cap: f = model(X)``); the pass
         inside runs under :func:`curvkit.structure.curvature_kernels`. Each block's input statistic is formed
         inside the pass, when its layer runs, and its input rows are dropped there (:meth:`_taker`)."""
-        return BlockCapture(self.plans, self.method, take=None if self.keep_per_sample else self._taker())
+        return BlockCapture(self.plans, self.method, take=None if self.keep_per_sample else self._taker(),
+                            lean=self.method != "kfra")  # KFRA reads the outputs' values
 
     def _taker(self) -> Any:
         """The ``take`` of a capture (:class:`BlockCapture`): a Kronecker block's input statistic the moment
@@ -510,15 +518,18 @@ class KroneckerEstimator(CurvatureEstimator):
         block from per-sample gradients (formed with the output side). Blocks with the same input rows share
         one statistic (``cache``). Rows that are not formed yet (:class:`~curvkit.layerkinds.UnfoldedSite`),
         or that are not a view of (B * R, in) rows, are taken a few samples at a time (:data:`_BUDGET`
-        scalars): expand sums the chunks' Gram matrices, reduce stacks their position means."""
+        scalars): expand sums the chunks' Gram matrices, reduce stacks their position means (or takes them from
+        the site without the rows, :meth:`~curvkit.layerkinds.UnfoldedSite.position_means`: a convolution's)."""
         if spec.form == "grad":
             return None
         mode, bias = self._sharing(spec), spec.bias is not None
         if isinstance(site, UnfoldedSite) and not site.formed:
             key = (id(site), mode, bias)
             if key not in cache:
+                means = site.position_means() if mode == "reduce" else None
                 chunk = max(1, _BUDGET // max(1, site.row_size))
-                cache[key] = self._chunked_gram(site.sample_rows, site.batch, chunk, mode, bias)
+                cache[key] = (self._input_gram(means, bias) if means is not None else
+                              self._chunked_gram(site.sample_rows, site.batch, chunk, mode, bias))
             return cache[key]
         a = site.inputs
         if spec.ids:
@@ -628,7 +639,7 @@ class KroneckerEstimator(CurvatureEstimator):
         (``sum_n u u^T`` or its diagonal) for the other blocks (stored as their input statistic, in A).
 
         The statistics are formed by tensor hooks on the sites' outputs while the gradient passes through
-        them, and the backward pass asks only for the lowest sites (:func:`_lowest`), so the layer-output
+        them, and the backward pass asks only for the lowest sites (:func:`~curvkit.curvature._graph.lowest_tensors`), so the layer-output
         gradients are never all held at once; with ``free`` the last vector's pass frees the graph as it
         goes (the estimator's own forward pass; a caller's graph is kept)."""
         outs: list[Tensor] = []
@@ -674,7 +685,8 @@ class KroneckerEstimator(CurvatureEstimator):
 
         roots = [j for j, o in enumerate(outs) if o is f]  # the model output itself: its gradient is V
         closed = [j for j in roots if self._closed_form_root([sites[i] for i in feeds[j]], [i for i in feeds[j]], f)]
-        targets = [outs[j] for j in _lowest(outs) if j not in roots] or [f]
+        low = [j for j in lowest_tensors(outs) if j not in roots]
+        targets = [outs[j] for j in low] or [f]
         handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
         try:
             vectors = self._vectors(f.detach(), y)
@@ -692,15 +704,19 @@ class KroneckerEstimator(CurvatureEstimator):
                     if following is None or (len(pending) + 1) * f.shape[0] * f.numel() > _BUDGET:
                         batched[0] = True
                         try:
-                            grads = per_sample_grads(f, shared_outs, torch.stack([v for v, _ in pending]))
+                            per_sample = per_sample_grads(f, shared_outs, torch.stack([v for v, _ in pending]))
                         finally:
                             batched[0] = False
-                        for o, g in zip(shared_outs, grads):
+                        for o, g in zip(shared_outs, per_sample):
                             for l, (_, wl) in enumerate(pending):
                                 read(shared[id(o)], g[l], wl)
                         pending.clear()
                 if len(targets) > 1 or targets[0] is not f:
-                    vector_grad(f, targets, V, retain_graph=not (free and following is None), allow_unused=True)
+                    grads = vector_grad(f, grad_inputs(targets), V, retain_graph=not (free and following is None),
+                                        allow_unused=True)
+                    for j, g in zip(low, grads):  # a lean output asked for: its node did not run (grad_inputs)
+                        if isinstance(outs[j], SiteOutput) and g is not None:
+                            consume(j, g)
                 current = following
         finally:
             for h in handles:
@@ -1083,35 +1099,6 @@ def _hook(consume: Any, j: int) -> Any:
     return hook
 
 
-def _lowest(outs: list[Tensor]) -> list[int]:
-    """The positions of the tensors of ``outs`` below which (towards the inputs, in the autograd graph) no
-    other tensor of ``outs`` lies: a backward pass to these reaches every tensor of ``outs``. One memoised
-    pass over the graph below the tensors (iterative: graphs are deep)."""
-    sites = {o.grad_fn for o in outs if o.grad_fn is not None}
-    leaves = {id(o) for o in outs if o.grad_fn is None}
-    holds: dict[Any, bool] = {}  # node -> a tensor of outs is produced at or below it
-
-    def children(n: Any) -> list[Any]:
-        return [m for m, _ in n.next_functions if m is not None]
-
-    def solve(root: Any) -> bool:
-        stack = [(root, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if n in holds:
-                continue
-            if n in sites or id(getattr(n, "variable", None)) in leaves:
-                holds[n] = True
-            elif expanded:
-                holds[n] = any(holds[m] for m in children(n))
-            else:
-                stack.append((n, True))
-                stack.extend((m, False) for m in children(n) if m not in holds)
-        return holds[root]
-
-    return [j for j, o in enumerate(outs) if o.grad_fn is None or not any(solve(m) for m in children(o.grad_fn))]
-
-
 def _view_rows(t: Tensor) -> Tensor | None:
     """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it) as a view when the
     strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), else
@@ -1130,24 +1117,24 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1]) if rows is None else rows
 
 
-def _gram(a: Tensor, block: int = 512) -> Tensor:
-    """a^T a (n, n) for rows a (m, n), symmetric to rounding (the operator symmetrises). One product, except
-    for tall and wide rows (m >= 2048, n >= 3 * block), where only the upper block triangle is multiplied (one
-    product per block row from a contiguous copy of a^T, about (k + 1) / 2k of the full product with k blocks)
-    and mirrored.
-    Measured (2-core AMD EPYC, MKL, float32, CPU seconds): the single product is fastest for the short rows of
-    a language model's batch (256 x 5,632: 0.27 s, against 1.33 s for 128-wide tiles) and for a ViT's
-    (6,400 x 1,024: 0.17 s); the tiles for tall wide ones (2,048 x 5,632: 1.24 s against 1.53 s; 25,000 x
-    2,048: 1.86 s against 2.36 s)."""
-    m, n = a.shape
-    k = n // block
-    if m < 2048 or k < 3:
+#: the narrowest rows whose Gram matrix :func:`_gram` forms by blocks
+_GRAM_MIN = 128
+
+
+def _gram(a: Tensor) -> Tensor:
+    """a^T a (n, n) for rows a (m, n). For n >= :data:`_GRAM_MIN` only the upper block triangle of k column
+    blocks is multiplied (one product per block row, (k + 1) / 2k of the full product) and mirrored: the Gram
+    matrices dominate the statistics of KFAC-expand (6,400 rows per block on a ViT). k = 4 up to 1,024 columns,
+    n / 256 above (single-thread float32, m = 512-6,400 rows: 0.63-0.83x the time of the full product at n =
+    128-3,072; k = n // 128, the previous rule, left n < 384 whole)."""
+    n = a.shape[1]
+    if n < _GRAM_MIN:
         return a.T @ a
+    k = max(4, n // 256)
     edges = [n * i // k for i in range(k + 1)]
     out = a.new_empty(n, n)
-    at = a.T.contiguous()
     for lo, hi in pairwise(edges):
-        part = at[lo:hi] @ a[:, lo:]  # rows lo:hi, columns lo:n
+        part = a[:, lo:hi].T @ a[:, lo:]  # rows lo:hi, columns lo:n
         out[lo:hi, lo:] = part
         out[hi:, lo:hi] = part[:, hi - lo:].T
     return out

@@ -116,12 +116,16 @@ class UnfoldedSite(Site):
         rows: ``rows(lo, hi)`` -> input rows (hi - lo, R, in) of samples lo:hi.
         batch: B.
         row_size: R * in, the scalars of one sample's rows.
+        means: ``means()`` -> (B, in) the rows' mean over the R positions of every sample, formed without the
+            rows (a convolution's mean patch from strided sums of its input), or None.
     """
 
     def __init__(self, block: int, output: Tensor, read: Callable[[Tensor], Tensor],
-                 rows: Callable[[int, int], Tensor], batch: int, row_size: int):
+                 rows: Callable[[int, int], Tensor], batch: int, row_size: int,
+                 means: Callable[[], Tensor] | None = None):
         self.block, self.output, self.read = block, output, read
         self._rows, self.batch, self.row_size = rows, batch, row_size
+        self._means = means
         self._inputs: Tensor | None = None
 
     @property  # type: ignore[override]
@@ -142,6 +146,11 @@ class UnfoldedSite(Site):
     def sample_rows(self, lo: int, hi: int) -> Tensor:
         """Input rows (hi - lo, R, in) of samples lo:hi (from :attr:`inputs` once formed)."""
         return self._rows(lo, hi) if self._inputs is None else self._inputs[lo:hi]
+
+    def position_means(self) -> Tensor | None:
+        """(B, in) the input rows' mean over the positions of each sample (KFAC-reduce's input) without forming
+        the rows, or None when the layer kind gives no such shortcut (then: :meth:`sample_rows`)."""
+        return None if self._means is None or self._inputs is not None else self._means()
 
 
 Emit = Callable[[Site], None]

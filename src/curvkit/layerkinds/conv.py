@@ -14,6 +14,7 @@ A_j: (C/g k + 1, C/g k + 1)) from its own patch columns and output channels; a d
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -34,7 +35,7 @@ from curvkit.layerkinds._base import (
 )
 from curvkit.linalg.kron import standard_index
 
-__all__ = ["ConvHandler", "conv_forward", "conv_patches"]
+__all__ = ["ConvHandler", "conv_forward", "conv_patch_means", "conv_patches"]
 
 _BUDGET = 2**24  # scalars per chunk of per-sample gradients (squared_gradients)
 
@@ -77,7 +78,8 @@ class ConvHandler(LayerHandler):
 
             if g == 1:  # patches unfolded on demand, a few samples at a time if the consumer wants
                 size = y[0, 0].numel() * ck  # T * C*k
-                emit(UnfoldedSite(0, y, rows, lambda lo, hi: conv_patches(mod, x[lo:hi]), B, size))
+                emit(UnfoldedSite(0, y, rows, lambda lo, hi: conv_patches(mod, x[lo:hi]), B, size,
+                                  lambda: conv_patch_means(mod, x)))
                 return
             patches = conv_patches(mod, x)  # (B, T, C*k)
             k, o = patches.shape[-1] // g, out // g
@@ -175,6 +177,35 @@ def _patches_3d(conv: nn.Module, x: Tensor) -> Tensor:
         x = x.unfold(2 + i, d * (k - 1) + 1, st)[..., ::d]  # (..., out_i, ..., k_i) appended last
     B, C = x.shape[:2]
     return x.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(B, -1, C * math.prod(c.kernel_size))
+
+
+def conv_patch_means(conv: nn.Module, x: Tensor) -> Tensor:
+    """(B, C*k) the mean over the T output locations of :func:`conv_patches` (KFAC-reduce's input rows, any
+    padding mode, stride and dilation, 1-, 2- and 3-D), without unfolding: entry (c, j) of the mean patch is
+    the mean of the padded input of channel c over the strided grid of output locations shifted by kernel
+    offset j,
+
+        mean_t patch_t[c, j] = (1/T) sum_{o_1..o_D} x_pad[c, o_1 s_1 + j_1 d_1, ..., o_D s_D + j_D d_D],
+
+    one strided view summed per kernel offset (j in row-major order, channel-major columns as ``F.unfold``):
+    memory of the padded input and (B, C) per offset, against T times (B, C*k) for the patches."""
+    c: Any = conv
+    D = 1 if isinstance(conv, nn.Conv1d) else 3 if isinstance(conv, nn.Conv3d) else 2
+    if x.dim() != 2 + D:
+        raise ValueError(f"{type(conv).__name__} expects a {2 + D}-D input (B, C, *spatial), got shape "
+                         f"{tuple(x.shape)}")
+    x, pad = _conv_pad(conv, x)
+    if pad != 0 and any(pad):
+        x = F.pad(x, [p for q in reversed(pad) for p in (q, q)])
+    k, s, d = tuple(c.kernel_size), tuple(c.stride), tuple(c.dilation)
+    out = [(x.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(D)]
+    sums = []
+    for j in itertools.product(*(range(n) for n in k)):
+        index: tuple[Any, ...] = (..., *(slice(j[i] * d[i], j[i] * d[i] + s[i] * (out[i] - 1) + 1, s[i])
+                                         for i in range(D)))
+        view = x[index]
+        sums.append(view.sum(tuple(range(2, 2 + D))))
+    return torch.stack(sums, dim=-1).flatten(1).div_(math.prod(out))  # (B, C, k) -> (B, C*k)
 
 
 def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
