@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.test_sharded import Tagger, _data, _scaled_sharded_and_reference, _sharded_and_reference
+from tests.test_sharded import (
+    Tagger,
+    _data,
+    _scaled_sharded_and_reference,
+    _sharded_and_reference,
+    _sharded_mlp,
+)
 from torch import nn
 
 from curvkit.distributed import spawn
@@ -98,12 +104,7 @@ def laplace_worker(rank, world):
     assert got.names == ["head.weight", "head.bias"]
     _same_posterior(got, want, X)
     # KFRA (batch means of the union, batch by batch) on a sharded MLP chain
-    torch.manual_seed(4)
-    mlp, ref = (nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).to(D64) for _ in range(2))
-    ref.load_state_dict(mlp.state_dict())
-    fully_shard(mlp[0]), fully_shard(mlp[2]), fully_shard(mlp)
-    g = torch.Generator().manual_seed(5)
-    Xm, ym = torch.randn(9, 6, generator=g, dtype=D64), torch.randint(0, 3, (9,), generator=g)
+    mlp, ref, Xm, ym = _sharded_mlp()
     parts = _rank_batches(Xm, ym, bounds, rank)
     union = [(torch.cat([b[0] for b in bs]), torch.cat([b[1] for b in bs]))
              for bs in zip(*[_rank_batches(Xm, ym, bounds, r) for r in range(world)])]  # batch i of every rank

@@ -169,12 +169,24 @@ def _batches(world, steps=3):
     return out, (_data(world)[2])
 
 
+def _sharded_mlp():
+    """A 6-7-3 tanh MLP chain (KFRA's) with every layer and the root sharded, its unsharded copy, and 9 samples
+    (X (9, 6), 3-class labels)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(4)
+    mlp, ref = (nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).to(D64) for _ in range(2))
+    ref.load_state_dict(mlp.state_dict())
+    fully_shard(mlp[0]), fully_shard(mlp[2]), fully_shard(mlp)
+    g = torch.Generator().manual_seed(5)
+    return mlp, ref, torch.randn(9, 6, generator=g, dtype=D64), torch.randint(0, 3, (9,), generator=g)
+
+
 def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def gauss_newton_worker(rank, world):
-    from torch.distributed.fsdp import fully_shard
 
     from curvkit.distributed import Reducer
     from curvkit.likelihoods import CrossEntropy
@@ -211,12 +223,7 @@ def gauss_newton_worker(rank, world):
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p), q, atol=1e-12, rtol=0)
     # KFRA (the thesis's source, chosen by 'auto' for an MLP chain) on a sharded MLP
-    torch.manual_seed(4)
-    mlp, ref = (nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).to(D64) for _ in range(2))
-    ref.load_state_dict(mlp.state_dict())
-    fully_shard(mlp[0]), fully_shard(mlp[2]), fully_shard(mlp)
-    g = torch.Generator().manual_seed(5)
-    X, y = torch.randn(9, 6, generator=g, dtype=D64), torch.randint(0, 3, (9,), generator=g)
+    mlp, ref, X, y = _sharded_mlp()
     kw = dict(likelihood=CrossEntropy(), **common)
     got = GaussNewton(mlp.parameters(), model=mlp, distributed=Reducer(), **kw)
     want = GaussNewton(ref.parameters(), model=ref, **kw)

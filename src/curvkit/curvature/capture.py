@@ -28,7 +28,7 @@ from curvkit.structure import (
 )
 
 __all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "grad_inputs",
-           "per_sample_grads"]
+           "indexed_hook", "per_sample_grads"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -394,7 +394,7 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
                     failed.append((i, g.detach()))
 
     # gradients asked for the lowest outputs only (lowest_tensors), read by hooks: one output's at a time
-    handles = [o.register_hook(_row_check(check, j)) for j, o in enumerate(outs) if o is not f]
+    handles = [o.register_hook(indexed_hook(check, j)) for j, o in enumerate(outs) if o is not f]
     try:
         with torch.enable_grad():  # the caller's grad mode may be off (torch.no_grad(), inference mode)
             low = lowest_tensors(outs)
@@ -415,9 +415,10 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
         raise _not_samples_first(what, blocks[i][0], sites[i], B, g)
 
 
-def _row_check(check: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:
+def indexed_hook(fn: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:
+    """A tensor hook that calls ``fn(j, gradient)``: one per output, each knowing its index."""
     def hook(g: Tensor) -> None:
-        check(j, g)
+        fn(j, g)
     return hook
 
 

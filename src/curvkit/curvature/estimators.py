@@ -53,6 +53,7 @@ from curvkit.curvature.capture import (
     SiteOutput,
     check_sample_rows,
     grad_inputs,
+    indexed_hook,
     per_sample_grads,
 )
 from curvkit.curvature.config import (
@@ -687,7 +688,7 @@ class KroneckerEstimator(CurvatureEstimator):
         closed = [j for j in roots if self._closed_form_root([sites[i] for i in feeds[j]], [i for i in feeds[j]], f)]
         low = [j for j in lowest_tensors(outs) if j not in roots]
         targets = [outs[j] for j in low] or [f]
-        handles = [o.register_hook(_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
+        handles = [o.register_hook(indexed_hook(consume, j)) for j, o in enumerate(outs) if j not in roots]
         try:
             vectors = self._vectors(f.detach(), y)
             current = next(vectors, None)
@@ -1091,12 +1092,6 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), mod
                 f"FSDP2-sharded model: only the kinds {', '.join(kinds)} take sharded weights (their "
                 "statistics read only a layer's inputs and output gradients); freeze it (requires_grad_(False)) "
                 "or use data parallelism (every rank holds the whole model)")
-
-
-def _hook(consume: Any, j: int) -> Any:
-    def hook(g: Tensor) -> None:
-        consume(j, g)
-    return hook
 
 
 def _view_rows(t: Tensor) -> Tensor | None:
