@@ -12,19 +12,24 @@ Rows, all in ONE process, each timed as a ratio to a gradient pass measured in t
 ``OMP_WAIT_POLICY=PASSIVE`` unless set; peak memory: the increase of the resident set during the call):
 
 * ``gradient``: loss + gradient of every parameter (math attention, as the curvature passes run);
-* ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(curvature="kfac")`` ``update`` + ``operator()`` on
-  EVERY parameter (norms and the 32k head included), a fresh estimator per call (its first batch also runs the
-  samples-first trace); ``a refresh (estimator kept)``: ``reset`` + ``update`` + ``operator()`` of one estimator
-  kept across calls, as an optimiser refreshes its factors; where the engine refused a module (LlamaRMSNorm before
-  the per-sample fallback of issue 30 §1), the row records the refusal and the next rows run with those
-  parameters frozen, with their coverage;
+* ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(curvature="kfac")`` ``update`` +
+  ``operator(release=True)`` on EVERY parameter (norms and the 32k head included), a fresh estimator per call
+  (its first batch also runs the samples-first trace); ``a refresh (estimator kept)``: ``reset`` + ``update`` +
+  ``operator(release=True)`` of one estimator kept across calls, as an optimiser refreshes its factors; where the
+  engine refused a module (LlamaRMSNorm before the per-sample fallback of issue 30 §1), the row records the
+  refusal and the next rows run with those parameters frozen, with their coverage;
 * ``curvlinops KFAC``: ``KFACLinearOperator`` (MC, expand) on the parameters it takes (``nn.Linear``; in the
   full configuration without ``lm_head``, whose dense 32,000^2 output factor is 4 GB), its coverage;
 * ``LoRA gradient``: peft LoRA, rank 8 on ``q_proj`` and ``v_proj``, everything else frozen: the unit of the
   LoRA rows; ``LoRA Kronecker Laplace``: ``Laplace(structure="kron", curvature="kfac")`` fit + log marginal
   likelihood; ``LoRA GLM predictive``: its linearised predictive at every token over the whole vocabulary
   (``link="mc"``, 10 draws by forward-mode products); ``LoRA GaussNewton``: one step (KFAC, alpha*, rho);
-* ``GaussNewton all parameters``: one step on every parameter (``--quick`` and ``--layers`` only).
+* ``GaussNewton all parameters``: one step on every parameter (``--quick`` and fewer than 22 layers only: the
+  whole model's factors and their inverses, 2 x 10.5 GB, do not fit beside its weights and gradient in 24 GB).
+
+The KFAC rows take the operator with ``operator(release=True)`` (the statistics handed to it, symmetrised in
+place, as :func:`curvkit.curvature.kfac` does): one set of factors in memory, not two. The header gives the
+largest resident set of the process during any row.
 
 Run: ``flock /tmp/curvkit-bench.lock env OMP_NUM_THREADS=2 .venv/bin/python benchmarks/llama_scale.py
 [--quick | --layers N] [--out table.md]`` (``--layers N``: the full width with N of the 22 decoder
@@ -110,8 +115,13 @@ def gradient(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor) -> Any:
     return torch.autograd.grad(loss, params)
 
 
-def measure(fn: Any, repeats: int = 3) -> tuple[float, float | None]:
+REPEATS = {"n": 3}  # calls per row (``--repeats``); the gradient takes two more
+PROCESS_PEAK = {"mib": 0.0}  # the largest resident set seen during any first call (before + its increase)
+
+
+def measure(fn: Any, repeats: int | None = None) -> tuple[float, float | None]:
     """(median process CPU seconds of ``repeats`` calls, peak resident-set increase in MiB of the first)."""
+    repeats = REPEATS["n"] if repeats is None else repeats
     times: list[float] = []
 
     def timed() -> Any:
@@ -121,6 +131,8 @@ def measure(fn: Any, repeats: int = 3) -> tuple[float, float | None]:
         return out
 
     mem = peak_rss_delta(timed)
+    if mem["peak_delta_mib"] is not None:
+        PROCESS_PEAK["mib"] = max(PROCESS_PEAK["mib"], mem["rss_before_mib"] + mem["peak_delta_mib"])
     for _ in range(repeats - 1):
         timed()
     return statistics.median(times), mem["peak_delta_mib"]
@@ -141,7 +153,7 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
 
     def unit(name: str) -> tuple[float, float | None]:
         gradient(hf, batch, y)  # warm-up
-        s, mib = measure(lambda: gradient(hf, batch, y), 5)
+        s, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
         rows.append({"row": name, "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0, "coverage": coverage(hf)})
         return s, mib
 
@@ -157,7 +169,7 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
 
     def kfac(sharing: str) -> Any:
         est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0)
-        return est.update((batch, y)).operator()
+        return est.update((batch, y)).operator(release=True)  # as curvature.kfac(): the statistics handed over
 
     kept: dict[str, Any] = {}
 
@@ -169,7 +181,7 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
             kept[sharing].update((batch, y))
         est = kept[sharing]
         est.reset()
-        return est.update((batch, y)).operator()
+        return est.update((batch, y)).operator(release=True)
 
     base = unit("gradient (every parameter)")
     ok = row("curvkit KFAC expand, every parameter", lambda: kfac("expand"), base)
@@ -183,13 +195,19 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
     row("curvkit KFAC reduce", lambda: kfac("reduce"), base)
     row("curvkit KFAC expand, a refresh (estimator kept)", lambda: refresh("expand"), base)
     row("curvkit KFAC reduce, a refresh (estimator kept)", lambda: refresh("reduce"), base)
-    if quick or layers:
+    kept.clear()
+    if quick or (layers is not None and layers < FULL["num_hidden_layers"]):
         from curvkit.optim import GaussNewton
 
         net = Ids(hf)
         gn = GaussNewton([p for p in hf.parameters() if p.requires_grad], model=net, likelihood=CrossEntropy("mean"))
         row("GaussNewton step, " + ("every parameter" if ok else "norms frozen"),
             lambda: gn.step(batch=(batch["input_ids"], y)), base)
+        del gn, net
+    else:
+        rows.append({"row": "GaussNewton step, every parameter", "coverage": coverage(hf),
+                     "note": "not run: its factors and their inverses (2 x 10.5 GB) beside the weights and "
+                             "gradient (2 x 4.4 GB) exceed the 24 GB"})
     try:
         import curvlinops as cl
 
@@ -253,7 +271,7 @@ def lora_rows(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: li
 
 def unit_for(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]]) -> Any:
     gradient(hf, batch, y)
-    s, mib = measure(lambda: gradient(hf, batch, y), 5)
+    s, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
     rows.append({"row": "LoRA gradient (adapters)", "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0,
                  "coverage": sum(p.numel() for p in hf.parameters() if p.requires_grad)
                  / sum(p.numel() for p in hf.parameters())})
@@ -280,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="keep the full width but build only this many of the 22 decoder layers (memory, time)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (the gradient: two more)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    REPEATS["n"] = args.repeats
     rows = run(args.quick, args.layers)
     table = render(rows)
     name = "quick" if args.quick else "TinyLlama-1.1B" + (f" width, {args.layers} layers" if args.layers else "")
     head = (f"llama_scale ({name} configuration, {rows[0]['params']:,} "
-            f"parameters, {args.threads} threads)")
+            f"parameters, {args.threads} threads; process peak resident set {PROCESS_PEAK['mib'] / 1024:.1f} GiB)")
     print(head + "\n\n" + table)
     if args.out:
         args.out.write_text(head + "\n\n" + table + "\n")

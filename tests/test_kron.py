@@ -299,7 +299,7 @@ def test_block_diagonal_operator():
 def test_symmetrise_by_tiles_is_bitwise_the_plain_expression():
     """Large factors are symmetrised tile by tile (a cache-friendly transpose); every entry is the same two-term
     sum times c, so the result equals ``c * (M + M^T)`` bitwise, on and off the tile grid."""
-    from curvkit.linalg.factors import _symmetrise
+    from curvkit.linalg.factors import _symmetrise, _symmetrise_
 
     g = torch.Generator().manual_seed(0)
     for n in (7, 1023, 1024, 1500):
@@ -308,3 +308,6 @@ def test_symmetrise_by_tiles_is_bitwise_the_plain_expression():
             for c in (0.5, 0.37):
                 S = _symmetrise(M, c)
                 assert torch.equal(S, (M + M.T) * c) and torch.equal(S, S.T)
+                for tile in (512, 100):  # in place, paired tiles across the diagonal: the same entries
+                    N = M.clone()
+                    assert _symmetrise_(N, c, tile) is N and torch.equal(N, S)

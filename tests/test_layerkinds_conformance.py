@@ -170,3 +170,52 @@ def test_conv3d_blocks_equal_those_of_the_equivalent_conv2d(mode):
     assert [x.G.shape for x in a.blocks] == [x.G.shape for x in b.blocks]
     for x, z in zip(a.blocks, b.blocks):
         assert torch.allclose(x.G, z.G, atol=1e-12) and torch.allclose(x.A, z.A, atol=1e-12)
+
+
+class TiedLM(nn.Module):
+    """An embedding and a head that share one weight (a shared parameter's sum block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids)))).mean(1)
+
+
+RELEASE_CASES = {**{k: (v[0], v[1], max(v[2], 3), {}) for k, v in CASES.items()},
+                 "tied": (TiedLM, lambda B: torch.randint(0, 7, (B, 3)), 3, {}),
+                 "low_rank_head": (lambda: Head(nn.Linear(4, 5), 5), lambda B: _vec(B, 4), 3,
+                                   {"output_factor": "low_rank"})}
+
+
+@pytest.mark.parametrize("name", list(RELEASE_CASES))
+def test_released_statistics_give_bitwise_the_same_operator(name):
+    """``operator(release=True)`` symmetrises and scales the statistics in place instead of copying them: the
+    same factors bitwise, on every layer kind, a tied weight and a low-rank head; the estimator is reset after,
+    and its next update starts afresh."""
+    make, data, B, kw = RELEASE_CASES[name]
+    torch.manual_seed(32)
+    model = make().double()
+    X = data(B)
+    y = torch.randint(0, 3, (B,))
+    keep = KroneckerEstimator(model, CrossEntropy(), "kfac", seed=5, **kw).update((X, y))
+    given = KroneckerEstimator(model, CrossEntropy(), "kfac", seed=5, **kw).update((X, y))
+    ref = keep.operator().to_dense()
+    assert torch.equal(given.operator(release=True).to_dense(), ref)
+    assert given.num_updates == 0 and given.num_data == 0
+    with pytest.raises(ValueError, match="no statistics yet"):
+        given.operator()
+    assert torch.equal(keep.operator().to_dense(), ref)  # the kept estimator's statistics were not touched
+    keep.reset()  # both have drawn one batch of labels: the next update of each is the same
+    assert torch.equal(given.update((X, y)).operator().to_dense(), keep.update((X, y)).operator().to_dense())
+
+
+def test_release_refuses_a_running_average():
+    model = Head(nn.Linear(4, 5), 5).double()
+    est = KroneckerEstimator(model, CrossEntropy(), "kfac", ema=0.9).update((_vec(3, 4).double(),
+                                                                               torch.tensor([0, 1, 2])))
+    with pytest.raises(ValueError, match=r"release=True.*ema=0.9.*call operator\(\)"):
+        est.operator(release=True)

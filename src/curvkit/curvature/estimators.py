@@ -72,7 +72,7 @@ from curvkit.curvature.recursion import activation_derivatives, kfra_chain
 from curvkit.hf import require_wrapped
 from curvkit.layerkinds import BlockSpec, Site, UnfoldedSite
 from curvkit.likelihoods import Likelihood
-from curvkit.linalg.factors import _symmetrise
+from curvkit.linalg.factors import _symmetrise, _symmetrise_
 from curvkit.linalg.kron import (
     KroneckerBlock,
     KroneckerOperator,
@@ -883,24 +883,42 @@ class KroneckerEstimator(CurvatureEstimator):
         """(weight name, G, A) per block at the operator's scale (G carries the 'sum' factor N)."""
         return [(b.weight_name, b.G, b.A) for b in self.operator().blocks]
 
-    def operator(self) -> KroneckerOperator:
+    def operator(self, release: bool = False) -> KroneckerOperator:
+        """The Kronecker-factored estimate (module docstring), built from copies of the statistics, which stay
+        for further updates.
+
+        ``release=True`` hands the statistics to the operator instead: each dense factor is symmetrised and
+        scaled in place (the same entries, bitwise), and the estimator is :meth:`reset` (it holds nothing
+        afterwards; the next :meth:`update` starts afresh). The peak memory of building the operator is then ONE
+        set of factors, not two: for callers that would reset before their next update anyway (the
+        one-shot :func:`~curvkit.curvature.kronecker.kfac` and its siblings, a refresh of every factor). Not
+        with ``ema``, whose statistics are a running state (refused)."""
+        if release and self.ema is not None:
+            raise ValueError("operator(release=True) would consume the running average of an estimator with "
+                             f"ema={self.ema}; call operator() (it copies the statistics)")
         if self._stats is None or self.ema is not None:
             return self._operator(self._means(), self.scale())
         # the per-sample means taken inside each factor's one symmetrising pass (no copy of every statistic)
-        return self._operator(list(self._stats), self.scale(), float(self.num_data))
+        op = self._operator(list(self._stats), self.scale(), float(self.num_data), in_place=release)
+        if release:
+            self.reset()
+        return op
 
-    def _operator(self, means: list[Tensor], scale: float, count: float = 1.0) -> KroneckerOperator:
-        blocks = self.use_blocks(means, scale, count)
+    def _operator(self, means: list[Tensor], scale: float, count: float = 1.0,
+                  in_place: bool = False) -> KroneckerOperator:
+        blocks = self.use_blocks(means, scale, count, in_place)
         self.members = [[i] for i in range(len(blocks))]
         if self.shared:
             blocks = self._sum_shared(blocks)
         return KroneckerOperator(self.layout, blocks)
 
-    def use_blocks(self, means: list[Tensor], scale: float, count: float = 1.0) -> list[KroneckerBlock]:
+    def use_blocks(self, means: list[Tensor], scale: float, count: float = 1.0,
+                   in_place: bool = False) -> list[KroneckerBlock]:
         """One block per planned block (:attr:`blocks`) from the statistics ``means`` (sums over ``count``
         samples: their means are ``means / count``) at ``scale``: each use of a shared parameter still its own
         (:meth:`_sum_shared` sums them for the operator). Blocks fed by one statistic (q, k, v) share one
-        symmetrised input factor."""
+        symmetrised input factor. ``in_place``: ``means`` are not used again, so the dense factors are
+        symmetrised and scaled where they are (:meth:`operator` with ``release=True``)."""
         K = len(self.blocks)
         blocks = []
         inputs: dict[int, Tensor] = {}
@@ -912,11 +930,15 @@ class KroneckerEstimator(CurvatureEstimator):
                 G = (LowRankFactor.from_rows(rows) if rows.shape[0] else  # type: ignore[assignment]
                      LowRankFactor.scalar(rows.shape[1], 0.0, rows))
             if id(A) not in inputs:
-                inputs[id(A)] = A / count if A.dim() == 1 else _symmetrise(A, 0.5 / count)
+                if A.dim() == 1:
+                    inputs[id(A)] = A.div_(count) if in_place else A / count
+                else:
+                    inputs[id(A)] = _symmetrise_(A, 0.5 / count) if in_place else _symmetrise(A, 0.5 / count)
             explicit = spec.index is not None
             blocks.append(KroneckerBlock.from_gram(G, inputs[id(A)], spec.weight, spec.bias, scale_G=scale_G,
                                                    index=spec.index, label=spec.label if explicit else None,
-                                                   factored=spec.form == "kron", symmetric_A=True))
+                                                   factored=spec.form == "kron", symmetric_A=True,
+                                                   in_place=in_place))
         return blocks
 
     def shared_per_sample(self, members: Sequence[int], block: KroneckerBlock) -> PerSample:

@@ -65,6 +65,12 @@ from curvkit.linalg.kron import KroneckerOperator
 __all__ = ["empirical_kfac", "kfac", "kflr", "kfra"]
 
 
+def _one_shot(est: KroneckerEstimator, data: Data) -> KroneckerOperator:
+    """The operator of ``data`` by an estimator nobody keeps: its statistics are handed over, not copied
+    (:meth:`KroneckerEstimator.operator` with ``release=True``; an ``ema`` estimator copies)."""
+    return est.update(data).operator(release=est.ema is None)
+
+
 def kflr(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
     """KFLR (thesis Sec. 4.3.1): back-propagate the R columns of ``likelihood.output_hessian_sqrt(f)``.
 
@@ -73,7 +79,7 @@ def kflr(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -
     square root, every position at once; for a vocabulary of 50,000 use :func:`kfac`). Weight-shared layers
     use the convention of the module docstring (then the block is no longer exact for one datum).
     """
-    return KroneckerEstimator(model, likelihood, "kflr", **options).update(data).operator()
+    return _one_shot(KroneckerEstimator(model, likelihood, "kflr", **options), data)
 
 
 def kfac(model: nn.Module, likelihood: Likelihood, data: Data, mc_samples: int = 1,
@@ -89,8 +95,8 @@ def kfac(model: nn.Module, likelihood: Likelihood, data: Data, mc_samples: int =
     output dimension C, the C columns of a square root of each datum's sampled output Fisher
     ``(1/S) sum_s c_s c_s^T`` are back-propagated instead of the S vectors (same G, fewer passes).
     """
-    return KroneckerEstimator(model, likelihood, "kfac", mc_samples=mc_samples, seed=seed,
-                              **options).update(data).operator()
+    return _one_shot(KroneckerEstimator(model, likelihood, "kfac", mc_samples=mc_samples, seed=seed, **options),
+                     data)
 
 
 def empirical_kfac(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
@@ -99,7 +105,7 @@ def empirical_kfac(model: nn.Module, likelihood: Likelihood, data: Data, **optio
     Not an estimator of the GGN/Fisher (it is biased: the thesis's Fisher, Eq. 3.35, samples the labels from
     the model); for comparisons only.
     """
-    return KroneckerEstimator(model, likelihood, "empirical", **options).update(data).operator()
+    return _one_shot(KroneckerEstimator(model, likelihood, "empirical", **options), data)
 
 
 def kfra(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -> KroneckerOperator:
@@ -111,4 +117,4 @@ def kfra(model: nn.Module, likelihood: Likelihood, data: Data, **options: Any) -
     all N points. Exact for B = 1 and under the assumptions of Lemma 4.1; biased otherwise (nested
     expectation). Needs an MLP chain (:meth:`curvkit.structure.ModelStructure.mlp_chain`); scale as KFLR.
     """
-    return KroneckerEstimator(model, likelihood, "kfra", **options).update(data).operator()
+    return _one_shot(KroneckerEstimator(model, likelihood, "kfra", **options), data)

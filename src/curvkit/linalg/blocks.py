@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from curvkit.linalg.block_index import Index
-from curvkit.linalg.factors import LowRankFactor, _check_diagonal_factor, _check_square_symmetric, _symmetrise
+from curvkit.linalg.factors import (
+    LowRankFactor,
+    _check_diagonal_factor,
+    _check_square_symmetric,
+    _symmetrise,
+    _symmetrise_,
+)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -81,16 +87,22 @@ class KroneckerBlock:
     def from_gram(cls, G: Tensor, A: Tensor, weight_name: str, bias_name: str | None = None,
                   scale_G: float = 1.0, scale_A: float = 1.0, *, index: Index | None = None,
                   label: str | None = None, factored: bool = True,
-                  second: tuple[Tensor, Tensor] | None = None, symmetric_A: bool = False) -> KroneckerBlock:
+                  second: tuple[Tensor, Tensor] | None = None, symmetric_A: bool = False,
+                  in_place: bool = False) -> KroneckerBlock:
         """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
         ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
         several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
         result is exactly symmetric in floating point, as a validated block is (a diagonal A: ``scale * A``).
         ``symmetric_A``: A is exactly symmetric already (symmetrised by the caller, possibly shared by several
         blocks fed by one input): held as it is, times ``scale_A`` only when that is not 1.
+        ``in_place``: a dense G is the caller's to give away (statistics not used again): it is symmetrised and
+        scaled in place (:func:`~curvkit.linalg.factors._symmetrise_`, the same entries) instead of copied.
         """
         blk = cls.__new__(cls)
-        blk.G = G * scale_G if isinstance(G, LowRankFactor) else _symmetrise(G, 0.5 * scale_G)
+        if isinstance(G, LowRankFactor):
+            blk.G = G * scale_G
+        else:
+            blk.G = _symmetrise_(G, 0.5 * scale_G) if in_place else _symmetrise(G, 0.5 * scale_G)
         if symmetric_A:
             blk.A = A if scale_A == 1.0 else A * scale_A
         else:

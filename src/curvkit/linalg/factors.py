@@ -72,6 +72,28 @@ def _symmetrise(M: Tensor, c: float = 0.5) -> Tensor:
     return M.T.clone(memory_format=torch.contiguous_format).add_(M).mul_(c)
 
 
+def _symmetrise_(M: Tensor, c: float = 0.5, tile: int = 512) -> Tensor:
+    """:func:`_symmetrise` IN PLACE: ``M <- c * (M + M^T)``, bitwise the same entries (each is the same two-term
+    sum times c), with no second n x n matrix: square tiles are paired across the diagonal, so the only
+    temporary is one ``tile x tile`` block. For factors handed over by their owner (an estimator's statistics
+    that are not used again, ``KroneckerEstimator.operator(release=True)``): a 5,632-wide float32 factor is
+    127 MB, and a TinyLlama's 22 layers hold 10.5 GB of them. Returns M."""
+    if M.dim() != 2 or M.shape[0] != M.shape[1]:
+        raise ValueError(f"_symmetrise_ needs a square matrix, got shape {tuple(M.shape)}")
+    n = M.shape[0]
+    for lo in range(0, n, tile):
+        hi = min(lo + tile, n)
+        diag = M[lo:hi, lo:hi]
+        diag.copy_(diag.T.clone(memory_format=torch.contiguous_format).add_(diag).mul_(c))
+        for lo2 in range(hi, n, tile):
+            hi2 = min(lo2 + tile, n)
+            upper, lower = M[lo:hi, lo2:hi2], M[lo2:hi2, lo:hi]
+            s = lower.T.clone(memory_format=torch.contiguous_format).add_(upper).mul_(c)
+            upper.copy_(s)
+            lower.copy_(s.T)
+    return M
+
+
 def stable_eigh(M: Tensor, what: str = "matrix") -> tuple[Tensor, Tensor]:
     """``torch.linalg.eigh`` of a symmetric matrix that does not give up on rank-deficient input.
 
