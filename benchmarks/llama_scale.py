@@ -142,13 +142,13 @@ def coverage(hf: Any) -> float:
     return sum(p.numel() for p in hf.parameters() if p.requires_grad) / sum(p.numel() for p in hf.parameters())
 
 
-def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
+def run(quick: bool, layers: int | None = None, kfac_only: bool = False) -> list[dict[str, Any]]:
     from curvkit.curvature import KroneckerEstimator
     from curvkit.likelihoods import CrossEntropy
     from curvkit.structure import UnsupportedModelError
 
     hf, batch, y = build(quick, layers)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = Progress()
     n_all = sum(p.numel() for p in hf.parameters())
 
     def unit(name: str) -> tuple[float, float | None]:
@@ -196,6 +196,10 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
     row("curvkit KFAC expand, a refresh (estimator kept)", lambda: refresh("expand"), base)
     row("curvkit KFAC reduce, a refresh (estimator kept)", lambda: refresh("reduce"), base)
     kept.clear()
+    if kfac_only:
+        for r in rows:
+            r["params"] = n_all
+        return rows
     if quick or (layers is not None and layers < FULL["num_hidden_layers"]):
         from curvkit.optim import GaussNewton
 
@@ -232,6 +236,15 @@ def run(quick: bool, layers: int | None = None) -> list[dict[str, Any]]:
     for r in rows:
         r["params"] = n_all
     return rows
+
+
+class Progress(list):  # type: ignore[type-arg]
+    """The rows, each also printed (to stderr) as it is measured, so that a run stopped early (out of memory on
+    the whole model) still shows what it measured."""
+
+    def append(self, row: dict[str, Any]) -> None:
+        super().append(row)
+        print(render([row]).splitlines()[-1], file=sys.stderr, flush=True)
 
 
 def lora_rows(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]], unit: Any,
@@ -299,11 +312,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the full width but build only this many of the 22 decoder layers (memory, time)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (the gradient: two more)")
+    ap.add_argument("--kfac-only", action="store_true", help="only the gradient and curvkit's KFAC rows")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     REPEATS["n"] = args.repeats
-    rows = run(args.quick, args.layers)
+    rows = run(args.quick, args.layers, args.kfac_only)
     table = render(rows)
     name = "quick" if args.quick else "TinyLlama-1.1B" + (f" width, {args.layers} layers" if args.layers else "")
     head = (f"llama_scale ({name} configuration, {rows[0]['params']:,} "
