@@ -232,6 +232,20 @@ def _filter_checks(rank, world, red):
             _close(p2, p1, f"{name} parameters", rtol=1e-8, atol=1e-10)
         ref.close()
         dst.close()
+    # KFBayes's data-parallel union gathers one row per example: a convolution (its locations as rows) is refused
+    # at construction, a Linear layer that gets positions at the step (before anything is written), by name
+    conv = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 2), torch.nn.Flatten(), torch.nn.Linear(6, 3)).double()
+    with pytest.raises(ValueError, match=r"'0' has its output locations as rows; freeze it or train in one process"):
+        KFBayes(conv.parameters(), model=conv, distributed=red)
+    net = _net()
+    opt = KFBayes(net.parameters(), model=net, lr=1e-3, distributed=red)
+    X, y = _data(30)
+    lik(net(X[:, None].expand(-1, 2, -1)).mean(1), y).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"layer '0' got inputs with 2 positions per example; freeze it or train"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    opt.close()
 
 
 def _gauss_newton_checks(rank, world, red):

@@ -101,3 +101,32 @@ def test_bad_shapes_are_refused():
         project_first_order_rows(Sx, Sd, torch.zeros(2, 2, dtype=DT), torch.zeros(2, 1, 3, dtype=DT))
     with pytest.raises(ValueError, match="M = 2 and N = 3"):
         project_first_order_rows(Sx, Sd, torch.zeros(2, 1, 3, dtype=DT), torch.zeros(2, 1, 2, dtype=DT))
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+@pytest.mark.parametrize("T", [2, 7])
+def test_the_rows_step_equals_the_formula_in_e(T, sequential):
+    """Against the step written from E_n itself, Sx' = Sx + (s/(2NM) Sx - Sx E^T Sd E Sx / M) / D (and Sd'), for
+    few rows (the T x T route) and more rows than min(M, N) (E formed and refactorised)."""
+    g = torch.Generator().manual_seed(3)
+    N, M, K = 5, 4, 3
+    Sx, Sd = _spd(N, g), _spd(M, g)
+    L, R = torch.randn(K, T, M, generator=g, dtype=DT), torch.randn(K, T, N, generator=g, dtype=DT)
+    Sx_r, Sd_r = Sx.clone(), Sd.clone()
+    incs = []
+    for Ln, Rn in zip(L, R):
+        E = Ln.T @ Rn
+        a, b = (Sx_r, Sd_r) if sequential else (Sx, Sd)
+        s = float(torch.trace(a @ E.T @ b @ E))
+        dx = (s / (2 * N * M) * a - a @ E.T @ b @ E @ a / M) / (1 + s)
+        dd = (s / (2 * N * M) * b - b @ E @ a @ E.T @ b / N) / (1 + s)
+        if sequential:
+            Sx_r, Sd_r = Sx_r + dx, Sd_r + dd
+        else:
+            incs.append((dx, dd))
+    if not sequential:
+        Sx_r = Sx + sum(i[0] for i in incs)
+        Sd_r = Sd + sum(i[1] for i in incs)
+    got = project_first_order_rows(Sx, Sd, L, R, sequential)
+    torch.testing.assert_close(got[0], Sx_r, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[1], Sd_r, rtol=0, atol=1e-12)

@@ -5,8 +5,8 @@ back-propagated output-gradient rows delta of the user's own backward pass, pair
 Kronecker layers: those whose handler reads the layer's one block as its weight matrix
 ``W_hat = [W.reshape(out, -1) | b]`` with paired rows (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`):
 ``nn.Linear`` (x: (B*T, in[+1]) rows, T = 1 or the positions of a weight-shared input (B, *S, in), delta:
-(B*T, out)) and, where the filter takes rows that are always positions, groups=1 ``nn.Conv1d/2d/3d`` (x:
-unfolded patches (B*L, C*k[+1]), delta: (B*L, out), L output locations, any padding mode). The model is read by
+(B*T, out)) and groups=1 ``nn.Conv1d/2d/3d`` (x: unfolded patches (B*L, C*k[+1]), delta: (B*L, out), L output
+locations, any padding mode); the rows are example-major (example n's T rows are consecutive). The model is read by
 :func:`curvkit.layerkinds.plan`, which raises an ``UnsupportedModelError`` naming an unknown module with
 trainable parameters or a module registered twice; the other trainable parameters, and those of layers that hold
 a parameter shared with another module (weight tying), are returned as :class:`DiagonalParam` (the filters'
@@ -134,7 +134,7 @@ class DiagonalParam:
     kind: str
 
 
-def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params: Sequence[Tensor] | None = None
+def collect_layers(model: nn.Module, optimiser: str, params: Sequence[Tensor] | None = None
                    ) -> tuple[list[LayerRecord], PairCapture, list[DiagonalParam]]:
     """The filter's Kronecker layers with their (attached) capture, and the other trainable parameters (each
     with the diagonal form of the filter).
@@ -142,12 +142,11 @@ def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params:
     The model is read by :func:`curvkit.layerkinds.plan`, which names and refuses what no layer kind takes (an
     unknown module with trainable parameters, a module registered twice, random or sample-coupling modules in
     training mode). A Kronecker layer is a planned layer whose handler has paired rows
-    (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`): ``'samples'`` always, ``'positions'`` (a convolution)
-    only with ``positions_ok``, and none of whose parameters is shared by several modules (weight tying: the
-    parameter's per-example gradient is the sum of its uses', ``delta_h x_h^T + u delta_e^T`` for a tied head and
-    embedding in one view, of rank two, not the rank-one ``x (x) delta`` of Eqs. 23-24; such a parameter, and the
-    other parameters of the layers that hold it, get the diagonal form, whose Fisher sample is the parameter's
-    own gradient, the sum of its uses'). ``params`` (default: all trainable parameters)
+    (:meth:`curvkit.layerkinds.LayerHandler.paired_rows`: ``'samples'`` or ``'positions'``), none of whose
+    parameters is shared by several modules (weight tying: the parameter's per-example gradient is the sum of its
+    uses', ``delta_h x_h^T + u delta_e^T`` for a tied head and embedding in one view, whose rows are not stacked
+    into one record; such a parameter, and the other parameters of the layers that hold it, get the diagonal
+    form, whose Fisher sample is the parameter's own gradient, the sum of its uses'). ``params`` (default: all trainable parameters)
     selects what is optimised: each must be a trainable parameter of the model; a Kronecker layer whose weight
     is selected must bring its trainable bias too; a bias selected without its weight is diagonal."""
     structure = read_model(model)
@@ -171,7 +170,7 @@ def collect_layers(model: nn.Module, positions_ok: bool, optimiser: str, params:
             for n in spec.names:
                 where[n] = (" + ".join(tied[n]), "tied") if n in tied else (lp.label, lp.handler.kind)
         rows = lp.handler.paired_rows(lp.module)
-        if rows is None or (rows == "positions" and not positions_ok):
+        if rows is None:
             continue
         if any(n in tied for spec in lp.blocks for n in spec.names):  # the diagonal form (docstring)
             continue

@@ -97,7 +97,9 @@ def project_first_order_rows(Sx: Tensor, Sd: Tensor, L: Tensor, R: Tensor, seque
 
     (for E = delta x^T exactly :func:`project_first_order`). With E = L^T R everything is T x T products:
     P = R Sx (T, N), Q = L Sd (T, M), Kx = L Sd L^T, Kd = R Sx R^T (T, T), s = sum(Kd * Kx),
-    Sx E^T Sd E Sx = P^T Kx P, Sd E Sx E^T Sd = Q^T Kd Q: O(T (N^2 + M^2) + T^2 (N + M)) per example.
+    Sx E^T Sd E Sx = P^T Kx P, Sd E Sx E^T Sd = Q^T Kd Q: O(T (N^2 + M^2) + T^2 (N + M)) per example. When
+    T > min(M, N) (a convolution's many locations) E_n itself is formed and written with min(M, N) rows
+    (E = I_M^T E, or E = (E^T)^T I_N), so a step never costs more than O(min(M, N) (N^2 + M^2)) per example.
 
     ``sequential=True``: example after example (each step's factors are the next one's prior);
     ``sequential=False``: the sum of the K increments, all at the given factors (as
@@ -109,6 +111,14 @@ def project_first_order_rows(Sx: Tensor, Sd: Tensor, L: Tensor, R: Tensor, seque
     N, M = Sx.shape[0], Sd.shape[0]
     if R.shape[2] != N or L.shape[2] != M:
         raise ValueError(f"L and R must have M = {M} and N = {N} columns, got {L.shape[2]} and {R.shape[2]}")
+    K, T = L.shape[:2]
+    if T > min(M, N):
+        E = L.transpose(1, 2) @ R                       # (K, M, N)
+        if M <= N:
+            L, R = torch.eye(M, dtype=E.dtype, device=E.device).expand(K, M, M), E
+        else:
+            L, R = E.transpose(1, 2), torch.eye(N, dtype=E.dtype, device=E.device).expand(K, N, N)
+        T = min(M, N)
     if sequential:
         for Ln, Rn in zip(L, R):
             P, Q = Rn @ Sx, Ln @ Sd
@@ -120,7 +130,6 @@ def project_first_order_rows(Sx: Tensor, Sd: Tensor, L: Tensor, R: Tensor, seque
             Sx = symmetrise(torch.addmm(Sx, P.T, Kx @ P, beta=a, alpha=-1.0 / (M * D)))
             Sd = symmetrise(torch.addmm(Sd, Q.T, Kd @ Q, beta=a, alpha=-1.0 / (N * D)))
         return Sx, Sd
-    K, T = L.shape[:2]
     P, Q = R @ Sx, L @ Sd                               # (K, T, N), (K, T, M)
     Kx, Kd = Q @ L.transpose(1, 2), P @ R.transpose(1, 2)
     Kx, Kd = 0.5 * (Kx + Kx.transpose(1, 2)), 0.5 * (Kd + Kd.transpose(1, 2))
