@@ -246,6 +246,11 @@ def _filter_checks(rank, world, red):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
     opt.close()
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5)).double()
+    tied[1].weight = tied[0].weight
+    for cls in (KFBayes, KFWhiten):  # the tied weight's stacked rows are single-process only
+        with pytest.raises(ValueError, match=r"tied weight's stacked rows \(layer '1'\); freeze the tied weight"):
+            cls(tied.parameters(), model=tied, distributed=red)
 
 
 def _gauss_newton_checks(rank, world, red):

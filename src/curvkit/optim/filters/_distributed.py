@@ -49,7 +49,7 @@ def _ascent_gradients(opt: Any, scale: float, batch: int) -> list[Tensor]:
 def _union_batch(opt: Any) -> tuple[int, int]:
     """(this rank's batch size, the union's) from the captured rows; one all-reduce."""
     rec = opt.layers[0]
-    local = 0 if rec.a is None else int(rec.a.shape[0]) // max(1, rec.positions)
+    local = rec.examples
     return local, opt.distributed.sum_int(local)
 
 

@@ -161,7 +161,7 @@ class KFBayes(_KroneckerBase):
         K = X.shape[0]
         cf, ex, ed = self._drift(st)
         low = None
-        if self.distributed is None and rec.a is not None and rec.delta is not None:
+        if self.distributed is None and rec.a is not None and rec.delta is not None and not rec.uses:
             B = rec.a.shape[0]
             shared = own and K <= B
             c_low, c_dense = sandwich_costs(B, K, M, N, shared)

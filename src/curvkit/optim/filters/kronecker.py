@@ -68,11 +68,20 @@ its input rows with the bias column), of rank up to T:
   convolution is refused at construction, a Linear layer that gets positions at the step, by name.
 * KFWhiten: the covariance EMAs take every row (KFC-style), whatever T.
 
-A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is
-not given a Kronecker posterior: its per-example gradient is the sum of its uses', ``delta_h x_h^T + u delta_e^T``
-in the head's view (the embedding's one-hot rows u against its output gradient), and the rows of its uses are not
-yet stacked into one record. It gets the diagonal form below, with the layers that hold it (the head's bias too);
-its Fisher sample is its own gradient, the sum of its uses' (``DiagonalParam.kind`` 'tied').
+A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is ONE
+Kronecker record in its head's view [W | b] (:func:`~.kron_capture.collect_layers`): its per-example gradient is
+the sum of its uses', ``E_n = D_h^T [X_h 1] + U^T [Delta_e 0]`` (U the embedding's one-hot rows, Delta_e its
+output gradients, a zero bias column since the embedding does not read the head's bias), i.e. the rows
+L = [D_h; U], R = [[X_h, 1]; [Delta_e, 0]] stacked per example (:meth:`~.kron_capture.LayerRecord.rows`).
+KFNatGrad/KFBayes take both uses exactly in the Kalman step (the posterior stays one Kronecker product by the
+filter's own projection); KFWhiten's covariance EMAs take the stacked rows as more rows of the head's view
+(KFC-style; each use's output-gradient rows carry the loss scale: the head's delta on the output side, the
+embedding's delta_e on the input side). Taken: a head in the weight's standard view (a Linear layer, with or
+without a bias) with embedding lookups of its table or Linear uses without a bias, up to
+``kron_capture.TIED_OUTPUT_LIMIT`` = 8192 outputs (the record's output factor is a dense (V, V) matrix); other
+tied parameters, and larger vocabularies, get the diagonal form below, with the layers that hold them (their
+Fisher sample is the parameter's own gradient, the sum of its uses'; ``DiagonalParam.kind`` 'tied'). Data-parallel
+steps refuse a tied record (freeze the tied weight or train in one process).
 
 Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions,
 raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
@@ -130,6 +139,11 @@ class _KroneckerBase(CurvatureOptimizer):
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
         self.layers, self.capture, self.diagonal = collect_layers(model, type(self).__name__, given)
+        tied = [rec.name for rec in self.layers if rec.uses]
+        if distributed is not None and tied:
+            self.capture.close()
+            raise ValueError(f"{type(self).__name__}: data-parallel steps do not take a tied weight's stacked rows "
+                             f"(layer {tied[0]!r}); freeze the tied weight or train in one process")
         if distributed is not None and self.diagonal:
             self.capture.close()
             raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
@@ -225,25 +239,22 @@ class _KroneckerBase(CurvatureOptimizer):
                              "autograd enabled) on the minibatch before step()")
         B = rec.a.shape[0]
         if k is not None and k < B:
-            return rec.x_rows(k), rec.delta[:k] * (scale * math.sqrt(B / k))
-        return rec.x_rows(), rec.delta * scale
+            return rec.rows(scale * math.sqrt(B / k), k)
+        return rec.rows(scale)
 
     def _example_rows(self, rec: LayerRecord, scale: float, k: int | None) -> tuple[Tensor, Tensor]:
         """The captured rows grouped per example, (L (K, T, M), R (K, T, N)) in summed-log-likelihood units: example
         n's per-example gradient is E_n = L_n^T R_n (T = the layer's positions per example: a weight-shared
         Linear layer's positions, a convolution's output locations). ``k`` keeps the first k examples, L scaled
         by sqrt(B/k) as :meth:`_samples` does."""
-        if rec.a is None or rec.delta is None:
-            raise ValueError(f"no activations captured for layer {rec.name!r}: run forward and backward (with "
-                             "autograd enabled) on the minibatch before step()")
-        T, rows = rec.positions, rec.a.shape[0]
-        B = sum(rec.cap.pass_sizes)
-        if B * T != rows:
+        X, D = rec.rows(scale)
+        T, B = rec.positions, rec.examples
+        if B * T != X.shape[0]:
             raise ValueError(f"layer {rec.name!r}: the backward passes accumulated since the last step have "
                              "different positions per example; step after each, or give the inputs one shape")
         m = B if k is None or k >= B else k
-        factor = scale * (math.sqrt(B / m) if m < B else 1.0)
-        X, D = rec.x_rows(m * T), rec.delta[:m * T] * factor
+        if m < B:
+            X, D = X[:m * T], D[:m * T] * math.sqrt(B / m)
         return D.reshape(m, T, -1), X.reshape(m, T, -1)
 
     @staticmethod
@@ -252,7 +263,8 @@ class _KroneckerBase(CurvatureOptimizer):
         input and output gradient (None if nothing was captured); used for the cheaper products."""
         if rec.a is None or rec.delta is None:
             return None
-        return rec.delta.to(dtype) * -scale, rec.x_rows().to(dtype)
+        X, D = rec.rows(scale)
+        return D.to(dtype).neg_(), X.to(dtype)
 
     def _clear(self) -> None:
         self.capture.reset()
