@@ -82,6 +82,17 @@ class LayerRecord:
         """The examples of the backward passes captured since the last step."""
         return sum(self.cap.pass_sizes)
 
+    def check_positions(self) -> None:
+        """Raise unless every use's rows are the same number of rows per example in every backward pass since the
+        last step (then the rows group per example, :meth:`rows`)."""
+        B = self.examples
+        for name, cap in [(self.name, self.cap)] + [(u.name, u.cap) for u in self.uses]:
+            rows = cap.paired_rows()
+            if rows is not None and (sum(cap.pass_sizes) != B or rows[1].shape[0] != B * cap.positions):
+                raise ValueError(f"layer {name!r}: the backward passes accumulated since the last step have "
+                                 "different positions per example (or did not all run it); step after each, or give "
+                                 "the inputs one shape")
+
     def rows(self, scale: float, n: int | None = None) -> tuple[Tensor, Tensor]:
         """The first ``n`` (all when None) paired rows, X (n, N) with the bias column and D (n, M), every use's
         output-gradient rows multiplied by ``scale``: with the loss scale, the Fisher samples in
@@ -98,13 +109,14 @@ class LayerRecord:
                              "autograd enabled) on the minibatch before step()")
         if not self.uses:
             return self.x_rows(n), (self.delta if n is None else self.delta[:n]) * scale
+        self.check_positions()
         B, M = self.examples, self.out_dim
         xs, ds = [self.x_rows().reshape(B, -1, self.in_dim)], [(self.delta * scale).reshape(B, -1, M)]
         for use in self.uses:
             rows = use.cap.paired_rows()
-            if rows is None or sum(use.cap.pass_sizes) != B:
-                raise ValueError(f"the tied weight of layer {self.name!r}: its use {use.name!r} was not run in every "
-                                 "backward pass of the head since the last step")
+            if rows is None:
+                raise ValueError(f"the tied weight of layer {self.name!r}: its use {use.name!r} was not run since "
+                                 "the last step; run the whole model forward and backward before step()")
             a, d = rows
             if use.ids:   # a lookup: one-hot rows on the output side, its output gradient on the input side
                 ids = a.reshape(B, -1)

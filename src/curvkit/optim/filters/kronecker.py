@@ -247,14 +247,10 @@ class _KroneckerBase(CurvatureOptimizer):
         n's per-example gradient is E_n = L_n^T R_n (T = the layer's positions per example: a weight-shared
         Linear layer's positions, a convolution's output locations). ``k`` keeps the first k examples, L scaled
         by sqrt(B/k) as :meth:`_samples` does."""
-        X, D = rec.rows(scale)
+        rec.check_positions()
         T, B = rec.positions, rec.examples
-        if B * T != X.shape[0]:
-            raise ValueError(f"layer {rec.name!r}: the backward passes accumulated since the last step have "
-                             "different positions per example; step after each, or give the inputs one shape")
         m = B if k is None or k >= B else k
-        if m < B:
-            X, D = X[:m * T], D[:m * T] * math.sqrt(B / m)
+        X, D = rec.rows(scale * (math.sqrt(B / m) if m < B else 1.0), m * T)
         return D.reshape(m, T, -1), X.reshape(m, T, -1)
 
     @staticmethod
