@@ -73,13 +73,6 @@ class KFBayes(_KroneckerBase):
         defaults = {"lr": float(lr), "sigma2": float(sigma2), "s0": float(s_init), "fisher_samples": fisher_samples,
                     "sample_update": sample_update, "projection": projection, "inv_every": int(inv_every)}
         super().__init__(params, model, defaults, reduction, batch_size, distributed)
-        if distributed is not None:
-            positions = [rec.name for rec in self.layers if rec.cap.plan.handler.paired_rows(rec.module) == "positions"]
-            if positions:
-                self.capture.close()
-                raise ValueError(f"{type(self).__name__}: data-parallel steps take only layers with one row per example "
-                                 f"(rank-one Fisher samples), but {', '.join(map(repr, positions))} has its "
-                                 "output locations as rows; freeze it or train in one process")
         if projection == "exact":
             for rec in self.layers:
                 if rec.in_dim * rec.out_dim > 4096:
@@ -242,11 +235,6 @@ class KFBayes(_KroneckerBase):
         if self.distributed is not None:
             from curvkit.optim.filters._distributed import bayes_inputs
 
-            for rec in self.layers:   # before anything is written
-                if rec.positions > 1 and (fisher_samples is None or rec.name not in fisher_samples):
-                    raise ValueError(f"{type(self).__name__}: data-parallel steps take only layers with one row per "
-                                     f"example (rank-one Fisher samples), but layer {rec.name!r} got inputs with "
-                                     f"{rec.positions} positions per example; freeze it or train in one process")
 
             self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
@@ -282,12 +270,18 @@ class KFBayes(_KroneckerBase):
         :meth:`_rows_step` (or, ``projection='exact'``, the dense Kalman step with e_n = vec(E_n)); returns the
         mean increment Sigma^delta G Sigma^x with the updated factors."""
         grp = self._group()
-        L, R = self._example_rows(rec, scale, grp["fisher_samples"])
+        if self.distributed is None:
+            L, R = self._example_rows(rec, scale, grp["fisher_samples"])
+        else:   # the union's first examples' rows (curvkit.optim.filters._distributed.bayes_inputs)
+            X, D, G = self._union[rec.name]
+            L, R = D.reshape(-1, rec.positions, D.shape[1]), X.reshape(-1, rec.positions, X.shape[1])
         L, R = L.to(dtype), R.to(dtype)
         if grp["projection"] == "exact":
             self._exact_step(st, rows_kron_vec(L, R))
         else:
             self._rows_step(st, L, R)
+        if self.distributed is not None:
+            return st["Sd"] @ G @ st["Sx"]
         G = rec.weight_matrix_grad().mul(-scale)
         return kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
 

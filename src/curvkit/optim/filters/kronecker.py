@@ -64,8 +64,7 @@ its input rows with the bias column), of rank up to T:
   projection of the rank-one Kalman step with e_n = vec(E_n), linear in the Kronecker terms of
   vec(F) vec(F)^T, F = Sd E Sx; derived here, tested against the exact KL projection), or with
   ``projection='exact'`` the dense Kalman step with e_n = vec(E_n). ``fisher_samples=K`` takes the first K
-  examples' rows. Data-parallel steps take only T = 1 layers (their union gathers one row per example): a
-  convolution is refused at construction, a Linear layer that gets positions at the step, by name.
+  examples' rows (data-parallel: the union's first K examples' rows, :mod:`._distributed`).
 * KFWhiten: the covariance EMAs take every row (KFC-style), whatever T.
 
 A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is ONE
@@ -80,8 +79,7 @@ embedding's delta_e on the input side). Taken: a head in the weight's standard v
 without a bias) with embedding lookups of its table or Linear uses without a bias, up to
 ``kron_capture.TIED_OUTPUT_LIMIT`` = 8192 outputs (the record's output factor is a dense (V, V) matrix); other
 tied parameters, and larger vocabularies, get the diagonal form below, with the layers that hold them (their
-Fisher sample is the parameter's own gradient, the sum of its uses'; ``DiagonalParam.kind`` 'tied'). Data-parallel
-steps refuse a tied record (freeze the tied weight or train in one process).
+Fisher sample is the parameter's own gradient, the sum of its uses'; ``DiagonalParam.kind`` 'tied').
 
 Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions,
 raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
@@ -139,11 +137,6 @@ class _KroneckerBase(CurvatureOptimizer):
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
         self.layers, self.capture, self.diagonal = collect_layers(model, type(self).__name__, given)
-        tied = [rec.name for rec in self.layers if rec.uses]
-        if distributed is not None and tied:
-            self.capture.close()
-            raise ValueError(f"{type(self).__name__}: data-parallel steps do not take a tied weight's stacked rows "
-                             f"(layer {tied[0]!r}); freeze the tied weight or train in one process")
         if distributed is not None and self.diagonal:
             self.capture.close()
             raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
