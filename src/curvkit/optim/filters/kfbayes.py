@@ -35,9 +35,9 @@ class KFBayes(_KroneckerBase):
 
     Args:
         params: the parameters to optimise (default: all of ``model``'s trainable ones): the weights and
-            biases of its ``nn.Linear`` and groups=1 convolution layers get the Kronecker posterior, every other
-            one the diagonal form (module docstring). Frozen parameters (``requires_grad=False``) are left out: a frozen layer gets no
-            block and never changes.
+            biases of its ``nn.Linear`` and groups=1 convolution layers (and a tied head and embedding) get the
+            Kronecker posterior, every other one the diagonal form (module docstring). Frozen parameters
+            (``requires_grad=False``) are left out: a frozen layer gets no block and never changes.
         model: the network (required: the filter reads its layer structure and captures each layer's
             input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
@@ -235,7 +235,6 @@ class KFBayes(_KroneckerBase):
         if self.distributed is not None:
             from curvkit.optim.filters._distributed import bayes_inputs
 
-
             self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
             st = self._init(rec)
@@ -266,7 +265,7 @@ class KFBayes(_KroneckerBase):
 
     def _positions_step(self, rec: LayerRecord, st: dict[str, Any], scale: float, dtype: torch.dtype) -> Tensor:
         """A layer with T > 1 rows per example (a Linear layer shared over positions, a convolution's output
-        locations): its per-example gradient E_n = L_n^T R_n has rank up to T, the data step is
+        locations, a tied weight's stacked uses): its per-example gradient E_n = L_n^T R_n has rank up to T, the data step is
         :meth:`_rows_step` (or, ``projection='exact'``, the dense Kalman step with e_n = vec(E_n)); returns the
         mean increment Sigma^delta G Sigma^x with the updated factors."""
         grp = self._group()
