@@ -697,7 +697,7 @@ class GaussNewton(CurvatureOptimizer):
             if not self._output_checked or self.estimator is None:
                 self._first_pass(X)
             with torch.enable_grad():
-                f, copies, cap = self._record(X, refresh)
+                f, copies, cap = self._record(k, X, refresh)
                 data_loss = self._checked(k, "the loss", lambda: lik(f, y))
                 if refresh:
                     self._checked(k, "the curvature", lambda: self._accumulate(cap, f, y))
@@ -758,7 +758,7 @@ class GaussNewton(CurvatureOptimizer):
         if not self._output_checked or self.estimator is None:
             self._first_pass(X)
         with torch.enable_grad(), kept_running_statistics(model):  # the closure ran the training pass
-            f, _, cap = self._record(X, refresh)
+            f, _, cap = self._record(k, X, refresh)
             if refresh:
                 self._checked(k, "the curvature", lambda: self._accumulate(cap, f, None))  # type: ignore[arg-type]
 
@@ -775,12 +775,14 @@ class GaussNewton(CurvatureOptimizer):
 
         return X, None, f.detach(), loss.detach(), grads, evaluate_closure
 
-    def _record(self, X: Inputs, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
-        """The forward pass on X, recorded for the linearisation and, on a refresh, captured for the curvature
-        (raw parameters as per-sample copies, :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
+    def _record(self, k: int, X: Inputs, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
+        """The forward pass on X, recorded for the linearisation (its primal outputs kept when step k evaluates the
+        quadratic model) and, on a refresh, captured for the curvature (raw parameters as per-sample copies,
+        :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
         lin, est = self._linearisation, self.estimator
+        keep = self._quadratic_due(k)
         if not refresh:
-            return self._logits(lin.record(X)), {}, None
+            return self._logits(lin.record(X, keep_primals=keep)), {}, None
         copies: dict[str, Tensor] = {}
 
         def forward() -> Tensor:
@@ -789,7 +791,7 @@ class GaussNewton(CurvatureOptimizer):
             return self._logits(f)
 
         with est.capture() as cap:
-            f = lin.record(X, forward)
+            f = lin.record(X, forward, keep_primals=keep)
         return f, copies, cap
 
     def _accumulate(self, cap: Any, f: Tensor, y: Tensor | None) -> None:
@@ -877,8 +879,7 @@ class GaussNewton(CurvatureOptimizer):
         if rebuild:
             self._hold(self.estimator.operator())
         adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
-        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
-        quadratic = self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
+        quadratic = self._quadratic_due(k)
         # ---- candidate directions (the current zeta first, so that ties keep it)
         zetas = [self.zeta]
         if adapt_zeta:
@@ -899,6 +900,7 @@ class GaussNewton(CurvatureOptimizer):
         if not quadratic:
             return self._reuse_step_size(k, params, E0, data_loss, g, dirs[0], prev, rebuild)
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
+        self._linearisation.release()
         sd = self.statistics_dtype  # the quadratic model of a bf16/fp16 model's tangents in float32 or wider
         M = output_gram(self._shard_likelihood, f.to(sd), y, JV.to(sd))
         if self.distributed is not None:  # d_i^T G d_j summed over the shard's counted terms: the union's
@@ -935,6 +937,13 @@ class GaussNewton(CurvatureOptimizer):
                       omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=rebuild,
                       quadratic=True)
         return E0, update, record
+
+    def _quadratic_due(self, k: int) -> bool:
+        """Step k evaluates the quadratic model (:meth:`_compute`)."""
+        hp = self.hp
+        adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
+        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
+        return self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
 
     def _update(self, k: int, params: list[Tensor], alpha: float, d: list[Tensor], beta: float | None,
                 prev: list[Tensor] | None, what: str) -> list[Tensor]:
