@@ -636,6 +636,7 @@ class GaussNewton(CurvatureOptimizer):
                                                                 closure is not None)
             out = self._compute(k, params, X, y, f, data_loss, grads, rebuild)
         except BaseException:
+            self._linearisation.release()  # the primals kept for the quadratic model of a refused step
             if saved_est is not None:
                 est.load_state_dict(saved_est)
             if saved_gen is not None:
