@@ -260,3 +260,34 @@ def test_gauss_newton_step_replays_the_captured_forward():
             assert lin._primals is None
     assert seen == [True, True]  # steps 1 and 2 evaluate the quadratic model, step 3 takes the mean alpha
     assert [r["quadratic"] for r in opt.history] == [True, True, False]
+
+
+def test_gauss_newton_without_kept_primals_takes_the_same_steps():
+    """keep_primals=False recomputes the primals (no record kept) and takes the same steps to rounding; a value
+    that is not a bool is refused."""
+    from curvkit.optim import GaussNewton
+
+    g = gen(11)
+    X, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 10, (6,), generator=g)
+    models = [vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=12, seed=0, dtype=torch.float64)
+              for _ in range(2)]
+    opts = [GaussNewton(m.parameters(), model=m, likelihood=CrossEntropy(), curvature="kfac", tau_every=1,
+                        keep_primals=keep) for m, keep in zip(models, (True, False))]
+    records = []
+    record = Linearisation.record
+
+    def spy(self, X, forward=None, keep_primals=True):
+        records.append(keep_primals)
+        return record(self, X, forward, keep_primals)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Linearisation, "record", spy)
+        for _ in range(2):
+            for opt in opts:
+                opt.step(batch=(X, y))
+    assert records == [True, False, True, False]
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    assert [r["alpha"] for r in opts[0].history] == pytest.approx([r["alpha"] for r in opts[1].history], rel=1e-10)
+    with pytest.raises(ValueError, match="keep_primals must be True or False"):
+        GaussNewton(models[0].parameters(), model=models[0], likelihood=CrossEntropy(), keep_primals="yes")

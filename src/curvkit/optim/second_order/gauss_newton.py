@@ -291,8 +291,14 @@ class GaussNewton(CurvatureOptimizer):
         quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
             every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between take
             the geometric mean of the past alpha*s (and momentum's last beta) along their own direction, without
-            the Jacobian-vector product (about three forward passes' work; docs/results.md); :data:`AMORTISED`
+            the Jacobian-vector product (about two forward passes' work; docs/results.md); :data:`AMORTISED`
             leaves it at 1.
+        keep_primals: on the steps that evaluate the quadratic model, keep the outputs of the linear maps of the
+            step's forward pass until the Jacobian-vector products have taken their primals from them (True,
+            default: one matrix product in three per linear map less, the same numbers to rounding; it costs the
+            memory of those outputs during the step, 69 MiB more peak at the ViT of
+            ``benchmarks/gauss_newton_vit.py``, batch 128). False recomputes them. Models that are plain
+            ``nn.Sequential`` chains take their tangents from the recorded activations either way.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
@@ -331,7 +337,7 @@ class GaussNewton(CurvatureOptimizer):
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
                  parameter_structure: Literal["full", "diag"] = "diag",
                  batch_statistics: Literal["refuse", "couple"] = "refuse", distributed: Any = None,
-                 statistics_dtype: torch.dtype | None = None):
+                 statistics_dtype: torch.dtype | None = None, keep_primals: bool = True):
         if curvature != "auto" and curvature not in _CURVATURES:
             raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
         #: the Kronecker statistics' options (validated there), handed to the estimator
@@ -346,6 +352,10 @@ class GaussNewton(CurvatureOptimizer):
             raise ValueError(f"lm_rule must be 'band' or 'threshold', got {lm_rule!r}")
         if not isinstance(momentum, bool):
             raise ValueError(f"momentum must be True or False, got {momentum!r}")
+        if not isinstance(keep_primals, bool):
+            raise ValueError(f"keep_primals must be True or False, got {keep_primals!r}")
+        #: keep the forward pass's linear outputs for the quadratic model's products (docstring)
+        self.keep_primals = keep_primals
         defaults: dict[str, Any] = dict(
             curvature=curvature, inversion=inversion, omega_norm=omega_norm,
             weight_decay=nonnegative("weight_decay", weight_decay), tau=nonnegative("tau", tau),
@@ -781,7 +791,7 @@ class GaussNewton(CurvatureOptimizer):
         quadratic model) and, on a refresh, captured for the curvature (raw parameters as per-sample copies,
         :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
         lin, est = self._linearisation, self.estimator
-        keep = self._quadratic_due(k)
+        keep = self.keep_primals and self._quadratic_due(k)
         if not refresh:
             return self._logits(lin.record(X, keep_primals=keep)), {}, None
         copies: dict[str, Tensor] = {}
