@@ -267,6 +267,7 @@ _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_pro
              "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
              "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
 
+
 @contextmanager
 def dual_rules(record: PrimalRecord | None = None) -> Iterator[None]:
     """Run a dual-number pass with the closed-form rules of :class:`DualRules` (primals from ``record``)."""
