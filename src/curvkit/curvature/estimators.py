@@ -332,8 +332,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 cache.clear()
                 last[:] = [] if a is None else [a]
             stat = self._input_stat(spec, site, cache)
-            B = site.batch if isinstance(site, UnfoldedSite) and a is None else site.inputs.shape[0]
-            site.inputs = site.output.new_empty(B, 0)
+            site.inputs = site.output.new_empty(site.samples(), 0)
             return stat
 
         return take
@@ -441,7 +440,7 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"kfra: the recursion needs (batch, outputs) outputs, got shape {tuple(f.shape)}; use "
                              "curvature='kflr' or 'kfac' for outputs with positions")
         self.likelihood.check(f.detach(), y)
-        sites = cap.sites()  # None: one use of a shared parameter that this pass did not call
+        sites = cap.sites(f)  # None: one use of a shared parameter that this pass did not call
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
         layout = (B, tuple(None if site is None else tuple(site.output.shape) for site in sites))
         traced = layout not in self._layouts
@@ -667,6 +666,7 @@ class KroneckerEstimator(CurvatureEstimator):
         weights: list[float] = []
         fired = [False] * len(outs)
         batched = [False]  # inside the per-sample backward pass of the shared outputs
+        last = [False]  # the last vector of a pass that frees the graph (the sites are released after it)
         pending: list[tuple[Tensor, float]] = []  # vectors whose per-sample pass is still to run
 
         def consume(j: int, g: Tensor) -> None:
@@ -674,6 +674,9 @@ class KroneckerEstimator(CurvatureEstimator):
                 return
             fired[j] = True
             read(feeds[j], g)
+            if last[0]:  # the sites' last read: what they hold (a norm layer's input) goes with the graph
+                for i in feeds[j]:
+                    sites[i].release()
 
         def read(idx: list[int], g: Tensor, w: float | None = None) -> None:
             w = weights[-1] if w is None else w
@@ -695,6 +698,7 @@ class KroneckerEstimator(CurvatureEstimator):
             while current is not None:
                 V, w = current
                 following = next(vectors, None)
+                last[0] = free and following is None and not self.keep_per_sample
                 weights.append(w)
                 V = V.to(f.dtype)
                 for j in roots:
