@@ -27,8 +27,8 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "grad_inputs",
-           "indexed_hook", "per_sample_grads"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "check_sample_shapes",
+           "grad_inputs", "indexed_hook", "per_sample_grads"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -361,9 +361,7 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     where it concludes nothing (one sample, none, coupled samples): on an FSDP2 model every backward pass runs
     FSDP2's collectives, so every rank must run the same passes whatever its number of samples."""
     B = int(f.shape[0])
-    for (lp, _), site in zip(blocks, sites):
-        if site.inputs.shape[0] != B:
-            raise _not_samples_first(what, lp, site, B, None)
+    check_sample_shapes(blocks, sites, B, what)
     conclude = B >= 2 and not coupled
     if not f.requires_grad or not (conclude or always_pass):
         return
@@ -417,6 +415,13 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     if failed:  # the first block in the plan's order, as a reader expects
         i, g = min(failed, key=lambda t: t[0])
         raise _not_samples_first(what, blocks[i][0], sites[i], B, g)
+
+
+def check_sample_shapes(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], B: int, what: str) -> None:
+    """The shape part of :func:`check_sample_rows`: every site's input rows have the batch size B first."""
+    for (lp, _), site in zip(blocks, sites):
+        if site.inputs.shape[0] != B:
+            raise _not_samples_first(what, lp, site, B, None)
 
 
 def indexed_hook(fn: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:
