@@ -333,7 +333,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 cache.clear()
                 last[:] = [] if a is None else [a]
             stat = self._input_stat(spec, site, cache)
-            site.inputs = site.output.new_empty(site.samples(), 0)
+            _drop_rows(i, site)
             return stat
 
         return take
@@ -389,8 +389,8 @@ class KroneckerEstimator(CurvatureEstimator):
         batch; a first dimension that only coincides with B, positions or ids without a batch dimension, does
         not: T == B != 2), and the trace concludes there. False (the caller traces the batch itself, with its
         own error) for B <= 2, a sharded model (every rank runs the same passes), coupled samples (shapes
-        only), a different layout or a failed trace. The global RNG is restored after the two-sample pass
-        (dropout draws nothing the user sees)."""
+        only), a different layout or a failed trace. The global RNG is restored after the two-sample pass (a
+        module that draws from it in its forward pass draws nothing the user would see)."""
         B = int(f.shape[0])
         if B <= 2 or self.structure.sharded or self.batch_statistics == "couple":
             return False
@@ -1149,11 +1149,10 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), mod
 
 
 def _drop_rows(i: int, site: Site) -> None:
-    """The ``take`` of a capture that needs no input statistics (:meth:`KroneckerEstimator._traced_on_two`): a
-    site's input rows are dropped (an empty (B, 0) tensor keeps the batch size for the shape check), never
-    formed (a convolution's patches)."""
-    if not site.shared:
-        site.inputs = site.output.new_empty(site.samples(), 0)
+    """Drop a site's input rows (an empty (B, 0) tensor keeps the batch size for the shape check; rows not yet
+    formed, a convolution's patches, never are): after its statistic is formed (:meth:`KroneckerEstimator
+    ._taker`), or as the ``take`` of a capture that needs none (:meth:`KroneckerEstimator._traced_on_two`)."""
+    site.inputs = site.output.new_empty(site.samples(), 0)
 
 
 def _view_rows(t: Tensor) -> Tensor | None:

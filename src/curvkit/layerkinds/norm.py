@@ -87,11 +87,13 @@ class NormHandler(LayerHandler):
                 not mod.training and mod.running_mean is not None)
             step = max(1, _BUDGET // max(1, x[0].numel())) if per_sample and x.shape[0] else max(1, x.shape[0])
 
+            starts = range(0, x.shape[0], step) or range(1)  # an empty batch (a data-parallel rank's): one chunk
+
             def read(g: Tensor) -> Tensor:
                 parts = []
                 if with_w:
                     parts.append(torch.cat([position_sums(_normalised(mod, x[lo:lo + step]).mul_(g[lo:lo + step]))
-                                            for lo in range(0, x.shape[0], step)]))
+                                            for lo in starts]))
                 if with_b:
                     parts.append(position_sums(g))
                 return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
