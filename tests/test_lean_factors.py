@@ -189,7 +189,7 @@ def test_the_statistics_pass_lets_go_of_each_layer_input_after_its_last_read() -
 
     model, data = _models()["resnet"]
     est = KroneckerEstimator(model, CrossEntropy(), "kfac", weight_sharing="reduce", seed=0)
-    est.update(data)  # the samples-first trace runs once per layout, on a graph it keeps; not in the pass below
+    est.update(data)  # its layout traced (once, on two samples): the pass below is the statistics pass alone
     inputs: dict[str, weakref.ref] = {}
     alive: list[list[str]] = []
     norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
