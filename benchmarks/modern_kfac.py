@@ -22,7 +22,11 @@ Quantities (each timed from the model and the batch to the factors; wall and CPU
   the GPT), curvlinops' ``fisher_type='type-2'``.
 
 Libraries: ``curvkit`` on every trainable parameter (each one has a block: the weight-shared Linear layers,
-the packed attention projections, Embedding, LayerNorm, the ViT's raw class token and position table);
+the packed attention projections, Embedding, LayerNorm, the ViT's raw class token and position table), a
+fresh ``KroneckerEstimator`` per call (it traces the sample dimension on its first batch: a forward and a
+backward pass of two of its samples);
+``curvkit-reused`` the same with one estimator kept for every call (``reset()`` + ``update``: what an
+optimiser or a posterior that keeps its estimator pays per refresh);
 ``curvkit-subset`` and ``curvlinops`` on the parameters curvlinops 3.0.1 supports (the nn.Linear layers it
 sees called: patch embedding, MLPs, head; it has no Embedding, LayerNorm or packed-attention blocks, and the
 rest must be left out of its ``params``). ``coverage`` is the fraction of the model's parameters with a block.
@@ -58,8 +62,8 @@ MODELS = {"vit": {"batch": 128, "outputs": "(B, 10)"}, "gpt": {"batch": 16, "out
 QUANTITIES = ("grad", "kfac_expand", "kfac_reduce", "kflr")
 QUANTITY_NAMES = {"grad": "loss + gradient pass", "kfac_expand": "KFAC-MC factors, expand",
                   "kfac_reduce": "KFAC-MC factors, reduce", "kflr": "exact-GGN (KFLR / type-2) factors, expand"}
-OFFERS = {"torch": {"grad"}, "curvkit": set(QUANTITIES[1:]), "curvkit-subset": set(QUANTITIES[1:]),
-          "curvlinops": set(QUANTITIES[1:])}
+OFFERS = {"torch": {"grad"}, "curvkit": set(QUANTITIES[1:]), "curvkit-reused": set(QUANTITIES[1:]),
+          "curvkit-subset": set(QUANTITIES[1:]), "curvlinops": set(QUANTITIES[1:])}
 LIBRARIES = tuple(OFFERS)
 
 
@@ -136,12 +140,20 @@ def _make_call(lib: str, quantity: str, model: Any, X: Any, y: Any) -> Any:
 
         return grad
     mode = "reduce" if quantity == "kfac_reduce" else "expand"
-    if lib in ("curvkit", "curvkit-subset"):
+    if lib in ("curvkit", "curvkit-reused", "curvkit-subset"):
         if lib == "curvkit-subset":
             keep = {id(p) for p in curvlinops_params(model)}
             for p in model.parameters():
                 p.requires_grad_(id(p) in keep)
         method = "kflr" if quantity == "kflr" else "kfac"
+        if lib == "curvkit-reused":  # one estimator for every call, as an optimiser or a posterior keeps it
+            kept = KroneckerEstimator(model, CrossEntropy(), method, weight_sharing=mode, seed=0)
+
+            def reused() -> Any:
+                kept.reset()
+                return kept.update((X, y)).operator()
+
+            return reused
 
         def ck() -> Any:
             est = KroneckerEstimator(model, CrossEntropy(), method, weight_sharing=mode, seed=0)
@@ -168,7 +180,7 @@ def coverage(lib: str, model: Any) -> float:
     total = sum(p.numel() for p in model.parameters())
     if lib in ("curvkit-subset", "curvlinops"):
         return sum(p.numel() for p in curvlinops_params(model)) / total
-    if lib == "curvkit":
+    if lib in ("curvkit", "curvkit-reused"):
         from curvkit.curvature.estimators import KroneckerEstimator
         from curvkit.likelihoods import CrossEntropy
 

@@ -276,3 +276,40 @@ def int_tensors(obj: object, seen: set[int] | None = None) -> list[Tensor]:
     else:
         return []
     return [t for it in items for t in int_tensors(it, seen)]
+
+
+def kron_filter_step(Sx: Tensor, Sd: Tensor, Es: Tensor, G: Tensor, eta: float, sigma2: float, sequential: bool,
+                     exact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of the Kronecker filter (Aitchison 2018, Eqs. 22-28) on one layer written from its per-example
+    gradient matrices Es (K, M, N) and ascent gradient G (M, N): drift (Eq. 28, or dense with ``exact``), the data
+    step for E_n of any rank (Sx' = Sx + (s/(2NM) Sx - Sx E^T Sd E Sx / M) / (1 + s), s = tr(Sx E^T Sd E), and Sd';
+    ``exact``: the dense Kalman steps with e_n = vec(E_n), then the exact KL projection), the rebalancing; returns
+    (Sx', Sd', the mean increment Sd' G Sx')."""
+    from curvkit.optim.filters.kron_math import drift_project, kl_project, rebalance
+
+    N, M = Sx.shape[0], Sd.shape[0]
+    decay = 1.0 - eta**2 / (2 * sigma2)
+    if exact:  # the dense drift and Kalman steps with e_n = vec(E_n) (column-stacking), then the exact KL projection
+        S = decay**2 * torch.kron(Sx, Sd) + eta**2 * torch.eye(N * M, dtype=Sx.dtype)
+        for E in Es:
+            e = E.T.reshape(-1)
+            Se = S @ e
+            S = S - torch.outer(Se, Se) / (1 + e @ Se)
+        Sx, Sd = kl_project(0.5 * (S + S.T), N, M, init=(Sx, Sd))
+    else:
+        if eta > 0:
+            Sx, Sd = drift_project(Sx, Sd, eta, decay)
+        incs = []
+        for E in Es:
+            a, b = Sx, Sd
+            s = float(torch.trace(a @ E.T @ b @ E))
+            dx = (s / (2 * N * M) * a - a @ E.T @ b @ E @ a / M) / (1 + s)
+            dd = (s / (2 * N * M) * b - b @ E @ a @ E.T @ b / N) / (1 + s)
+            if sequential:
+                Sx, Sd = Sx + dx, Sd + dd
+            else:
+                incs.append((dx, dd))
+        if not sequential:
+            Sx, Sd = Sx + sum(i[0] for i in incs), Sd + sum(i[1] for i in incs)
+        Sx, Sd = rebalance(Sx, Sd)
+    return Sx, Sd, Sd @ G @ Sx

@@ -211,7 +211,7 @@ def _meanfield_checks(rank, world, red):
 
 def _filter_checks(rank, world, red):
     from curvkit.likelihoods import CrossEntropy
-    from curvkit.optim.filters import KFBayes, KFWhiten
+    from curvkit.optim.filters import KFBayes, KFNatGrad, KFWhiten
 
     batches = [_data(20 + t) for t in range(3)]
     lik = CrossEntropy("mean")
@@ -230,6 +230,51 @@ def _filter_checks(rank, world, red):
             dst.step()
         for p1, p2 in zip(ref_net.parameters(), dst_net.parameters()):
             _close(p2, p1, f"{name} parameters", rtol=1e-8, atol=1e-10)
+        ref.close()
+        dst.close()
+    # layers with T > 1 rows per example (a Linear layer shared over positions, a convolution, a tied head and
+    # embedding): the union's first examples' rows, grouped per example; KFWhiten's statistics of the stacked rows
+    # (full-rank factors: a rank-deficient one's kept eigenbasis is arbitrary, see KFWhiten's docstring)
+    g = torch.Generator().manual_seed(7)
+    Xp, Xc = torch.randn(13, 4, 5, generator=g, dtype=torch.float64), torch.randn(13, 2, 6, generator=g,
+                                                                                 dtype=torch.float64)
+    ids, yp = torch.randint(0, 5, (13, 3), generator=g), torch.randint(0, 3, (13,), generator=g)
+
+    def positions_net():
+        return _net()
+
+    def conv_net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv1d(2, 3, 2), torch.nn.Tanh(), torch.nn.AdaptiveAvgPool1d(1),
+                                   torch.nn.Flatten(), torch.nn.Linear(3, 3)).double()
+
+    def tied_net():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 5)).double()
+        net[2].weight = net[0].weight
+        return net
+
+    models = (("positions", positions_net, Xp, lambda out: out.mean(1), yp),
+              ("conv", conv_net, Xc, lambda out: out, yp),
+              ("tied", tied_net, ids, lambda out: out.mean(1), yp.remainder(5)))
+    for (what, net_of, X, head, y), (name, make) in [(m, c) for m in models for c in (
+            ("KFBayes", lambda n, **kw: KFBayes(n.parameters(), model=n, lr=1e-3, fisher_samples=4, **kw)),
+            ("KFNatGrad batched", lambda n, **kw: KFNatGrad(n.parameters(), model=n, fisher_samples=None,
+                                                            sample_update="batched", **kw)),
+            ("KFWhiten", lambda n, **kw: KFWhiten(n.parameters(), model=n, lr=0.05, inv_every=2, **kw)))]:
+        ref_net, dst_net = net_of(), net_of()
+        ref, dst = make(ref_net), make(dst_net, distributed=red)
+        assert not ref.diagonal or what == "tied"
+        for t in range(2):
+            Xt, yt = (X, y) if t == 0 else (X.flip(0), y.flip(0))
+            ref.zero_grad()
+            lik(head(ref_net(Xt)), yt).backward()
+            ref.step()
+            dst.zero_grad()
+            lik(head(dst_net(_shard(Xt, rank, world))), _shard(yt, rank, world)).backward()
+            dst.step()
+        for p1, p2 in zip(ref_net.parameters(), dst_net.parameters()):
+            _close(p2, p1, f"{name} on the {what} model", rtol=0, atol=1e-12)
         ref.close()
         dst.close()
 

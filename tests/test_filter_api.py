@@ -165,10 +165,10 @@ def test_unsupported_layers_are_named():
         KFBayes(model.parameters(), model=model)
     odd = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.PReLU(4), torch.nn.Linear(4, 2))
     assert [d.name for d in KFNatGrad(odd.parameters(), model=odd).diagonal] == ["1.weight"]  # diagonal form
-    # KFNatGrad's rank-1 samples do not exist for a convolution: its parameters get the diagonal form
+    # a groups=1 convolution keeps the Kronecker posterior (its locations are an example's rows: E_n of rank > 1)
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
     nat = KFNatGrad(conv.parameters(), model=conv)
-    assert [d.name for d in nat.diagonal] == ["0.weight", "0.bias"] and [r.name for r in nat.layers] == ["2"]
+    assert nat.diagonal == [] and [r.name for r in nat.layers] == ["0", "2"]
     nat.close()
     # KFWhiten supports Conv2d (KFC-style patch statistics)
     opt = KFWhiten(conv.parameters(), model=conv, lr=1e-2, batch_size=4)

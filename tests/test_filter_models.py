@@ -1,16 +1,16 @@
 """The Kronecker filter optimisers (KFNatGrad, KFBayes, KFWhiten) on the models the layer kinds support, against
 dense float64 references written from the equations (Aitchison 2018, Sec. 2.1.1-2.1.3).
 
-A filter keeps its Kronecker posterior on the layers its equations are written for: ``nn.Linear`` layers (all
-three; KFWhiten also when the weight is shared over positions, and groups=1 ``nn.Conv1d``/``nn.Conv2d``, from
-the rows of every position). Every other trainable parameter - embeddings, normalisation layers, attention projections,
-grouped convolutions, raw parameters (class token, position table), and for KFNatGrad/KFBayes weight-shared
-Linear layers and convolutions, whose per-example gradient is not a rank-1 sample x (x) delta - gets the
-diagonal form of the same filter (the factorised equations with the minibatch gradient as Fisher sample). The
-references below rebuild one step from plain autograd: the Kronecker layers' whitened step (KFWhiten) or the
-step of the same filter on the layer alone with the same Fisher samples (KFNatGrad/KFBayes, whose single-layer
-steps are tested against the dense Kalman filter in test_filter_kronecker.py), and the scalar equations on the
-diagonal parameters.
+A filter keeps its Kronecker posterior on ``nn.Linear`` layers (also when the weight is shared over positions) and
+groups=1 ``nn.Conv1d``/``nn.Conv2d`` (the rows of every position). Every other trainable parameter - embeddings,
+normalisation layers, attention projections, grouped convolutions, raw parameters (class token, position table) -
+gets the diagonal form of the same filter (the factorised equations with the minibatch gradient as Fisher sample).
+The references below rebuild one step from plain autograd: the Kronecker layers' whitened step (KFWhiten); for
+KFNatGrad/KFBayes the step of the same filter on the layer alone with the same Fisher samples (one row per
+example; single-layer steps are tested against the dense Kalman filter in test_filter_kronecker.py) or, for
+layers with T > 1 rows per example, the step written from the per-example gradients E_n = sum_t delta_t x_t^T
+(``reference.kron_filter_step``; tests/test_filter_positions.py has it against torch.func per-sample gradients);
+and the scalar equations on the diagonal parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from curvkit.architectures import causal_lm
 from curvkit.likelihoods import CrossEntropy
 from curvkit.optim.filters import KFBayes, KFNatGrad, KFWhiten
 from curvkit.structure import UnsupportedModelError
+from reference import kron_filter_step
 from tiny_models import tiny_case
 
 pytestmark = pytest.mark.usefixtures("float64_default")
@@ -148,9 +149,9 @@ def test_kfwhiten_step_equals_the_dense_reference(name):
 @pytest.mark.parametrize("name", CASES)
 def test_kfnatgrad_and_kfbayes_steps_equal_the_references(cls, name):
     """KFNatGrad / KFBayes: the Linear layers with (batch, features) inputs take the step the same filter takes
-    on the layer alone with the same Fisher samples and gradient; every other parameter (weight-shared Linear
-    layers and convolutions included: no rank-1 per-example samples) takes the scalar filter step
-    s = 1 / (1/(decay^2 s0 + eta^2) + g^2), W <- decay (W + s g)."""
+    on the layer alone with the same Fisher samples and gradient; weight-shared Linear layers and groups=1
+    convolutions the step written from their per-example gradients E_n (T rows per example); every other parameter
+    the scalar filter step s = 1 / (1/(decay^2 s0 + eta^2) + g^2), W <- decay (W + s g)."""
     model, lik, (X, y) = _case(name)
     kw = {"s0": 0.3, "fisher_samples": None}
     if cls is KFBayes:
@@ -158,17 +159,37 @@ def test_kfnatgrad_and_kfbayes_steps_equal_the_references(cls, name):
     red = "sum" if lik.reduction == "sum" else "mean"
     B = X.shape[0]
     scale = 1.0 if red == "sum" else float(B)
-    rec, grads, _ = _reference_pass(model, lik, X, y, whiten=False)
+    rec, grads, _ = _reference_pass(model, lik, X, y, whiten=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = cls(model.parameters(), model=model, reduction=red, **kw)
     lik(model(X), y).backward()
     opt.step()
-    kron = {n: m for n, m in _kron_modules(model, whiten=False).items() if rec[n]["T"] == 1}
-    assert sorted(r.name for r in opt.layers) == sorted(kron)
+    every = _kron_modules(model, whiten=True)
+    assert sorted(r.name for r in opt.layers) == sorted(every)
+    kron = {n: m for n, m in every.items() if rec[n]["T"] == 1 and isinstance(m, nn.Linear)}
     params = dict(model.named_parameters())
     eta, sigma2 = kw.get("lr", 0.0), kw.get("sigma2", math.inf)
     decay = 1.0 - eta**2 / (2 * sigma2)
     done = set()
+    for mname, m in every.items():  # T > 1 rows per example: E_n = sum_t delta_t x_t^T
+        if mname in kron:
+            continue
+        T, x, d = rec[mname]["T"], rec[mname]["x"], rec[mname]["d"] * scale
+        E = torch.einsum("btm,btn->bmn", d.reshape(B, T, -1), x.reshape(B, T, -1))
+        W = before[f"{mname}.weight"].reshape(m.weight.shape[0], -1)
+        if m.bias is not None:
+            W = torch.cat([W, before[f"{mname}.bias"][:, None]], 1)
+        r0 = math.sqrt(kw["s0"])
+        _, _, inc = kron_filter_step(torch.eye(E.shape[2]) * r0, torch.eye(E.shape[1]) * r0, E, -E.sum(0), eta,
+                                     sigma2, sequential=True, exact=False)
+        Wn = decay * (W + inc)
+        k = m.weight[0].numel()
+        torch.testing.assert_close(params[f"{mname}.weight"].detach(), Wn[:, :k].reshape(m.weight.shape),
+                                   rtol=1e-9, atol=1e-12)
+        done.add(f"{mname}.weight")
+        if m.bias is not None:
+            torch.testing.assert_close(params[f"{mname}.bias"].detach(), Wn[:, k], rtol=1e-9, atol=1e-12)
+            done.add(f"{mname}.bias")
     for mname, m in kron.items():  # the layer alone, the same samples and gradient
         alone = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         with torch.no_grad():
@@ -207,17 +228,25 @@ def test_kfnatgrad_and_kfbayes_steps_equal_the_references(cls, name):
     opt.close()
 
 
-def test_a_later_weight_shared_input_is_refused_after_a_kronecker_start():
-    """KFNatGrad decides a Linear layer's form at its first step; a layer started on (batch, features) inputs
-    that later gets positions is refused, naming it."""
+def test_a_layer_may_get_positions_after_a_kronecker_start():
+    """KFNatGrad's Kronecker layer started on (batch, features) inputs takes inputs with positions at a later step
+    (its rows grouped per example); passes of different positions accumulated into one step are refused."""
     lin = nn.Sequential(nn.Linear(3, 2))
     opt = KFNatGrad(lin.parameters(), model=lin)
     F.cross_entropy(lin(torch.randn(4, 3)), torch.randint(0, 2, (4,))).backward()
     opt.step()
     lin.zero_grad()
     F.cross_entropy(lin(torch.randn(4, 5, 3)).mean(1), torch.randint(0, 2, (4,))).backward()
-    with pytest.raises(UnsupportedModelError, match=r"layer '0' got inputs with 5 positions per example"):
+    opt.step()
+    assert all(bool(torch.isfinite(S).all()) for S in opt.factors()["0"])
+    lin.zero_grad()
+    F.cross_entropy(lin(torch.randn(4, 5, 3)).mean(1), torch.randint(0, 2, (4,))).backward()
+    F.cross_entropy(lin(torch.randn(4, 2, 3)).mean(1), torch.randint(0, 2, (4,))).backward()
+    W = lin[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"layer '0': the backward passes accumulated since the last step have "
+                                         "different positions per example"):
         opt.step()
+    assert torch.equal(W, lin[0].weight)
     opt.close()
 
 
@@ -240,9 +269,9 @@ def test_bad_input_is_refused_and_changes_nothing(cls):
     assert after[2:] == snap[2:] and not any(opt.state.values())
     opt.close()
     tied = causal_lm(vocab_size=5, max_len=4, dim=4, depth=1, heads=2, mlp_dim=4, tie_weights=True,
-                     dtype=torch.float64)  # taken: the tied weight in the diagonal form (tests/test_shared_weights.py)
+                     dtype=torch.float64)  # taken: the tied weight as one record (tests/test_shared_weights.py)
     with cls(tied.parameters(), model=tied) as taken:
-        assert [d.kind for d in taken.diagonal].count("tied") == 1
+        assert [r.kind for r in taken.layers].count("tied") == 1 and "tied" not in {d.kind for d in taken.diagonal}
     lin = nn.Linear(4, 4)  # (an unregistered class such as PReLU is taken: curvkit.layerkinds.generic)
     odd = nn.Sequential(nn.Linear(3, 4), lin, nn.Tanh(), lin)
     with pytest.raises(UnsupportedModelError, match=r"'1' \(Linear\) is registered under 2 names"):
@@ -250,21 +279,21 @@ def test_bad_input_is_refused_and_changes_nothing(cls):
     assert not any(m._forward_hooks for m in odd.modules())  # nothing attached to a refused model
 
 
-def test_loss_scale_is_read_from_a_layer_that_took_the_diagonal_form():
-    """reduction='mean' without batch_size: the batch size comes from the captured rows, also when the only
-    Linear layer shares its weight over positions and took the diagonal form (g = B * the mean loss's gradient)."""
+def test_loss_scale_is_read_from_the_rows_of_a_layer_with_positions():
+    """reduction='mean' without batch_size: the batch size comes from the captured passes, also when the only
+    Kronecker layer shares its weight over positions (4 examples of 6 rows: g = 4 * the mean loss's gradient on the
+    diagonal embedding)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))
     ids, y = torch.randint(0, 5, (4, 6)), torch.randint(0, 2, (4,))
-    before = [p.detach().clone() for p in model.parameters()]
+    before = model[0].weight.detach().clone()
     opt = KFNatGrad(model.parameters(), model=model, s0=0.5)
     F.cross_entropy(model(ids).mean(1), y).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    g = model[0].weight.grad.clone()
     opt.step()
-    assert opt.layers == [] and [d.name for d in opt.diagonal] == ["0.weight", "1.weight", "1.bias"]
-    for p, p0, g in zip(model.parameters(), before, grads):
-        a = -4.0 * g
-        torch.testing.assert_close(p.detach(), p0 + a / (1 / 0.5 + a * a), rtol=1e-12, atol=1e-14)
+    assert [r.name for r in opt.layers] == ["1"] and [d.name for d in opt.diagonal] == ["0.weight"]
+    a = -4.0 * g
+    torch.testing.assert_close(model[0].weight.detach(), before + a / (1 / 0.5 + a * a), rtol=1e-12, atol=1e-14)
     opt.close()
 
 

@@ -418,13 +418,13 @@ def test_closure_equals_batch():
 
 # ---------------------------------------------------------------------------------------------- routes
 def test_torch_func_route_and_conv_layers():
-    """A model that is not a plain Sequential takes the torch.func JVP route; the step matches the tangent
+    """A model that is not a plain Sequential takes the dual-number JVP route; the step matches the tangent
     route. A Conv2d model (KFAC factors, KFC expansion) gets the dense-GGN alpha*."""
     X, y = make_data("ce", 8, seed=8)
     a, b = _tiny(8), NotSequential(_tiny(8))
     oa = GaussNewton(a.parameters(), model=a, likelihood=CrossEntropy(), curvature="kflr")
     ob = GaussNewton(b.parameters(), model=b, likelihood=CrossEntropy(), curvature="kflr")
-    assert oa._linearisation.route == "tangent" and ob._linearisation.route == "torch.func"
+    assert oa._linearisation.route == "tangent" and ob._linearisation.route == "dual"
     oa.step(batch=(X, y))
     ob.step(batch=(X, y))
     assert torch.allclose(_flat(a), _flat(b), atol=1e-12)

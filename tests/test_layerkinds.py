@@ -884,13 +884,16 @@ def test_raw_parameter_used_across_samples_is_refused():
 
 def test_blocked_gram_equals_the_full_product():
     """The Gram matrices of tall wide rows multiply only the upper block triangle and mirror it: equal to the
-    full product to rounding (float64); short rows take the single product."""
+    full product to rounding; narrow rows, and few rows (m n < _GRAM_MIN_SIZE), take the single product."""
+    from curvkit.curvature import estimators
     from curvkit.curvature.estimators import _gram
 
     g = torch.Generator().manual_seed(27)
-    for n in (5, 127, 128, 257, 383, 384, 513, 1030, 2600):
-        a = torch.randn(50, n, generator=g)
-        assert torch.allclose(_gram(a), a.T @ a, atol=1e-11)
+    for m in (50, 300):
+        for n in (5, 127, 128, 257, 383, 384, 513, 1030, 2600):
+            a = torch.randn(m, n, generator=g, dtype=torch.float64)
+            assert torch.allclose(_gram(a), a.T @ a, atol=1e-11)
+    assert 300 * 513 >= estimators._GRAM_MIN_SIZE > 50 * 2600  # both routes above
 
 
 @pytest.mark.parametrize("case", range(9))

@@ -135,3 +135,71 @@ def test_position_table_without_batch_dimension_gets_one_copy_per_sample():
         got = KroneckerEstimator(model, CrossEntropy("sum"), method, seed=0).update((ids, ids)).operator()
         want = KroneckerEstimator(ref, CrossEntropy("sum"), method, seed=0).update((ids, ids)).operator()
         torch.testing.assert_close(got.to_dense(), want.to_dense(), atol=1e-13, rtol=0)
+
+
+def _traced_batches(monkeypatch):
+    """Record the batch size of every samples-first trace the estimators run."""
+    import curvkit.curvature.estimators as estimators
+
+    seen = []
+    real = estimators.check_sample_rows
+
+    def recording(blocks, sites, f, *args, **kwargs):
+        seen.append(int(f.shape[0]))
+        return real(blocks, sites, f, *args, **kwargs)
+
+    monkeypatch.setattr(estimators, "check_sample_rows", recording)
+    return seen
+
+
+def test_a_fresh_estimator_traces_two_samples_where_they_stand_for_the_batch(monkeypatch):
+    """The estimator's own pass traces the sample dimension on a forward pass of two samples (no second backward
+    pass of the batch on a kept graph: issue 35, "Lean factors"), where the two-sample layout scales with the
+    batch: a ResNet, a GPT (embeddings, packed attention) and a ViT (raw class token). The batch-first twin with
+    T == B too; the sequence-first one and ids without a batch dimension are traced on the batch itself and
+    refused as before (test_sequence_first_is_refused_for_every_length,
+    test_position_table_without_batch_dimension_with_t_equal_b_is_refused)."""
+    from curvkit.architectures import causal_lm, resnet, vit
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(resnet(widths=(4, 8), seed=0, dtype=D64).eval(), torch.randn(6, 1, 12, 12, generator=g, dtype=D64),
+              torch.randint(0, 10, (6,), generator=g)),
+             (causal_lm(vocab_size=16, max_len=8, dim=8, depth=1, heads=2, mlp_dim=16, seed=0, dtype=D64),
+              torch.randint(0, 16, (5, 8), generator=g), torch.randint(0, 16, (5, 8), generator=g)),
+             (vit(image_size=8, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=16, num_classes=10, seed=0, dtype=D64),
+              torch.randn(4, 1, 8, 8, generator=g, dtype=D64), torch.randint(0, 10, (4,), generator=g)),
+             (_twins()[1], *_data(5, 5))]
+    for model, X, y in cases:
+        seen = _traced_batches(monkeypatch)
+        KroneckerEstimator(model, CrossEntropy("sum"), "kfac", weight_sharing="reduce").update((X, y))
+        assert seen == [2], type(model).__name__
+        monkeypatch.undo()
+    seq, _ = _twins()
+    seen = _traced_batches(monkeypatch)
+    with pytest.raises(UnsupportedModelError, match="dimension 1 of its output"):
+        KroneckerEstimator(seq, CrossEntropy("sum"), "kfac").update(_data(5, 5))
+    assert seen[-1] == 5  # the two-sample pass has positions first (5 != 2): the batch itself is traced
+
+
+class Draws(nn.Module):
+    """A module that draws from the global RNG in its forward pass (its output does not depend on the draw)."""
+
+    def forward(self, x):
+        return x + 0 * torch.rand(x.shape, dtype=x.dtype)
+
+
+def test_the_two_sample_trace_leaves_the_global_rng_as_it_was():
+    """The two-sample pass runs under a forked RNG: a fresh estimator leaves the global RNG where one that has
+    traced its layout already does (the batch's own pass draws the same numbers in both)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Draws(), nn.Linear(8, 3)).double()
+    X, y = torch.randn(6, 4, dtype=D64), torch.randint(0, 3, (6,))
+    traced = KroneckerEstimator(model, CrossEntropy("sum"), "kfac", seed=0)
+    traced.update((X, y))
+    state = torch.get_rng_state()
+    KroneckerEstimator(model, CrossEntropy("sum"), "kfac", seed=0).update((X, y))
+    after_fresh = torch.get_rng_state()
+    torch.set_rng_state(state)
+    traced.reset()
+    traced.update((X, y))
+    assert torch.equal(torch.get_rng_state(), after_fresh)

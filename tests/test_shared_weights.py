@@ -10,7 +10,7 @@ blocks does not have (as KFAC has no cross terms between layers). Models: GPT-2 
 word embedding and the ``lm_head.bias`` alias of ``lm_head.decoder.bias``) and a nanoGPT-style model written in
 plain PyTorch. Every consumer then takes the sum block: the operator's products, diagonal, inverse and
 log-determinant (checked against the dense matrix), a Gauss-Newton step, Kronecker Laplace (log-determinant,
-samples, GLM variances) and the continual Kronecker penalty; the Kronecker filters give it their diagonal form.
+samples, GLM variances) and the continual Kronecker penalty; the Kronecker filters: tests/test_filter_tied.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from curvkit.hf import HuggingFace
 from curvkit.laplace import Laplace
 from curvkit.likelihoods import CrossEntropy
 from curvkit.optim import GaussNewton
-from curvkit.optim.filters import KFBayes, KFNatGrad, KFWhiten
 from curvkit.structure import read_model
 
 transformers = pytest.importorskip("transformers")
@@ -204,47 +203,6 @@ def test_consumers_take_the_sum_block(name):
     emp = S[:, i].T @ S[:, i] / S.shape[0]
     assert float((emp - cov).abs().max()) < 0.15 * float(cov.abs().max())
     assert torch.isfinite(post.log_marginal_likelihood())
-
-
-@pytest.mark.parametrize("cls", [KFNatGrad, KFBayes, KFWhiten])
-def test_filters_take_a_tied_parameter_in_their_diagonal_form(cls):
-    """The Kronecker filters' rank-one per-example update (Eqs. 23-24) cannot hold the tied weight's per-example
-    gradient (rank two: the head's ``delta x^T`` plus the embedding's ``u delta_e^T``), so the tied parameter gets
-    the filter's diagonal form, whose Fisher sample is the parameter's own gradient, the sum of its uses': the step
-    equals the same filter's step on a lone embedding holding that weight and that gradient, and the gradient is
-    the sum of the untied uses' gradients."""
-    torch.manual_seed(0)
-    model = NanoGPT().to(D64)
-    X, y = _ids(3, 4, 0), _ids(3, 4, 1)
-    before = model.wte.weight.detach().clone()
-    kw = {"lr": 0.05} if cls is not KFNatGrad else {}
-    opt = cls(model.parameters(), model=model, reduction="sum", **kw)
-    (d,) = [d for d in opt.diagonal if d.name == "wte.weight"]
-    assert (d.layer, d.kind) == ("wte + lm_head", "tied")
-    assert "lm_head" not in {r.name for r in opt.layers}
-    loss = torch.nn.functional.cross_entropy(model(X).reshape(-1, V), y.reshape(-1), reduction="sum")
-    loss.backward()
-    g = model.wte.weight.grad.detach().clone()
-    # the sum of the uses' gradients: the same loss with the two slots untied
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    untied = {**params, "lm_head.weight": params["wte.weight"].clone()}
-    grads = torch.func.grad(lambda p: torch.nn.functional.cross_entropy(
-        functional_call(model, p, (X,), tie_weights=False).reshape(-1, V), y.reshape(-1), reduction="sum"))(untied)
-    torch.testing.assert_close(g, grads["wte.weight"] + grads["lm_head.weight"], atol=1e-12, rtol=1e-12)
-    opt.step()
-    alone = nn.Embedding(V, before.shape[1]).to(D64)
-    with torch.no_grad():
-        alone.weight.copy_(before)
-    alone.weight.grad = g.clone()
-    ref = cls(alone.parameters(), model=alone, reduction="sum", **kw)
-    ref.step()
-    assert not torch.equal(model.wte.weight.detach(), before)
-    torch.testing.assert_close(model.wte.weight.detach(), alone.weight.detach(), atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(opt.effective_lr()["wte.weight"], ref.effective_lr()["weight"], atol=1e-12, rtol=0)
-    n_train = sum(p.numel() for p in model.parameters())
-    assert opt.curvature().shape == (n_train, n_train)  # the tied parameter counted once
-    opt.close()
-    ref.close()
 
 
 def test_a_read_outside_the_planned_uses_is_refused():

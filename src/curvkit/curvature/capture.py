@@ -27,8 +27,8 @@ from curvkit.structure import (
     differentiable,
 )
 
-__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "grad_inputs",
-           "indexed_hook", "per_sample_grads"]
+__all__ = ["BlockCapture", "PairCapture", "PairedBlock", "SiteOutput", "check_sample_rows", "check_sample_shapes",
+           "grad_inputs", "indexed_hook", "per_sample_grads"]
 
 
 # ---------------------------------------------------------------------------------------------- paired rows
@@ -158,7 +158,7 @@ class SiteOutput:
     produced, also when a later operation changed them in place) and :attr:`edge` as an input of
     ``torch.autograd.grad`` (where the node is not run, so its hooks do not fire: :func:`grad_inputs`). Every
     site of one tensor shares one object, as they share the tensor; :meth:`BlockCapture.sites` gives back the
-    tensor itself wherever it is still alive.
+    tensor itself only for the model output.
     """
 
     def __init__(self, t: Tensor):
@@ -307,10 +307,13 @@ class BlockCapture:
             self._emitter(i)(Site(0, P.detach(), P, _flat_rows(batch)))
         return out
 
-    def sites(self) -> list[Any]:
+    def sites(self, model_output: Tensor | None = None) -> list[Any]:
         """One site per block (global block order), checked: each block fed exactly once, outputs not
         modified in place afterwards; None for a block of an optional layer (one use of a shared parameter,
-        :attr:`curvkit.layerkinds.LayerPlan.optional`) that was not called."""
+        :attr:`curvkit.layerkinds.LayerPlan.optional`) that was not called. A lean capture's outputs stay
+        :class:`SiteOutput` (so that the backward pass frees those it has finished with, as a training pass
+        does), except ``model_output`` (a head's output is the model output f, which consumers compare with f
+        by identity)."""
         out: list[Any] = []
         for (lp, _), sites, versions in zip(self.specs, self._sites, self._versions):
             if not sites and lp.optional:  # one use of a shared parameter, not called in this pass
@@ -323,9 +326,9 @@ class BlockCapture:
                     "so shared, repeated or unused layers are not supported (use one module per call, or freeze it)"
                     + (_NO_AUTOGRAD if not any(self._sites) else ""))
             kept = sites[0].output
-            if isinstance(kept, SiteOutput):  # a lean capture: the tensor itself where it is still alive
+            if isinstance(kept, SiteOutput):  # a lean capture: its tensor, where it is still alive, to check
                 kept = kept.tensor()
-                if kept is not None:
+                if kept is not None and kept is model_output:
                     sites[0].output = kept
             if kept is not None and kept._version != versions[0]:
                 raise UnsupportedModelError(
@@ -358,9 +361,7 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     where it concludes nothing (one sample, none, coupled samples): on an FSDP2 model every backward pass runs
     FSDP2's collectives, so every rank must run the same passes whatever its number of samples."""
     B = int(f.shape[0])
-    for (lp, _), site in zip(blocks, sites):
-        if site.inputs.shape[0] != B:
-            raise _not_samples_first(what, lp, site, B, None)
+    check_sample_shapes(blocks, sites, B, what)
     conclude = B >= 2 and not coupled
     if not f.requires_grad or not (conclude or always_pass):
         return
@@ -389,7 +390,8 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
             return
         with torch.no_grad():
             for i in feeds[j]:
-                rows = sites[i].read(g.detach()).reshape(B, -1).abs().sum(1)
+                r = sites[i].read(g.detach())  # per-sample absolute sums without a copy of the rows:
+                rows = torch.linalg.vector_norm(r, 1, dim=tuple(range(1, r.dim())))
                 if bool(rows.sum() > 0) and (bool(rows[n] == 0) or bool(rows[:n].sum() > 1e-6 * rows[n])):
                     failed.append((i, g.detach()))
 
@@ -413,6 +415,13 @@ def check_sample_rows(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], f
     if failed:  # the first block in the plan's order, as a reader expects
         i, g = min(failed, key=lambda t: t[0])
         raise _not_samples_first(what, blocks[i][0], sites[i], B, g)
+
+
+def check_sample_shapes(blocks: Sequence[tuple[Any, Any]], sites: Sequence[Any], B: int, what: str) -> None:
+    """The shape part of :func:`check_sample_rows`: every site's input rows have the batch size B first."""
+    for (lp, _), site in zip(blocks, sites):
+        if site.inputs.shape[0] != B:
+            raise _not_samples_first(what, lp, site, B, None)
 
 
 def indexed_hook(fn: Callable[[int, Tensor], None], j: int) -> Callable[[Tensor], None]:

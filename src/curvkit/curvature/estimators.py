@@ -52,6 +52,7 @@ from curvkit.curvature.capture import (
     BlockCapture,
     SiteOutput,
     check_sample_rows,
+    check_sample_shapes,
     grad_inputs,
     indexed_hook,
     per_sample_grads,
@@ -332,8 +333,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 cache.clear()
                 last[:] = [] if a is None else [a]
             stat = self._input_stat(spec, site, cache)
-            B = site.batch if isinstance(site, UnfoldedSite) and a is None else site.inputs.shape[0]
-            site.inputs = site.output.new_empty(B, 0)
+            _drop_rows(i, site)
             return stat
 
         return take
@@ -355,24 +355,70 @@ class KroneckerEstimator(CurvatureEstimator):
         if self._raw and not self._raw_checked:
             self._check_raw(X)
         with self.capture() as cap, torch.enable_grad(), kept_running_statistics(self.model):
-            cap.batch = num_samples(X)
-            if self.compute_dtype is not None:  # on an upcast copy of the model's state (curvkit.precision)
-                dt = self.compute_dtype
-                params = precision.upcast_state(dict(self.model.named_parameters()), dt, grad=True)
-                buffers = precision.upcast_state(dict(self.model.named_buffers()), dt)
-                if self._raw:
-                    params.update(cap.substitute(num_samples(X), params))
-                self._pass_tensors = params  # the tensors the pass reads (_check_uses)
-                f = self.structure.functional_call(params, (precision.upcast_inputs(X, dt),), buffers)
-            elif self._raw:
-                f = self.structure.functional_call(cap.substitute(num_samples(X)), (X,))
-            else:
-                f = self.model(X)
+            f = self._own_forward(cap, X)
         cap.own = True  # this pass's graph is the estimator's: its last backward pass may free it
         try:
-            return self._statistics(cap, f, y)
+            return self._statistics(cap, f, y, X)
         finally:
             self._pass_tensors = {}
+
+    def _own_forward(self, cap: BlockCapture, X: Inputs) -> Tensor:
+        """The estimator's own forward pass of ``X`` inside ``cap`` (entered): ``model(X)``, a functional call
+        with per-sample copies of raw parameters, or one on an upcast copy of the state (``compute_dtype``)."""
+        cap.batch = num_samples(X)
+        if self.compute_dtype is not None:  # on an upcast copy of the model's state (curvkit.precision)
+            dt = self.compute_dtype
+            params = precision.upcast_state(dict(self.model.named_parameters()), dt, grad=True)
+            buffers = precision.upcast_state(dict(self.model.named_buffers()), dt)
+            if self._raw:
+                params.update(cap.substitute(num_samples(X), params))
+            self._pass_tensors = params  # the tensors the pass reads (_check_uses)
+            return self.structure.functional_call(params, (precision.upcast_inputs(X, dt),), buffers)
+        if self._raw:
+            return self.structure.functional_call(cap.substitute(num_samples(X)), (X,))
+        return self.model(X)  # type: ignore[no-any-return]
+
+    def _traced_on_two(self, X: Inputs, sites: list[Any], f: Tensor) -> bool:
+        """The samples-first trace (:func:`~curvkit.curvature.capture.check_sample_rows`) of the estimator's own
+        pass of ``X``, run on a forward pass of its first TWO samples instead of on the batch's graph, which
+        would have to be kept through one more backward pass of the whole batch (its peak memory: every
+        activation plus a backward pass's temporaries; its time: a backward pass). True when that trace
+        stands in for the batch's: the batch's rows pass the shape check (every site's first dimension is the
+        batch B, checked here on the batch itself), the two-sample pass has the same sites, each one of
+        ``shared`` as before and of B / 2 times the size otherwise (a per-sample layout scales with the
+        batch; a first dimension that only coincides with B, positions or ids without a batch dimension, does
+        not: T == B != 2), and the trace concludes there. False (the caller traces the batch itself, with its
+        own error) for B <= 2, a sharded model (every rank runs the same passes), coupled samples (shapes
+        only), a different layout or a failed trace. The global RNG is restored after the two-sample pass (a
+        module that draws from it in its forward pass draws nothing the user would see)."""
+        B = int(f.shape[0])
+        if B <= 2 or self.structure.sharded or self.batch_statistics == "couple":
+            return False
+        live = [i for i, site in enumerate(sites) if site is not None]
+        check_sample_shapes([self.blocks[i] for i in live], [sites[i] for i in live], B, self.method)
+        device = f.device
+        rng = (torch.random.fork_rng(devices=[]) if device.type == "cpu" else
+               torch.random.fork_rng(devices=[device], device_type=device.type))
+        cap = BlockCapture(self.plans, self.method, take=_drop_rows, lean=True)
+        batch_tensors = self._pass_tensors
+        try:
+            with cap, torch.enable_grad(), kept_running_statistics(self.model), rng:
+                f2 = self._own_forward(cap, take_samples(X, slice(0, 2)))
+            two = cap.sites(f2)
+            if f2.numel() * B != f.numel() * 2:
+                return False
+            for a, b in zip(sites, two):
+                if (a is None) != (b is None) or (a is not None and (a.shared != b.shared or math.prod(
+                        b.output.shape) * (1 if a.shared else B) != math.prod(a.output.shape) * (1 if a.shared else 2))):
+                    return False
+            check_sample_rows([self.blocks[i] for i in live], [two[i] for i in live], f2, self.method)
+            if self.shared:
+                self._check_uses(two, f2)
+        except UnsupportedModelError:
+            return False
+        finally:
+            self._pass_tensors = batch_tensors  # the batch's own (its trace, if this one stands in for none)
+        return True
 
     def forward(self, capture: BlockCapture, X: Inputs) -> tuple[Tensor, dict[str, Tensor]]:
         """Run the model on ``X`` (a tensor or a mapping of tensors) inside ``capture`` for :meth:`accumulate`,
@@ -432,7 +478,10 @@ class KroneckerEstimator(CurvatureEstimator):
                 "or diagonal curvature") from error
         self._raw_checked = True
 
-    def _statistics(self, cap: BlockCapture, f: Tensor, y: Tensor | None) -> tuple[list[Tensor], int, int]:
+    def _statistics(self, cap: BlockCapture, f: Tensor, y: Tensor | None,
+                    X: Inputs | None = None) -> tuple[list[Tensor], int, int]:
+        """The statistics of a pass (output f) the capture recorded; ``X``: the inputs of the estimator's own
+        pass (its samples-first trace may then run on two of them, :meth:`_traced_on_two`)."""
         if not isinstance(f, Tensor) or f.dim() < 2:
             raise ValueError(f"{self.method}: the model must return a single (batch, outputs) or (batch, "
                              f"positions..., outputs) tensor, got "
@@ -441,19 +490,19 @@ class KroneckerEstimator(CurvatureEstimator):
             raise ValueError(f"kfra: the recursion needs (batch, outputs) outputs, got shape {tuple(f.shape)}; use "
                              "curvature='kflr' or 'kfac' for outputs with positions")
         self.likelihood.check(f.detach(), y)
-        sites = cap.sites()  # None: one use of a shared parameter that this pass did not call
+        sites = cap.sites(f)  # None: one use of a shared parameter that this pass did not call
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
         layout = (B, tuple(None if site is None else tuple(site.output.shape) for site in sites))
         traced = layout not in self._layouts
         if self.structure.sharded:  # each backward pass runs FSDP2's collectives: every rank the same passes
             traced = self.distributed.sum_int(int(traced)) > 0
-        if traced:  # samples first, traced once per layout (check_sample_rows)
-            live = [i for i, site in enumerate(sites) if site is not None]
+        if traced and not (X is not None and self._traced_on_two(X, sites, f)):  # samples first, traced once
+            live = [i for i, site in enumerate(sites) if site is not None]  # per layout (check_sample_rows)
             check_sample_rows([self.blocks[i] for i in live], [sites[i] for i in live], f, self.method,
                               coupled=self.batch_statistics == "couple", always_pass=bool(self.structure.sharded))
             if self.shared:
                 self._check_uses(sites, f)
-            self._layouts.add(layout)
+        self._layouts.add(layout)
         A: list[Tensor | None]
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]
@@ -667,6 +716,7 @@ class KroneckerEstimator(CurvatureEstimator):
         weights: list[float] = []
         fired = [False] * len(outs)
         batched = [False]  # inside the per-sample backward pass of the shared outputs
+        last = [False]  # the last vector of a pass that frees the graph (the sites are released after it)
         pending: list[tuple[Tensor, float]] = []  # vectors whose per-sample pass is still to run
 
         def consume(j: int, g: Tensor) -> None:
@@ -674,6 +724,9 @@ class KroneckerEstimator(CurvatureEstimator):
                 return
             fired[j] = True
             read(feeds[j], g)
+            if last[0]:  # the sites' last read: what they hold (a norm layer's input) goes with the graph
+                for i in feeds[j]:
+                    sites[i].release()
 
         def read(idx: list[int], g: Tensor, w: float | None = None) -> None:
             w = weights[-1] if w is None else w
@@ -695,6 +748,7 @@ class KroneckerEstimator(CurvatureEstimator):
             while current is not None:
                 V, w = current
                 following = next(vectors, None)
+                last[0] = free and following is None and not self.keep_per_sample
                 weights.append(w)
                 V = V.to(f.dtype)
                 for j in roots:
@@ -1116,6 +1170,13 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), mod
                 "or use data parallelism (every rank holds the whole model)")
 
 
+def _drop_rows(i: int, site: Site) -> None:
+    """Drop a site's input rows (an empty (B, 0) tensor keeps the batch size for the shape check; rows not yet
+    formed, a convolution's patches, never are): after its statistic is formed (:meth:`KroneckerEstimator
+    ._taker`), or as the ``take`` of a capture that needs none (:meth:`KroneckerEstimator._traced_on_two`)."""
+    site.inputs = site.output.new_empty(site.samples(), 0)
+
+
 def _view_rows(t: Tensor) -> Tensor | None:
     """(B, R, n) -> (B * R, n) rows in any order (a Gram matrix does not depend on it) as a view when the
     strides allow it in the (B, R) or the (R, B) order (the sequence-first tensors inside attention), else
@@ -1136,16 +1197,21 @@ def _rows(t: Tensor) -> Tensor:
 
 #: the narrowest rows whose Gram matrix :func:`_gram` forms by blocks
 _GRAM_MIN = 128
+#: the fewest scalars of rows (m x n) whose Gram matrix :func:`_gram` forms by blocks: below, the mirrored copies
+#: cost more than the products they save (single-thread float32: 16 x 1,152 rows 1.7 ms by blocks, 0.66 ms whole;
+#: 16 x 513 0.33 against 0.20 ms; 1,024 x 128 even)
+_GRAM_MIN_SIZE = 2**17
 
 
 def _gram(a: Tensor) -> Tensor:
     """a^T a (n, n) for rows a (m, n). For n >= :data:`_GRAM_MIN` only the upper block triangle of k column
     blocks is multiplied (one product per block row, (k + 1) / 2k of the full product) and mirrored: the Gram
-    matrices dominate the statistics of KFAC-expand (6,400 rows per block on a ViT). k = 4 up to 1,024 columns,
+    matrices dominate the statistics of KFAC-expand (6,400 rows per block on a ViT), and only for m n >=
+    :data:`_GRAM_MIN_SIZE` (few rows, KFAC-reduce's one per sample: the whole product). k = 4 up to 1,024 columns,
     n / 256 above (single-thread float32, m = 512-6,400 rows: 0.63-0.83x the time of the full product at n =
     128-3,072; k = n // 128, the previous rule, left n < 384 whole)."""
     n = a.shape[1]
-    if n < _GRAM_MIN:
+    if n < _GRAM_MIN or a.numel() < _GRAM_MIN_SIZE:
         return a.T @ a
     k = max(4, n // 256)
     edges = [n * i // k for i in range(k + 1)]

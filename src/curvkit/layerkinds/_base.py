@@ -105,6 +105,18 @@ class Site:
     read: Callable[[Tensor], Tensor]
     shared: bool = False
 
+    def release(self) -> None:
+        """Drop what the site holds besides its output's place in the graph (its input rows and the reader,
+        whose closure may hold the layer input: a normalisation layer's), once its consumer has read the last
+        gradient it will read, so that a layer input the backward pass has finished with is freed there, as
+        in a plain training pass. The site cannot be read afterwards."""
+        self.inputs = self.output.new_empty(self.samples(), 0)
+        self.read = _released
+
+    def samples(self) -> int:
+        """B, the number of samples of the rows."""
+        return int(self.inputs.shape[0])
+
 
 class UnfoldedSite(Site):
     """A :class:`Site` whose input rows are formed only when read (a convolution's unfolded patches, many
@@ -136,12 +148,18 @@ class UnfoldedSite(Site):
 
     @inputs.setter
     def inputs(self, value: Tensor) -> None:
+        """Set the rows (or a stand-in once a consumer has reduced them): the lazy ones are not formed any more,
+        so the layer input their closures hold is let go."""
         self._inputs = value
+        self._rows = self._means = None  # type: ignore[assignment]
 
     @property
     def formed(self) -> bool:
         """Whether :attr:`inputs` has been formed (or set)."""
         return self._inputs is not None
+
+    def samples(self) -> int:
+        return self.batch
 
     def sample_rows(self, lo: int, hi: int) -> Tensor:
         """Input rows (hi - lo, R, in) of samples lo:hi (from :attr:`inputs` once formed)."""
@@ -154,6 +172,10 @@ class UnfoldedSite(Site):
 
 
 Emit = Callable[[Site], None]
+
+
+def _released(g: Tensor) -> Tensor:
+    raise RuntimeError("this site was released (Site.release): its consumer had read its last gradient")
 
 
 class LayerHandler:

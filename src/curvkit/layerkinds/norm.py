@@ -34,6 +34,8 @@ from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batche
 
 __all__ = ["NormHandler"]
 
+_BUDGET = 2**20  # scalars of x_hat formed at once (a few samples' worth of the layer input)
+
 
 def _normalised(mod: nn.Module, x: Tensor) -> Tensor:
     """x_hat of the layer, same shape as x (no affine parameters applied)."""
@@ -71,17 +73,29 @@ class NormHandler(LayerHandler):
         width = int(math.prod(m.normalized_shape) if channels_last else
                     getattr(m, "num_features", getattr(m, "num_channels", 0)))
 
-        def rows(t: Tensor) -> Tensor:
-            """(B, ...) -> (B, R, width): positions x parameter entries."""
-            if not channels_last:
-                t = t.movedim(1, -1) if t.dim() > 2 else t
-            return t.reshape(t.shape[0], -1, width)
+        def position_sums(t: Tensor) -> Tensor:
+            """(b, ...) -> (b, width): the sum over the positions of each sample and parameter entry (no copy
+            of t: channels first are summed over the trailing dimensions where they are)."""
+            if channels_last:
+                return t.reshape(t.shape[0], -1, width).sum(1)
+            return t.sum(tuple(range(2, t.dim()))) if t.dim() > 2 else t
 
         def gradient(mod: nn.Module, x: Tensor) -> Callable[[Tensor], Tensor]:
-            def read(g: Tensor) -> Tensor:  # x_hat recomputed here: the layer input is alive anyway
-                gr = rows(g)
-                parts = ([(rows(_normalised(mod, x)) * gr).sum(1)] if with_w else []) + (
-                    [gr.sum(1)] if with_b else [])
+            # x_hat is recomputed here (the layer input is alive anyway), a few samples at a time: with
+            # statistics of the batch (BatchNorm in training mode) from the whole batch at once
+            per_sample = not isinstance(mod, nn.modules.batchnorm._BatchNorm) or (
+                not mod.training and mod.running_mean is not None)
+            step = max(1, _BUDGET // max(1, x[0].numel())) if per_sample and x.shape[0] else max(1, x.shape[0])
+
+            starts = range(0, x.shape[0], step) or range(1)  # an empty batch (a data-parallel rank's): one chunk
+
+            def read(g: Tensor) -> Tensor:
+                parts = []
+                if with_w:
+                    parts.append(torch.cat([position_sums(_normalised(mod, x[lo:lo + step]).mul_(g[lo:lo + step]))
+                                            for lo in starts]))
+                if with_b:
+                    parts.append(position_sums(g))
                 return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             return read
 

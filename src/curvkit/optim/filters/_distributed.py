@@ -11,10 +11,11 @@ What travels, per step (P ranks, rank r holding B_r examples; B = sum_r B_r):
   included, then holds identically laid-out copies, so the steps stay bitwise identical); between refreshes the
   second moments along the kept basis, diag(V^T C_batch V), come from the reduced statistics on every rank.
 * :class:`~curvkit.optim.filters.KFBayes` / ``KFNatGrad``: their Eq. 24 updates are sequential in the
-  Fisher samples, so the samples themselves are gathered: each rank contributes its first
-  min(k, B_r) rows (x, delta in summed units), the union's first k rows are kept (delta scaled by
-  sqrt(B / k) when k < B, as the single process does with its batch), plus the union's gradient by one
-  all-reduce. Every rank then runs the same update.
+  Fisher samples, so the samples themselves are gathered: each rank contributes the rows of its first
+  min(k, B_r) examples (x, delta in summed units; T rows per example for a layer shared over positions, a
+  convolution or a tied weight's stacked uses, T checked equal on every rank), the union's first k examples'
+  rows are kept (delta scaled by sqrt(B / k) when k < B, as the single process does with its batch), plus the
+  union's gradient by one all-reduce. Every rank then runs the same update.
 
 The result is the single-process step on the union minibatch (shards in rank order), to rounding.
 Gradients: ``distributed.grads='local'`` all-reduces sum_r (-s_r p.grad_r) with s_r the rank's loss
@@ -49,7 +50,7 @@ def _ascent_gradients(opt: Any, scale: float, batch: int) -> list[Tensor]:
 def _union_batch(opt: Any) -> tuple[int, int]:
     """(this rank's batch size, the union's) from the captured rows; one all-reduce."""
     rec = opt.layers[0]
-    local = 0 if rec.a is None else int(rec.a.shape[0]) // max(1, rec.positions)
+    local = rec.examples
     return local, opt.distributed.sum_int(local)
 
 
@@ -126,22 +127,30 @@ def bayes_inputs(opt: Any, scale: float, fisher_samples: dict[str, Any] | None, 
     grads = _ascent_gradients(opt, scale, union_b)
     if red.grads == "local":
         grads = red.sum(grads, "all_reduce of KFBayes gradients")
+    own = [fisher_samples is None or rec.name not in fisher_samples for rec in opt.layers]
+    positions = [rec.positions if o else 1 for rec, o in zip(opt.layers, own)]
+    every = red.all_gather_object(positions, "all_gather of KFBayes positions per example")
+    for j, rec in enumerate(opt.layers):   # every rank sees every rank's: all raise together
+        if len({p[j] for p in every}) > 1:
+            raise ValueError(f"layer {rec.name!r} got {sorted({p[j] for p in every})} rows per example on different "
+                             "ranks; the union's examples need one shape: give every rank inputs of one shape")
     out = {}
-    for rec, G in zip(opt.layers, grads):
-        if fisher_samples is not None and rec.name in fisher_samples:
+    for rec, G, o, T in zip(opt.layers, grads, own, positions):
+        if not o:
             X, D = opt._samples(rec, scale, fisher_samples, None)
             keep = None
         else:
             if rec.a is None or rec.delta is None:
                 raise ValueError(f"no activations captured for layer {rec.name!r} on rank {red.rank}: run forward "
                                  "and backward on this rank's shard before step()")
+            rec.check_positions()
             m = local_b if k is None else min(k, local_b)
-            X, D = rec.x_rows(m), rec.delta[:m] * scale
+            X, D = rec.rows(scale, m * T)
             keep = k
         rows = red.all_gather_rows(torch.cat([X.to(G.dtype), D.to(G.dtype)], dim=1))
         X, D = rows[:, :X.shape[1]], rows[:, X.shape[1]:]
         if keep is not None and keep < union_b:
-            X, D = X[:keep], D[:keep] * (union_b / keep) ** 0.5
+            X, D = X[:keep * T], D[:keep * T] * (union_b / keep) ** 0.5
         _check_union(rec.name, G, X, D)
         out[rec.name] = (X, D, G)
     return out

@@ -19,7 +19,10 @@ from curvkit.optim.filters.kron_math import (
     kl_project,
     kron_sandwich,
     mean_inverse_diagonal,
+    project_first_order_rows,
+    rebalance,
     rows_after_update,
+    rows_kron_vec,
     sandwich_costs,
     symmetrise,
 )
@@ -32,9 +35,9 @@ class KFBayes(_KroneckerBase):
 
     Args:
         params: the parameters to optimise (default: all of ``model``'s trainable ones): the weights and
-            biases of its ``nn.Linear`` layers get the Kronecker posterior, every other one the diagonal form
-            (module docstring). Frozen parameters (``requires_grad=False``) are left out: a frozen layer gets no
-            block and never changes.
+            biases of its ``nn.Linear`` and groups=1 convolution layers (and a tied head and embedding) get the
+            Kronecker posterior, every other one the diagonal form (module docstring). Frozen parameters
+            (``requires_grad=False``) are left out: a frozen layer gets no block and never changes.
         model: the network (required: the filter reads its layer structure and captures each layer's
             input and output gradient with hooks, removed by ``close()``).
         lr: eta, the per-step diffusion sd of the optimum.
@@ -107,15 +110,16 @@ class KFBayes(_KroneckerBase):
         cf = self._decay() - 0.5 * e2 * float(st["lam_x"]) * float(st["lam_d"])
         return cf, e2 * st["lam_d"], e2 * st["lam_x"]
 
-    def _exact_step(self, st: dict[str, Any], X: Tensor, D: Tensor) -> None:
+    def _exact_step(self, st: dict[str, Any], E: Tensor) -> None:
+        """The dense Kalman step with the Fisher samples e_k (rows of E (K, N M), column-stacking), sample after
+        sample, then the exact KL projection onto Kronecker form."""
         grp = self._group()
         Sx, Sd = st["Sx"], st["Sd"]
         N, M = Sx.shape[0], Sd.shape[0]
         S = torch.kron(Sx, Sd)
         if grp["lr"] > 0 or math.isfinite(grp["sigma2"]):
             S = self._decay() ** 2 * S + grp["lr"] ** 2 * torch.eye(N * M, dtype=S.dtype, device=S.device)
-        for x, d in zip(X, D):
-            e = torch.kron(x, d)
+        for e in E:
             Se = S @ e
             S = S - torch.outer(Se, Se) / (1.0 + e @ Se)
         st["Sx"], st["Sd"] = kl_project(0.5 * (S + S.T), N, M, init=(Sx, Sd))
@@ -150,7 +154,7 @@ class KFBayes(_KroneckerBase):
         K = X.shape[0]
         cf, ex, ed = self._drift(st)
         low = None
-        if self.distributed is None and rec.a is not None and rec.delta is not None:
+        if self.distributed is None and rec.a is not None and rec.delta is not None and not rec.uses:
             B = rec.a.shape[0]
             shared = own and K <= B
             c_low, c_dense = sandwich_costs(B, K, M, N, shared)
@@ -189,6 +193,19 @@ class KFBayes(_KroneckerBase):
         res = gradient_residual(rec.grad_parts(), rec.delta.to(X.dtype), Xg)   # unscaled: G = -scale dW_hat
         return inc if res is None else inc.add_(st["Sd"] @ res.mul_(-scale) @ st["Sx"])
 
+    def _rows_step(self, st: dict[str, Any], L: Tensor, R: Tensor) -> None:
+        """Prior step (Eq. 28), the data step for per-example gradients of any rank E_n = L_n^T R_n
+        (:func:`~.kron_math.project_first_order_rows`: the corrected Eq. 24 generalised, sequential or batched)
+        and the rebalancing, as :meth:`_first_order_step` does for rank-one samples; the factors are updated in
+        place."""
+        cf, ex, ed = self._drift(st)
+        Sx0, Sd0 = st["Sx"] * cf, st["Sd"] * cf
+        Sx0.diagonal().add_(float(ex))
+        Sd0.diagonal().add_(float(ed))
+        Sx, Sd = rebalance(*project_first_order_rows(Sx0, Sd0, L, R, self._group()["sample_update"] == "sequential"))
+        st["Sx"].copy_(Sx)
+        st["Sd"].copy_(Sd)
+
     @staticmethod
     def _prior_rows(RS: Tensor, R: Tensor, cf: float, e: Tensor | float) -> Tensor:
         """R S0 = cf (R S) + e R for the prior factor S0 = cf S + e I, given RS = R S (updated in place)."""
@@ -221,14 +238,18 @@ class KFBayes(_KroneckerBase):
             self._union = bayes_inputs(self, scale, fisher_samples, grp["fisher_samples"])
         for rec in self.layers:
             st = self._init(rec)
+            dtype = rec.weight.dtype
+            if rec.positions > 1 and (fisher_samples is None or rec.name not in fisher_samples):
+                inc = self._positions_step(rec, st, scale, dtype)
+                self._finish(rec, st, inc, decay)
+                continue
             if self.distributed is None:
                 X, D = self._samples(rec, scale, fisher_samples, grp["fisher_samples"])
             else:
                 X, D = self._union[rec.name][:2]
-            dtype = rec.weight.dtype
             X, D = X.to(dtype), D.to(dtype)
             if grp["projection"] == "exact":
-                self._exact_step(st, X, D)
+                self._exact_step(st, rows_kron_vec(D[:, None], X[:, None]))
                 if self.distributed is None:
                     G = rec.weight_matrix_grad().mul(-scale)
                     inc = kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
@@ -237,17 +258,42 @@ class KFBayes(_KroneckerBase):
             else:
                 own = fisher_samples is None or rec.name not in fisher_samples
                 inc = self._first_order_step(rec, st, X, D, scale, own)
-            st["step"] += 1
-            if decay == 1.0:   # the posterior mean is the next prior mean: update the parameters in place
-                st.pop("mu_post", None)
-                rec.add_to_matrix(inc)
-            else:
-                W_post = rec.weight_matrix().add_(inc)
-                st["mu_post"] = W_post
-                rec.write_matrix(W_post * decay)
+            self._finish(rec, st, inc, decay)
         self._diagonal_step(scale)
         self._clear()
         return loss
+
+    def _positions_step(self, rec: LayerRecord, st: dict[str, Any], scale: float, dtype: torch.dtype) -> Tensor:
+        """A layer with T > 1 rows per example (a Linear layer shared over positions, a convolution's output
+        locations, a tied weight's stacked uses): its per-example gradient E_n = L_n^T R_n has rank up to T, the data step is
+        :meth:`_rows_step` (or, ``projection='exact'``, the dense Kalman step with e_n = vec(E_n)); returns the
+        mean increment Sigma^delta G Sigma^x with the updated factors."""
+        grp = self._group()
+        if self.distributed is None:
+            L, R = self._example_rows(rec, scale, grp["fisher_samples"])
+        else:   # the union's first examples' rows (curvkit.optim.filters._distributed.bayes_inputs)
+            X, D, G = self._union[rec.name]
+            L, R = D.reshape(-1, rec.positions, D.shape[1]), X.reshape(-1, rec.positions, X.shape[1])
+        L, R = L.to(dtype), R.to(dtype)
+        if grp["projection"] == "exact":
+            self._exact_step(st, rows_kron_vec(L, R))
+        else:
+            self._rows_step(st, L, R)
+        if self.distributed is not None:
+            return st["Sd"] @ G @ st["Sx"]
+        G = rec.weight_matrix_grad().mul(-scale)
+        return kron_sandwich(st["Sd"], G, st["Sx"], self._grad_factors(rec, scale, dtype))
+
+    def _finish(self, rec: LayerRecord, st: dict[str, Any], inc: Tensor, decay: float) -> None:
+        """Count the step and write the posterior mean W + inc (its decayed copy as the next prior mean)."""
+        st["step"] += 1
+        if decay == 1.0:   # the posterior mean is the next prior mean: update the parameters in place
+            st.pop("mu_post", None)
+            rec.add_to_matrix(inc)
+        else:
+            W_post = rec.weight_matrix().add_(inc)
+            st["mu_post"] = W_post
+            rec.write_matrix(W_post * decay)
 
     def _diag_update(self, d: DiagonalParam, st: dict[str, Any], g: Tensor) -> tuple[Tensor, Tensor]:
         """The factorised filter of the same equations (paper Eqs. 8-12; :class:`~.factorised.BFRMSProp`

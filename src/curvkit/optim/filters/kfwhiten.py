@@ -86,8 +86,6 @@ class KFWhiten(_KroneckerBase):
         sigma2: prior variance; the parameters decay by 1 - eta^2/(2 sigma^2) per step (inf: none).
     """
 
-    positions_ok = True
-
     def __init__(self, params: Any = None, *, model: nn.Module | None = None, lr: float = 1e-3, beta: float = 0.99,
                  damping: float = 1e-3, inv_every: int = 20, eta_p: float = 0.0, sigma2: float = math.inf,
                  reduction: Reduction = "mean", batch_size: int | None = None, distributed: Any = None):

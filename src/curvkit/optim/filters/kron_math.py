@@ -81,6 +81,73 @@ def project_first_order_batched(Sx: Tensor, Sd: Tensor, X: Tensor, Dm: Tensor) -
     return Sx_new, Sd_new
 
 
+def project_first_order_rows(Sx: Tensor, Sd: Tensor, L: Tensor, R: Tensor, sequential: bool = True
+                             ) -> tuple[Tensor, Tensor]:
+    """The corrected Eq. 24 for per-example gradients of any rank: example n's gradient matrix is
+    E_n = L_n^T R_n (M, N), T rows per example (L_n (T, M) output side, R_n (T, N) input side), e_n = vec(E_n)
+    (column-stacking: vec(delta x^T) = x (x) delta). ``L`` is (K, T, M), ``R`` (K, T, N).
+
+    The rank-one Kalman step Sigma' = Sigma - Sigma e e^T Sigma / (1 + e^T Sigma e) with Sigma = Sx (x) Sd has
+    Sigma e = vec(F), F = Sd E Sx. By F's SVD, vec(F) vec(F)^T is a sum of Kronecker terms, and SI Eq. 32's
+    first-order projection is linear in those terms; summed over them it gives, with
+    s = tr(Sx E^T Sd E) = e^T Sigma e and D = 1 + s,
+
+        Sx' = Sx + ( s/(2NM) Sx - (1/M) Sx E^T Sd E Sx ) / D
+        Sd' = Sd + ( s/(2NM) Sd - (1/N) Sd E Sx E^T Sd ) / D
+
+    (for E = delta x^T exactly :func:`project_first_order`). With E = L^T R everything is T x T products:
+    P = R Sx (T, N), Q = L Sd (T, M), Kx = L Sd L^T, Kd = R Sx R^T (T, T), s = sum(Kd * Kx),
+    Sx E^T Sd E Sx = P^T Kx P, Sd E Sx E^T Sd = Q^T Kd Q: O(T (N^2 + M^2) + T^2 (N + M)) per example. When
+    T > min(M, N) (a convolution's many locations) E_n itself is formed and written with min(M, N) rows
+    (E = I_M^T E, or E = (E^T)^T I_N), so a step never costs more than O(min(M, N) (N^2 + M^2)) per example.
+
+    ``sequential=True``: example after example (each step's factors are the next one's prior);
+    ``sequential=False``: the sum of the K increments, all at the given factors (as
+    :func:`project_first_order_batched` for rank-one samples; equal to first order). Both returned symmetric.
+    """
+    if L.dim() != 3 or R.dim() != 3 or L.shape[:2] != R.shape[:2]:
+        raise ValueError(f"L and R must be (K, T, M) and (K, T, N) with the same K and T, got {tuple(L.shape)} "
+                         f"and {tuple(R.shape)}")
+    N, M = Sx.shape[0], Sd.shape[0]
+    if R.shape[2] != N or L.shape[2] != M:
+        raise ValueError(f"L and R must have M = {M} and N = {N} columns, got {L.shape[2]} and {R.shape[2]}")
+    K, T = L.shape[:2]
+    if T > min(M, N):
+        E = L.transpose(1, 2) @ R                       # (K, M, N)
+        if M <= N:
+            L, R = torch.eye(M, dtype=E.dtype, device=E.device).expand(K, M, M), E
+        else:
+            L, R = E.transpose(1, 2), torch.eye(N, dtype=E.dtype, device=E.device).expand(K, N, N)
+        T = min(M, N)
+    if sequential:
+        for Ln, Rn in zip(L, R):
+            P, Q = Rn @ Sx, Ln @ Sd
+            Kx, Kd = Q @ Ln.T, P @ Rn.T
+            Kx, Kd = 0.5 * (Kx + Kx.T), 0.5 * (Kd + Kd.T)
+            s = float((Kd * Kx).sum())
+            D = 1.0 + s
+            a = 1.0 + 0.5 * s / (N * M * D)
+            Sx = symmetrise(torch.addmm(Sx, P.T, Kx @ P, beta=a, alpha=-1.0 / (M * D)))
+            Sd = symmetrise(torch.addmm(Sd, Q.T, Kd @ Q, beta=a, alpha=-1.0 / (N * D)))
+        return Sx, Sd
+    P, Q = R @ Sx, L @ Sd                               # (K, T, N), (K, T, M)
+    Kx, Kd = Q @ L.transpose(1, 2), P @ R.transpose(1, 2)
+    Kx, Kd = 0.5 * (Kx + Kx.transpose(1, 2)), 0.5 * (Kd + Kd.transpose(1, 2))
+    sk = (Kd * Kx).sum((1, 2))                          # (K,)
+    Dn = 1.0 + sk
+    a = 1.0 + 0.5 * float((sk / Dn).sum()) / (N * M)
+    wx, wd = (Kx / Dn[:, None, None]) @ P, (Kd / Dn[:, None, None]) @ Q
+    Sx_new = torch.addmm(Sx, P.reshape(K * T, N).T, wx.reshape(K * T, N), beta=a, alpha=-1.0 / M)
+    Sd_new = torch.addmm(Sd, Q.reshape(K * T, M).T, wd.reshape(K * T, M), beta=a, alpha=-1.0 / N)
+    return symmetrise(Sx_new), symmetrise(Sd_new)
+
+
+def rows_kron_vec(L: Tensor, R: Tensor) -> Tensor:
+    """e_n = vec(L_n^T R_n) (column-stacking), (K, N M), for L (K, T, M), R (K, T, N): the per-example Fisher
+    samples of :func:`project_first_order_rows` as vectors (for the dense, exact route)."""
+    return (R.transpose(1, 2) @ L).reshape(L.shape[0], -1)
+
+
 class SampleUpdate(NamedTuple):
     """K first-order data updates in the span of the samples (:func:`first_order_coefficients`):
 

@@ -30,7 +30,9 @@ an exact correction for any part of G the factors do not explain (:mod:`.kron_ma
 K Eq. 24 updates (sequential or batched) are computed in the span of the K samples (a K x K recursion, then
 one rank-K product per factor) and the drift and rebalancing are folded into that product, so a step costs
 O(K(N^2 + M^2)) for the factors plus the mean product, not K passes over each factor; the result equals the
-per-sample loop up to rounding (tested). Lambda_x, Lambda_delta use a Cholesky factor, not an inverse.
+per-sample loop up to rounding (tested); a layer with T > 1 rows per example takes its examples one after the
+other (O(min(T, M, N) (N^2 + M^2)) each, :func:`~.kron_math.project_first_order_rows`). Lambda_x, Lambda_delta
+use a Cholesky factor, not an inverse.
 
 Diagnostics: ``effective_lr()`` (per weight, the posterior variance times the loss scale) and
 ``diagnostics()`` (per layer: effective-lr statistics and the SGD-like / Adam-like regime) cost no
@@ -50,28 +52,37 @@ stays Kronecker (one output, one input, or isotropic output noise; derived, not 
 
 Models: every model the layer kinds take (:func:`curvkit.layerkinds.plan`, which refuses, naming the module, an
 unknown module with trainable parameters, a module registered twice, random or sample-coupling modules in
-training mode). The Kronecker posterior is kept on the layers these equations are written for:
+training mode). The Kronecker posterior is kept on the layers whose handler has paired rows
+(:meth:`curvkit.layerkinds.LayerHandler.paired_rows`; a kind registered with them is taken the same way):
+``nn.Linear`` (on (B, in) inputs, and weight-shared over positions, inputs (B, *S, in)) and groups=1
+``nn.Conv1d/2d/3d`` (unfolded patches per output location). Example n's rows are its T positions (T = 1 for
+(B, in) inputs), so its per-example gradient is E_n = L_n^T R_n (L_n (T, M) its output-gradient rows, R_n (T, N)
+its input rows with the bias column), of rank up to T:
 
-* ``nn.Linear`` on (B, in) inputs (all three filters);
-* KFWhiten also on weight-shared ``nn.Linear`` layers (inputs (B, *S, in): every position is a row, as KFC's
-  patches) and groups=1 convolutions (``nn.Conv1d/2d/3d``: the KFC-style patch statistics): its covariance EMAs
-  take any rows. (Which layers: those whose handler has paired rows,
-  :meth:`curvkit.layerkinds.LayerHandler.paired_rows`; a kind registered with them is taken the same way.)
-  The rank-1 updates of KFNatGrad/KFBayes need a per-example gradient x (x) delta, which the per-example gradient
-  of a weight shared over positions (a sum over them) is not; such a Linear layer gets the diagonal form at the
-  first step (its input shape is known only then; a layer started as Kronecker that later gets positions is
-  refused).
+* KFNatGrad/KFBayes: with T = 1 the rank-one data step (corrected Eq. 24, the fast span recursion above); with
+  T > 1 its generalisation to any E_n (:func:`~.kron_math.project_first_order_rows`: SI Eq. 32's first-order
+  projection of the rank-one Kalman step with e_n = vec(E_n), linear in the Kronecker terms of
+  vec(F) vec(F)^T, F = Sd E Sx; derived here, tested against the exact KL projection), or with
+  ``projection='exact'`` the dense Kalman step with e_n = vec(E_n). ``fisher_samples=K`` takes the first K
+  examples' rows (data-parallel: the union's first K examples' rows, :mod:`._distributed`).
+* KFWhiten: the covariance EMAs take every row (KFC-style), whatever T.
 
-A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is
-not given a Kronecker posterior: its per-example gradient is the sum of its uses', ``delta_h x_h^T + u delta_e^T``
-in the head's view (the embedding's one-hot rows u against its output gradient), of rank two for one example at
-one position, so it is not the rank-one Fisher sample ``x (x) delta`` that Eqs. 23-24 update the two factors with
-(the reason a Linear layer shared over positions is not one either), and KFWhiten's ``C^{-1/2}`` of a sum of
-two Kronecker terms has no Kronecker form. It gets the diagonal form below, with the layers that hold it (the
-head's bias too); its Fisher sample is its own gradient, the sum of its uses' (``DiagonalParam.kind`` 'tied').
+A parameter shared by several modules (weight tying: a language model's token embedding and output layer) is ONE
+Kronecker record in its head's view [W | b] (:func:`~.kron_capture.collect_layers`): its per-example gradient is
+the sum of its uses', ``E_n = D_h^T [X_h 1] + U^T [Delta_e 0]`` (U the embedding's one-hot rows, Delta_e its
+output gradients, a zero bias column since the embedding does not read the head's bias), i.e. the rows
+L = [D_h; U], R = [[X_h, 1]; [Delta_e, 0]] stacked per example (:meth:`~.kron_capture.LayerRecord.rows`).
+KFNatGrad/KFBayes take both uses exactly in the Kalman step (the posterior stays one Kronecker product by the
+filter's own projection); KFWhiten's covariance EMAs take the stacked rows as more rows of the head's view
+(KFC-style; each use's output-gradient rows carry the loss scale: the head's delta on the output side, the
+embedding's delta_e on the input side). Taken: a head in the weight's standard view (a Linear layer, with or
+without a bias) with embedding lookups of its table or Linear uses without a bias, up to
+``kron_capture.TIED_OUTPUT_LIMIT`` = 8192 outputs (the record's output factor is a dense (V, V) matrix); other
+tied parameters, and larger vocabularies, get the diagonal form below, with the layers that hold them (their
+Fisher sample is the parameter's own gradient, the sum of its uses'; ``DiagonalParam.kind`` 'tied').
 
-Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions
-(and for KFNatGrad/KFBayes every convolution), raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
+Every other trainable parameter - embeddings, normalisation layers, attention projections, grouped convolutions,
+raw parameters (a ViT's class token and position table) - gets the DIAGONAL form of the same filter:
 the factorised equations (Sec. 2.1.1) with the Fisher sample e = g, the minibatch's ascent gradient in summed
 units (the factorised filters' ``curvature='empirical'``; per-example gradients of arbitrary layers are not
 captured): KFNatGrad/KFBayes s <- 1/(1/(decay^2 s + eta^2) + g^2), W <- decay (W + s g) (s_0 = ``s0``);
@@ -101,7 +112,6 @@ from torch import Tensor, nn
 from curvkit.optim.base import CurvatureOptimizer, check_step_extras, legacy_model_first, trainable_params
 from curvkit.optim.filters._base import LossScale, Reduction, all_finite
 from curvkit.optim.filters.kron_capture import DiagonalParam, LayerRecord, check_captured, collect_layers
-from curvkit.structure import UnsupportedModelError
 
 
 def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None:
@@ -114,11 +124,6 @@ def _store_posterior(st: dict[str, Any], W_post: Tensor, W_next: Tensor) -> None
 
 
 class _KroneckerBase(CurvatureOptimizer):
-    #: whether a Kronecker layer may share its weight over positions (rows B*T; KFWhiten's covariances take
-    #: them, KFNatGrad/KFBayes need rank-1 per-example samples and give such a layer the diagonal form, and take
-    #: no layer whose rows are always positions, :meth:`curvkit.layerkinds.LayerHandler.paired_rows`)
-    positions_ok = False
-
     def __init__(self, params: Any, model: nn.Module | None, defaults: dict[str, Any], reduction: Reduction,
                  batch_size: int | None, distributed: Any = None):
         params, model = legacy_model_first(type(self).__name__, params, model)
@@ -131,7 +136,7 @@ class _KroneckerBase(CurvatureOptimizer):
             raise ValueError(f"{type(self).__name__} takes one set of hyperparameters (no param groups)")
         if given is not None:  # frozen parameters are never optimised (curvkit.optim.base): no block for them
             given = trainable_params(given)
-        self.layers, self.capture, self.diagonal = collect_layers(model, self.positions_ok, type(self).__name__, given)
+        self.layers, self.capture, self.diagonal = collect_layers(model, type(self).__name__, given)
         if distributed is not None and self.diagonal:
             self.capture.close()
             raise ValueError(f"{type(self).__name__}: data-parallel steps take only Kronecker layers, but "
@@ -167,7 +172,6 @@ class _KroneckerBase(CurvatureOptimizer):
             with torch.enable_grad():
                 loss = closure()
         check_captured(self.layers, type(self).__name__)
-        self._demote_shared()
         if fisher_samples is not None:
             known = {rec.name for rec in self.layers}
             unknown = sorted(set(fisher_samples) - known)
@@ -183,25 +187,6 @@ class _KroneckerBase(CurvatureOptimizer):
                 raise ValueError(f"gradient of parameter {d.name!r} ({d.kind} layer {d.layer!r}) contains NaN or "
                                  "inf (NaN or inf in the batch, or a diverged loss); nothing was changed")
         return loss, self._scale(batch_size)
-
-    def _demote_shared(self) -> None:
-        """Without :attr:`positions_ok`, a Linear layer that shares its weight over positions (an input
-        (B, *S, in)) has no rank-1 per-example Fisher samples: before its first step it gets the diagonal form
-        (for good); after it, such an input is refused."""
-        if self.positions_ok:
-            return
-        for rec in list(self.layers):
-            if rec.a is None or rec.positions == 1:
-                continue
-            if "Sx" in self.state.get(rec.weight, {}):  # a resumed diagonal state ('s') is demoted again
-                raise UnsupportedModelError(
-                    f"{type(self).__name__}: layer {rec.name!r} got inputs with {rec.positions} positions per "
-                    "example after its Kronecker posterior was started on (batch, features) inputs; give it one "
-                    "input shape")
-            self.layers.remove(rec)
-            for param, pname in ((rec.weight, rec.weight_name), (rec.bias, rec.bias_name)):
-                if param is not None and pname is not None:
-                    self.diagonal.append(DiagonalParam(pname, param, rec.name, f"{rec.kind} (weight-shared)"))
 
     def _scale(self, batch_size: int | None) -> float:
         """The factor turning ``p.grad`` into the gradient of the summed log-likelihood. With a mean loss the
@@ -247,8 +232,19 @@ class _KroneckerBase(CurvatureOptimizer):
                              "autograd enabled) on the minibatch before step()")
         B = rec.a.shape[0]
         if k is not None and k < B:
-            return rec.x_rows(k), rec.delta[:k] * (scale * math.sqrt(B / k))
-        return rec.x_rows(), rec.delta * scale
+            return rec.rows(scale * math.sqrt(B / k), k)
+        return rec.rows(scale)
+
+    def _example_rows(self, rec: LayerRecord, scale: float, k: int | None) -> tuple[Tensor, Tensor]:
+        """The captured rows grouped per example, (L (K, T, M), R (K, T, N)) in summed-log-likelihood units: example
+        n's per-example gradient is E_n = L_n^T R_n (T = the layer's positions per example: a weight-shared
+        Linear layer's positions, a convolution's output locations). ``k`` keeps the first k examples, L scaled
+        by sqrt(B/k) as :meth:`_samples` does."""
+        rec.check_positions()
+        T, B = rec.positions, rec.examples
+        m = B if k is None or k >= B else k
+        X, D = rec.rows(scale * (math.sqrt(B / m) if m < B else 1.0), m * T)
+        return D.reshape(m, T, -1), X.reshape(m, T, -1)
 
     @staticmethod
     def _grad_factors(rec: LayerRecord, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
@@ -256,7 +252,8 @@ class _KroneckerBase(CurvatureOptimizer):
         input and output gradient (None if nothing was captured); used for the cheaper products."""
         if rec.a is None or rec.delta is None:
             return None
-        return rec.delta.to(dtype) * -scale, rec.x_rows().to(dtype)
+        X, D = rec.rows(scale)
+        return D.to(dtype).neg_(), X.to(dtype)
 
     def _clear(self) -> None:
         self.capture.reset()

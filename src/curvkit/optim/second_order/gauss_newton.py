@@ -291,8 +291,14 @@ class GaussNewton(CurvatureOptimizer):
         quadratic_every: evaluate the quadratic model (alpha* from the exact GGN, Eqs. 4.17-4.20) on step 1 and
             every k-th step (1, the thesis's) and on every step that adapts tau or zeta; the steps in between take
             the geometric mean of the past alpha*s (and momentum's last beta) along their own direction, without
-            the Jacobian-vector product (about three forward passes' work; docs/results.md); :data:`AMORTISED`
+            the Jacobian-vector product (about two forward passes' work; docs/results.md); :data:`AMORTISED`
             leaves it at 1.
+        keep_primals: on the steps that evaluate the quadratic model, keep the outputs of the linear maps of the
+            step's forward pass until the Jacobian-vector products have taken their primals from them (True,
+            default: one matrix product in three per linear map less, the same numbers to rounding; it costs the
+            memory of those outputs during the step, 69 MiB more peak at the ViT of
+            ``benchmarks/gauss_newton_vit.py``, batch 128). False recomputes them. Models that are plain
+            ``nn.Sequential`` chains take their tangents from the recorded activations either way.
         momentum: the 2-D quadratic model over {direction, previous update} (False).
         mc_samples: labels (``kfac``) or projections (``projection``) per data point (1, the thesis's).
         distribution: ``'rademacher'`` | ``'gaussian'`` projection vectors.
@@ -331,7 +337,7 @@ class GaussNewton(CurvatureOptimizer):
                  weight_sharing: Literal["expand", "reduce"] = "expand", norm_structure: Literal["full", "diag"] = "full",
                  parameter_structure: Literal["full", "diag"] = "diag",
                  batch_statistics: Literal["refuse", "couple"] = "refuse", distributed: Any = None,
-                 statistics_dtype: torch.dtype | None = None):
+                 statistics_dtype: torch.dtype | None = None, keep_primals: bool = True):
         if curvature != "auto" and curvature not in _CURVATURES:
             raise ValueError(f"curvature must be 'auto' or one of {_CURVATURES}, got {curvature!r}")
         #: the Kronecker statistics' options (validated there), handed to the estimator
@@ -346,6 +352,10 @@ class GaussNewton(CurvatureOptimizer):
             raise ValueError(f"lm_rule must be 'band' or 'threshold', got {lm_rule!r}")
         if not isinstance(momentum, bool):
             raise ValueError(f"momentum must be True or False, got {momentum!r}")
+        if not isinstance(keep_primals, bool):
+            raise ValueError(f"keep_primals must be True or False, got {keep_primals!r}")
+        #: keep the forward pass's linear outputs for the quadratic model's products (docstring)
+        self.keep_primals = keep_primals
         defaults: dict[str, Any] = dict(
             curvature=curvature, inversion=inversion, omega_norm=omega_norm,
             weight_decay=nonnegative("weight_decay", weight_decay), tau=nonnegative("tau", tau),
@@ -636,6 +646,7 @@ class GaussNewton(CurvatureOptimizer):
                                                                 closure is not None)
             out = self._compute(k, params, X, y, f, data_loss, grads, rebuild)
         except BaseException:
+            self._linearisation.release()  # the primals kept for the quadratic model of a refused step
             if saved_est is not None:
                 est.load_state_dict(saved_est)
             if saved_gen is not None:
@@ -697,7 +708,7 @@ class GaussNewton(CurvatureOptimizer):
             if not self._output_checked or self.estimator is None:
                 self._first_pass(X)
             with torch.enable_grad():
-                f, copies, cap = self._record(X, refresh)
+                f, copies, cap = self._record(k, X, refresh)
                 data_loss = self._checked(k, "the loss", lambda: lik(f, y))
                 if refresh:
                     self._checked(k, "the curvature", lambda: self._accumulate(cap, f, y))
@@ -758,7 +769,7 @@ class GaussNewton(CurvatureOptimizer):
         if not self._output_checked or self.estimator is None:
             self._first_pass(X)
         with torch.enable_grad(), kept_running_statistics(model):  # the closure ran the training pass
-            f, _, cap = self._record(X, refresh)
+            f, _, cap = self._record(k, X, refresh)
             if refresh:
                 self._checked(k, "the curvature", lambda: self._accumulate(cap, f, None))  # type: ignore[arg-type]
 
@@ -775,12 +786,14 @@ class GaussNewton(CurvatureOptimizer):
 
         return X, None, f.detach(), loss.detach(), grads, evaluate_closure
 
-    def _record(self, X: Inputs, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
-        """The forward pass on X, recorded for the linearisation and, on a refresh, captured for the curvature
-        (raw parameters as per-sample copies, :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
+    def _record(self, k: int, X: Inputs, refresh: bool) -> tuple[Tensor, dict[str, Tensor], Any]:
+        """The forward pass on X, recorded for the linearisation (its primal outputs kept when step k evaluates the
+        quadratic model) and, on a refresh, captured for the curvature (raw parameters as per-sample copies,
+        :meth:`KroneckerEstimator.forward`): (f, copies, capture)."""
         lin, est = self._linearisation, self.estimator
+        keep = self.keep_primals and self._quadratic_due(k)
         if not refresh:
-            return self._logits(lin.record(X)), {}, None
+            return self._logits(lin.record(X, keep_primals=keep)), {}, None
         copies: dict[str, Tensor] = {}
 
         def forward() -> Tensor:
@@ -789,7 +802,7 @@ class GaussNewton(CurvatureOptimizer):
             return self._logits(f)
 
         with est.capture() as cap:
-            f = lin.record(X, forward)
+            f = lin.record(X, forward, keep_primals=keep)
         return f, copies, cap
 
     def _accumulate(self, cap: Any, f: Tensor, y: Tensor | None) -> None:
@@ -877,8 +890,7 @@ class GaussNewton(CurvatureOptimizer):
         if rebuild:
             self._hold(self.estimator.operator())
         adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
-        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
-        quadratic = self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
+        quadratic = self._quadratic_due(k)
         # ---- candidate directions (the current zeta first, so that ties keep it)
         zetas = [self.zeta]
         if adapt_zeta:
@@ -899,6 +911,7 @@ class GaussNewton(CurvatureOptimizer):
         if not quadratic:
             return self._reuse_step_size(k, params, E0, data_loss, g, dirs[0], prev, rebuild)
         JV = self._linearisation(dirs + ([prev] if prev is not None else []))  # type: ignore[list-item]
+        self._linearisation.release()
         sd = self.statistics_dtype  # the quadratic model of a bf16/fp16 model's tangents in float32 or wider
         M = output_gram(self._shard_likelihood, f.to(sd), y, JV.to(sd))
         if self.distributed is not None:  # d_i^T G d_j summed over the shard's counted terms: the union's
@@ -935,6 +948,13 @@ class GaussNewton(CurvatureOptimizer):
                       omega=dict(self._omega), zero_curvature=list(self._zero_blocks), refreshed=rebuild,
                       quadratic=True)
         return E0, update, record
+
+    def _quadratic_due(self, k: int) -> bool:
+        """Step k evaluates the quadratic model (:meth:`_compute`)."""
+        hp = self.hp
+        adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
+        adapt_tau = bool(hp["tau_every"]) and k % hp["tau_every"] == 0
+        return self._alpha is None or adapt_tau or adapt_zeta or k % hp["quadratic_every"] == 0
 
     def _update(self, k: int, params: list[Tensor], alpha: float, d: list[Tensor], beta: float | None,
                 prev: list[Tensor] | None, what: str) -> list[Tensor]:

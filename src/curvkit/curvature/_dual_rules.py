@@ -1,0 +1,275 @@
+"""Forward-mode rules for the hot operations of a dual-number pass (``torch.autograd.forward_ad``).
+
+A Jacobian-vector product J v of a general model is one forward pass on dual numbers (primal p, tangent t).
+PyTorch's built-in forward-mode rules compute the right numbers, but three of them cost far more than the
+operations they differentiate (measured on the ViT of ``benchmarks/gauss_newton_vit.py``, 1 thread; see
+docs/benchmarks.md, "Gauss-Newton on a ViT"):
+
+* ``F.linear`` on a non-contiguous 3-D input that carries a tangent (``nn.MultiheadAttention``'s in-projection
+  of the sequence-first view) is not folded into one matrix product: ``matmul`` broadcasts the weight and runs
+  a batched product per position, 1.35x the three matrix products the rule needs, plus copies;
+* ``F.layer_norm``'s rule is written as some twenty elementwise passes (tens of ms per call on that ViT against
+  about 1 ms for the primal);
+* every rule adds its terms with separate ``add`` passes over the output.
+
+:class:`DualRules` is a ``TorchFunctionMode`` that evaluates these calls itself when one of their inputs is a
+dual tensor: it unpacks the duals, computes the primal with the same kernel the plain forward uses and the
+tangent with the closed forms below, and returns ``fwAD.make_dual(primal, tangent)``; every other call, and any
+call it does not take (tensor subclasses, shapes or options outside the cases below), goes to PyTorch's own
+rule, so the pass computes the same J v to rounding (tests compare with ``torch.func.jvp`` in float64).
+
+* ``F.linear(x, W, b)`` (x (..., i), W (o, i)): y = x W^T + b, t_y = t_x W^T + x t_W^T + t_b, the batch
+  dimensions folded into one matrix product and the three terms accumulated in place (``addmm``).
+* ``F.layer_norm`` over the last dimensions D with gamma, beta: xhat = (x - mu) r, r = (var + eps)^(-1/2),
+  t_xhat = r (t_x - mean_D t_x - xhat mean_D(xhat t_x)), t_y = gamma t_xhat + xhat t_gamma + t_beta.
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): evaluated by
+  :func:`curvkit.layerkinds.attention.attention_forward` (torch's operations in torch's order) with this mode
+  active inside, so its projections take the linear rule; the cases that function refuses take torch's own
+  path. The scaled dot products keep torch's rule: a closed form (t_S = s (t_q k^T + q t_k^T),
+  t_P = P (t_S - sum_j P t_S), t_o = t_P v + P t_v) measured the same 57 ms as torch's per call on that ViT,
+  three times the primal's 18 ms, which is what the three batched products cost.
+
+**Primals from a recorded pass.** The tangent of a linear map needs two matrix products, its primal a third.
+When the same model has just run on the same batch at the same parameters (the Gauss-Newton step's captured
+forward pass), :class:`PrimalRecorder` keeps the outputs of its linear calls in a :class:`PrimalRecord` (the
+calls :class:`DualRules` makes, attention evaluated the same way), and ``DualRules(record)`` takes each call's
+primal from it instead. Each replayed call checks that it is the recorded one: the fingerprints of its input
+and weight (:func:`_fingerprint`, to sqrt(eps) relative), the output's shape and that the recorded output was
+not changed in place since (its version counter); anything else raises :class:`ReplayMismatch`, and the caller
+recomputes the pass without the record.
+
+Nothing outside the call changes: the modes hold no state but the record they are given and are entered only
+around one pass (:func:`dual_rules`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["DualRules", "PrimalRecord", "PrimalRecorder", "ReplayMismatch", "dual_rules"]
+
+
+def _plain(*ts: Any) -> bool:
+    """Every argument None or a plain (not subclassed) tensor."""
+    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in ts)
+
+
+def _unpack(t: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(primal, tangent or None) of a dual or plain tensor."""
+    p, tangent = fwAD.unpack_dual(t)
+    return p, tangent
+
+
+def _unpack_optional(t: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    return (None, None) if t is None else _unpack(t)
+
+
+def _accumulate(total: Tensor | None, term: Tensor) -> Tensor:
+    return term if total is None else total.add_(term)
+
+
+def _takes_linear(input: Any, weight: Any, bias: Any = None) -> bool:
+    """The linear rule takes the call ``F.linear(input, weight, bias)`` (the same answer with and without
+    tangents)."""
+    x, W, b = input, weight, bias
+    return (_plain(x, W, b) and W.dim() == 2 and x.dim() >= 1 and (b is None or b.dim() <= 1)
+            and x.shape[-1] == W.shape[1] and len({t.dtype for t in (x, W, b) if t is not None}) == 1)
+
+
+def _fingerprint(x: Tensor) -> Tensor:
+    """(2, m) float64: sums and absolute sums over the leading dimensions of the first m <= 4 features of x (one
+    pass over N * m entries): identifies an input up to rounding at a negligible cost."""
+    cols = x.detach()[..., :4].to(torch.float64)
+    lead = tuple(range(cols.dim() - 1))
+    return torch.stack([cols.sum(lead), cols.abs().sum(lead)]) if lead else torch.stack([cols, cols.abs()])
+
+
+class ReplayMismatch(RuntimeError):
+    """The pass being replayed did not make the recorded pass's linear calls (:class:`PrimalRecord`)."""
+
+
+class PrimalRecord:
+    """The outputs of the linear calls of one forward pass, in call order, with a fingerprint of each input
+    (:func:`_fingerprint`), so that a later dual-number pass at the same parameters on the same batch takes the
+    primal y = x W^T + b from here instead of recomputing it (one of the three matrix products per call)."""
+
+    def __init__(self) -> None:
+        self.outputs: list[Tensor] = []
+        self.prints: list[Tensor] = []
+        self.versions: list[int] = []  # an output changed in place since (by the model, in any pass) is stale
+        self.position = 0
+
+    def add(self, x: Tensor, W: Tensor, y: Tensor) -> None:
+        self.outputs.append(y.detach())
+        self.prints.append(torch.cat([_fingerprint(x), _fingerprint(W)], 1))
+        self.versions.append(y._version)
+
+    def next(self, x: Tensor, W: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """The recorded output of the next call ``F.linear(x, W, .)``, after checking that its input and weight are
+        the recorded ones (to rounding: the recorded pass may have used other kernels); raises
+        :class:`ReplayMismatch` otherwise."""
+        i = self.position
+        if i >= len(self.outputs) or tuple(self.outputs[i].shape) != shape:
+            raise ReplayMismatch(f"linear call {i}: not the recorded pass's")
+        if self.outputs[i]._version != self.versions[i]:
+            raise ReplayMismatch(f"linear call {i}: its recorded output was changed in place")
+        now, then = torch.cat([_fingerprint(x), _fingerprint(W)], 1), self.prints[i]
+        tol = torch.finfo(x.dtype).eps ** 0.5
+        if now.shape != then.shape or not bool(((now[0] - then[0]).abs() <= tol * (then[1] + now[1] + tol)).all()):
+            raise ReplayMismatch(f"linear call {i}: its input or weight differs from the recorded pass's")
+        self.position += 1
+        return self.outputs[i]
+
+    def rewind(self) -> None:
+        self.position = 0
+
+    def clear(self) -> None:
+        """Forget what was recorded (a new call of the model starts: the record is of its last call)."""
+        self.outputs, self.prints, self.versions, self.position = [], [], [], 0
+
+    def finished(self) -> None:
+        if self.position != len(self.outputs):
+            raise ReplayMismatch(f"the pass made {self.position} of the {len(self.outputs)} recorded linear calls")
+
+
+def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+            record: PrimalRecord | None = None) -> Tensor | None:
+    x, W, b = input, weight, bias
+    if not _takes_linear(x, W, b):
+        return None
+    (xp, xt), (Wp, Wt), (bp, bt) = _unpack(x), _unpack(W), _unpack_optional(b)
+    out_shape = (*x.shape[:-1], W.shape[0])
+    known = None if record is None else record.next(xp, Wp, out_shape)
+    if xt is None and Wt is None and bt is None:
+        return known
+    x2 = xp.reshape(-1, W.shape[1])
+    if known is not None:
+        y = known
+    else:
+        y = (x2 @ Wp.t() if bp is None else torch.addmm(bp, x2, Wp.t())).reshape(out_shape)
+    t: Tensor | None = None
+    if xt is not None:
+        xt2 = xt.reshape(-1, W.shape[1])
+        t = xt2 @ Wp.t() if bt is None else torch.addmm(bt.expand(W.shape[0]), xt2, Wp.t())
+    elif bt is not None:
+        t = bt.expand(x2.shape[0], W.shape[0]).clone()
+    if Wt is not None:
+        t = x2 @ Wt.t() if t is None else t.addmm_(x2, Wt.t())
+    assert t is not None
+    return fwAD.make_dual(y, t.reshape(out_shape))
+
+
+def _layer_norm(input: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None,
+                eps: float = 1e-5) -> Tensor | None:
+    x = input
+    if not _plain(x, weight, bias):
+        return None
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    (xp, xt), (wp, wt), (bp, bt) = _unpack(x), _unpack_optional(weight), _unpack_optional(bias)
+    if xt is None and wt is None and bt is None:
+        return None
+    if not shape or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        return None
+    y, mean, rstd = torch.native_layer_norm(xp, list(shape), wp, bp, eps)
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    xhat = (xp - mean) * rstd
+    t: Tensor | None = None
+    if xt is not None:
+        centred = xt - xt.mean(dims, keepdim=True)
+        t = centred.sub_(xhat * (xhat * xt).mean(dims, keepdim=True)).mul_(rstd)
+        if wp is not None:
+            t.mul_(wp)
+    if wt is not None:
+        t = _accumulate(t, xhat * wt)
+    if bt is not None:
+        t = bt.expand_as(y).clone() if t is None else t.add_(bt)
+    assert t is not None
+    return fwAD.make_dual(y, t)
+
+
+def _takes_attention(args: Any, kwargs: Any) -> bool:
+    """``F.multi_head_attention_forward``'s call is one :func:`~curvkit.layerkinds.attention.attention_forward`
+    evaluates (packed or shared projections, batched inputs, no learned key/value rows, no dropout)."""
+    mha = dict(zip(_MHA_ARGS, args), **kwargs)
+    return not (mha.get("use_separate_proj_weight") or mha.get("bias_k") is not None
+                or mha.get("bias_v") is not None or mha.get("add_zero_attn") or mha.get("static_k") is not None
+                or mha.get("static_v") is not None or mha["query"].dim() != 3
+                or (mha.get("training", True) and mha.get("dropout_p", 0.0) > 0))
+
+
+def _attention(mode: TorchFunctionMode, args: Any, kwargs: Any) -> Any:
+    from curvkit.layerkinds.attention import attention_forward
+
+    with mode:  # re-entered: the projections inside are seen by the mode
+        return attention_forward(*args, sites=_no_sites, **kwargs)
+
+
+class DualRules(TorchFunctionMode):
+    """The mode of the module docstring: the hot operations' forward-mode rules in closed form; with ``record``
+    (a :class:`PrimalRecord` of a forward pass on the same batch at the same parameters) the linear calls take
+    their primal outputs from it."""
+
+    def __init__(self, record: PrimalRecord | None = None):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            out = _linear(*args, **kwargs, record=self.record)
+        elif func is F.layer_norm:
+            out = _layer_norm(*args, **kwargs)
+        elif func is F.multi_head_attention_forward and _takes_attention(args, kwargs):
+            out = _attention(self, args, kwargs)
+        else:
+            out = None
+        return func(*args, **kwargs) if out is None else out
+
+
+def _linear_args(args: Any, kwargs: Any) -> tuple[Tensor, Tensor]:
+    """(input, weight) of a call of ``F.linear``."""
+    named = dict(zip(("input", "weight"), args), **kwargs)
+    return named["input"], named["weight"]
+
+
+class PrimalRecorder(TorchFunctionMode):
+    """Records the linear calls of a plain forward pass into a :class:`PrimalRecord`: the calls, in the order,
+    that :class:`DualRules` makes in a dual-number pass of the same model (attention evaluated the same way)."""
+
+    def __init__(self, record: PrimalRecord):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward and _takes_attention(args, kwargs):
+            return _attention(self, args, kwargs)
+        out = func(*args, **kwargs)
+        if func is F.linear and _takes_linear(*args, **kwargs):
+            self.record.add(*_linear_args(args, kwargs), out)
+        return out
+
+
+def _no_sites(*_: Any) -> None:
+    return None
+
+
+_MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
+             "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+             "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+
+
+@contextmanager
+def dual_rules(record: PrimalRecord | None = None) -> Iterator[None]:
+    """Run a dual-number pass with the closed-form rules of :class:`DualRules` (primals from ``record``)."""
+    with DualRules(record):
+        yield
