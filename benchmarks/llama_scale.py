@@ -142,7 +142,8 @@ def coverage(hf: Any) -> float:
     return sum(p.numel() for p in hf.parameters() if p.requires_grad) / sum(p.numel() for p in hf.parameters())
 
 
-def run(quick: bool, layers: int | None = None, kfac_only: bool = False) -> list[dict[str, Any]]:
+def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_factor: str = "auto"
+        ) -> list[dict[str, Any]]:
     from curvkit.curvature import KroneckerEstimator
     from curvkit.likelihoods import CrossEntropy
     from curvkit.structure import UnsupportedModelError
@@ -168,7 +169,8 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False) -> list
         return True
 
     def kfac(sharing: str) -> Any:
-        est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0)
+        est = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0,
+                                 output_factor=output_factor)  # type: ignore[arg-type]
         return est.update((batch, y)).operator(release=True)  # as curvature.kfac(): the statistics handed over
 
     kept: dict[str, Any] = {}
@@ -177,7 +179,8 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False) -> list
         """A factor refresh of an estimator kept across steps (as an optimiser keeps it): its first batch's
         one-time checks (the samples-first trace) are paid before the timed calls."""
         if sharing not in kept:
-            kept[sharing] = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0)
+            kept[sharing] = KroneckerEstimator(hf, CrossEntropy("mean"), "kfac", weight_sharing=sharing, seed=0,
+                                               output_factor=output_factor)  # type: ignore[arg-type]
             kept[sharing].update((batch, y))
         est = kept[sharing]
         est.reset()
@@ -314,13 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (the gradient: two more)")
     ap.add_argument("--kfac-only", action="store_true", help="only the gradient and curvkit's KFAC rows")
+    ap.add_argument("--output-factor", default="auto", choices=("auto", "dense", "low_rank"),
+                    help="the KFAC rows' output_factor (low_rank: every output factor held as its rows)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     REPEATS["n"] = args.repeats
-    rows = run(args.quick, args.layers, args.kfac_only)
+    rows = run(args.quick, args.layers, args.kfac_only, args.output_factor)
     table = render(rows)
     name = "quick" if args.quick else "TinyLlama-1.1B" + (f" width, {args.layers} layers" if args.layers else "")
+    name += "" if args.output_factor == "auto" else f", output_factor={args.output_factor!r}"
     head = (f"llama_scale ({name} configuration, {rows[0]['params']:,} "
             f"parameters, {args.threads} threads; process peak resident set {PROCESS_PEAK['mib'] / 1024:.1f} GiB)")
     print(head + "\n\n" + table)
