@@ -299,17 +299,23 @@ def kron_filter_step(Sx: Tensor, Sd: Tensor, Es: Tensor, G: Tensor, eta: float, 
     else:
         if eta > 0:
             Sx, Sd = drift_project(Sx, Sd, eta, decay)
-        incs = []
-        for E in Es:
-            a, b = Sx, Sd
-            s = float(torch.trace(a @ E.T @ b @ E))
-            dx = (s / (2 * N * M) * a - a @ E.T @ b @ E @ a / M) / (1 + s)
-            dd = (s / (2 * N * M) * b - b @ E @ a @ E.T @ b / N) / (1 + s)
-            if sequential:
-                Sx, Sd = Sx + dx, Sd + dd
-            else:
-                incs.append((dx, dd))
-        if not sequential:
-            Sx, Sd = Sx + sum(i[0] for i in incs), Sd + sum(i[1] for i in incs)
-        Sx, Sd = rebalance(Sx, Sd)
+        Sx, Sd = rebalance(*first_order_data_step(Sx, Sd, Es, sequential))
     return Sx, Sd, Sd @ G @ Sx
+
+
+def first_order_data_step(Sx: Tensor, Sd: Tensor, Es, sequential: bool) -> tuple[Tensor, Tensor]:
+    """The first-order data step for per-example gradient matrices E_n (M, N) of any rank, written directly:
+    Sx' = Sx + (s/(2NM) Sx - Sx E^T Sd E Sx / M) / (1 + s), Sd' likewise, s = tr(Sx E^T Sd E); ``sequential``:
+    example after example, else the sum of the increments at the given factors (no rebalancing)."""
+    N, M = Sx.shape[0], Sd.shape[0]
+    dSx, dSd = torch.zeros_like(Sx), torch.zeros_like(Sd)
+    for E in Es:
+        a, b = Sx, Sd  # batched: Sx, Sd stay the given factors
+        s = float(torch.trace(a @ E.T @ b @ E))
+        dx = (s / (2 * N * M) * a - a @ E.T @ b @ E @ a / M) / (1 + s)
+        dd = (s / (2 * N * M) * b - b @ E @ a @ E.T @ b / N) / (1 + s)
+        if sequential:
+            Sx, Sd = Sx + dx, Sd + dd
+        else:
+            dSx, dSd = dSx + dx, dSd + dd
+    return (Sx, Sd) if sequential else (Sx + dSx, Sd + dSd)

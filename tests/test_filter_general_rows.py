@@ -18,6 +18,7 @@ from curvkit.optim.filters.kron_math import (
     project_first_order_rows,
     rows_kron_vec,
 )
+from reference import first_order_data_step
 
 DT = torch.float64
 
@@ -112,21 +113,7 @@ def test_the_rows_step_equals_the_formula_in_e(T, sequential):
     N, M, K = 5, 4, 3
     Sx, Sd = _spd(N, g), _spd(M, g)
     L, R = torch.randn(K, T, M, generator=g, dtype=DT), torch.randn(K, T, N, generator=g, dtype=DT)
-    Sx_r, Sd_r = Sx.clone(), Sd.clone()
-    incs = []
-    for Ln, Rn in zip(L, R):
-        E = Ln.T @ Rn
-        a, b = (Sx_r, Sd_r) if sequential else (Sx, Sd)
-        s = float(torch.trace(a @ E.T @ b @ E))
-        dx = (s / (2 * N * M) * a - a @ E.T @ b @ E @ a / M) / (1 + s)
-        dd = (s / (2 * N * M) * b - b @ E @ a @ E.T @ b / N) / (1 + s)
-        if sequential:
-            Sx_r, Sd_r = Sx_r + dx, Sd_r + dd
-        else:
-            incs.append((dx, dd))
-    if not sequential:
-        Sx_r = Sx + sum(i[0] for i in incs)
-        Sd_r = Sd + sum(i[1] for i in incs)
+    Sx_r, Sd_r = first_order_data_step(Sx, Sd, [Ln.T @ Rn for Ln, Rn in zip(L, R)], sequential)
     got = project_first_order_rows(Sx, Sd, L, R, sequential)
     torch.testing.assert_close(got[0], Sx_r, rtol=0, atol=1e-12)
     torch.testing.assert_close(got[1], Sd_r, rtol=0, atol=1e-12)
