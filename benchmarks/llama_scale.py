@@ -15,17 +15,20 @@ Rows, all in ONE process, each timed as a ratio to a gradient pass measured in t
 * ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(curvature="kfac")`` ``update`` +
   ``operator(release=True)`` on EVERY parameter (norms and the 32k head included), a fresh estimator per call
   (its first batch also runs the samples-first trace); ``a refresh (estimator kept)``: ``reset`` + ``update`` +
-  ``operator(release=True)`` of one estimator kept across calls, as an optimiser refreshes its factors; where the
-  engine refused a module (LlamaRMSNorm before the per-sample fallback of issue 30 §1), the row records the
-  refusal and the next rows run with those parameters frozen, with their coverage;
+  ``operator(release=True)`` of one estimator kept across calls, as an optimiser refreshes its factors; a refusal
+  of the engine is recorded as the row's note;
 * ``curvlinops KFAC``: ``KFACLinearOperator`` (MC, expand) on the parameters it takes (``nn.Linear``; in the
   full configuration without ``lm_head``, whose dense 32,000^2 output factor is 4 GB), its coverage;
 * ``LoRA gradient``: peft LoRA, rank 8 on ``q_proj`` and ``v_proj``, everything else frozen: the unit of the
   LoRA rows; ``LoRA Kronecker Laplace``: ``Laplace(structure="kron", curvature="kfac")`` fit + log marginal
   likelihood; ``LoRA GLM predictive``: its linearised predictive at every token over the whole vocabulary
   (``link="mc"``, 10 draws by forward-mode products); ``LoRA GaussNewton``: one step (KFAC, alpha*, rho);
-* ``GaussNewton all parameters``: one step on every parameter (``--quick`` and fewer than 22 layers only: the
-  whole model's factors and their inverses, 2 x 10.5 GB, do not fit beside its weights and gradient in 24 GB).
+* ``GaussNewton all parameters``: one step on every parameter (KFAC, alpha*, rho). On the whole model it fits in
+  24 GB since ``output_factor='auto'`` holds the 2,048- and 5,632-output factors as their 256 rows
+  (``estimators.ROWS_OUTPUTS``): the dense factors and their inverses would be 2 x 10.5 GB.
+
+``--skip-kfac``: the gradient, then the rows after the KFAC rows (GaussNewton, curvlinops, LoRA), for a second
+process on the whole model.
 
 The KFAC rows take the operator with ``operator(release=True)`` (the statistics handed to it, symmetrised in
 place, as :func:`curvkit.curvature.kfac` does): one set of factors in memory, not two. The header gives the
@@ -142,8 +145,8 @@ def coverage(hf: Any) -> float:
     return sum(p.numel() for p in hf.parameters() if p.requires_grad) / sum(p.numel() for p in hf.parameters())
 
 
-def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_factor: str = "auto"
-        ) -> list[dict[str, Any]]:
+def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_factor: str = "auto",
+        skip_kfac: bool = False) -> list[dict[str, Any]]:
     from curvkit.curvature import KroneckerEstimator
     from curvkit.likelihoods import CrossEntropy
     from curvkit.structure import UnsupportedModelError
@@ -187,35 +190,18 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_
         return est.update((batch, y)).operator(release=True)
 
     base = unit("gradient (every parameter)")
-    ok = row("curvkit KFAC expand, every parameter", lambda: kfac("expand"), base)
-    if not ok:  # freeze what the engine refuses (today the RMSNorm scales) and measure the rest
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.requires_grad_(False)
-        base = unit("gradient (norms frozen)")
-    if not ok:
-        row("curvkit KFAC expand", lambda: kfac("expand"), base)
-    row("curvkit KFAC reduce", lambda: kfac("reduce"), base)
-    for sharing in ("expand", "reduce"):
-        refresh(sharing)  # the kept estimator's construction and first batch, untimed
-        row(f"curvkit KFAC {sharing}, a refresh (estimator kept)", lambda s=sharing: refresh(s), base)
-    kept.clear()
+    if not skip_kfac:
+        row("curvkit KFAC expand, every parameter", lambda: kfac("expand"), base)
+        row("curvkit KFAC reduce", lambda: kfac("reduce"), base)
+        for sharing in ("expand", "reduce"):
+            refresh(sharing)  # the kept estimator's construction and first batch, untimed
+            row(f"curvkit KFAC {sharing}, a refresh (estimator kept)", lambda s=sharing: refresh(s), base)
+        kept.clear()
     if kfac_only:
         for r in rows:
             r["params"] = n_all
         return rows
-    if quick or (layers is not None and layers < FULL["num_hidden_layers"]):
-        from curvkit.optim import GaussNewton
-
-        net = Ids(hf)
-        gn = GaussNewton([p for p in hf.parameters() if p.requires_grad], model=net, likelihood=CrossEntropy("mean"))
-        row("GaussNewton step, " + ("every parameter" if ok else "norms frozen"),
-            lambda: gn.step(batch=(batch["input_ids"], y)), base)
-        del gn, net
-    else:
-        rows.append({"row": "GaussNewton step, every parameter", "coverage": coverage(hf),
-                     "note": "not run: its factors and their inverses (2 x 10.5 GB) beside the weights and "
-                             "gradient (2 x 4.4 GB) exceed the 24 GB"})
+    gauss_newton_row(hf, batch, y, row, base)  # its optimiser (factors, inverses) freed on return
     try:
         import curvlinops as cl
 
@@ -240,6 +226,15 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_
     for r in rows:
         r["params"] = n_all
     return rows
+
+
+def gauss_newton_row(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, row: Any, base: Any) -> None:
+    from curvkit.likelihoods import CrossEntropy
+    from curvkit.optim import GaussNewton
+
+    gn = GaussNewton([p for p in hf.parameters() if p.requires_grad], model=Ids(hf), likelihood=CrossEntropy("mean"),
+                     curvature="kfac")
+    row("GaussNewton step, every parameter", lambda: gn.step(batch=(batch["input_ids"], y)), base)
 
 
 class Progress(list):  # type: ignore[type-arg]
@@ -319,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kfac-only", action="store_true", help="only the gradient and curvkit's KFAC rows")
     ap.add_argument("--output-factor", default="auto", choices=("auto", "dense", "low_rank"),
                     help="the KFAC rows' output_factor (low_rank: every output factor held as its rows)")
+    ap.add_argument("--skip-kfac", action="store_true", help="the gradient and the rows after the KFAC rows")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     REPEATS["n"] = args.repeats
-    rows = run(args.quick, args.layers, args.kfac_only, args.output_factor)
+    rows = run(args.quick, args.layers, args.kfac_only, args.output_factor, args.skip_kfac)
     table = render(rows)
     name = "quick" if args.quick else "TinyLlama-1.1B" + (f" width, {args.layers} layers" if args.layers else "")
     name += "" if args.output_factor == "auto" else f", output_factor={args.output_factor!r}"

@@ -7,7 +7,10 @@ causal LM, 2 and 3 processes with unequal shards (gloo):
   (products with and without damping);
 * data-parallel GaussNewton (``curvature='kfac'``, each rank sampling its own labels) with the low-rank head
   equals the same data-parallel run with every factor dense to 1e-10 (parameters after three steps), factored
-  inversion with comm-opt placement and eigen inversion with mem-opt.
+  inversion with comm-opt placement and eigen inversion with mem-opt;
+* ``output_factor='auto'`` on a wide layer (``ROWS_OUTPUTS`` lowered to 8: the MLP's 12-output head): the ranks'
+  rows are gathered while the union's are at most 12 and the union's factor becomes dense at the update where
+  they would be more, on every rank alike; each update's operator equals the single-process one to 1e-12.
 """
 
 from __future__ import annotations
@@ -71,6 +74,33 @@ def worker(rank, world):
                 params[t] = [p.detach().clone() for p in net.parameters()]
             for a, b in zip(params[threshold], params[DENSE]):
                 _close(a, b, f"{name}: GaussNewton ({inversion}, {reducer.placement}) parameters", 1e-10)
+
+
+def rows_worker(rank, world):
+    from curvkit.curvature import KroneckerEstimator, estimators
+    from curvkit.curvature.estimators import GramRows
+    from curvkit.likelihoods import CrossEntropy
+
+    estimators.ROWS_OUTPUTS = 8
+    make, X, y, _ = _models()["mlp"]
+    lo, hi = BOUNDS[world][rank], BOUNDS[world][rank + 1]
+    model = make()
+    ref = KroneckerEstimator(model, CrossEntropy("mean"), "empirical")
+    dst = KroneckerEstimator(model, CrossEntropy("mean"), "empirical", distributed=Reducer(timeout=60))
+    assert dst.low_rank == [False, True] and dst.dense_above == [False, True]
+    for step in range(3):  # 6, 12, 18 union rows of the 12-output head
+        ref.update((X, y))
+        dst.update((X[lo:hi], y[lo:hi]))
+        assert isinstance(dst._stats[-1], GramRows) == (step < 2)
+        v = torch.randn(ref.operator().shape[0], 2, generator=torch.Generator().manual_seed(step), dtype=D64)
+        _close(dst.operator() @ v, ref.operator() @ v, f"update {step}: operator", 1e-12)
+        _close(dst.operator().inverse(damping=0.1) @ v, ref.operator().inverse(damping=0.1) @ v,
+               f"update {step}: damped inverse", 1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_of_a_wide_layer_data_parallel(world):
+    spawn(rows_worker, world, timeout=180, collective_timeout=60)
 
 
 @pytest.mark.parametrize("world", [2, 3])

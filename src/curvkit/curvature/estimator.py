@@ -117,7 +117,13 @@ class CurvatureEstimator:
                                                              for a, b in zip(self._stats, means)]
             self.num_data = B
             self.num_terms = terms
+        self._stats = self._settled(self._stats)
         self.num_updates += 1
+
+    def _settled(self, stats: list[Tensor]) -> list[Tensor]:
+        """The accumulated statistics after an update, in the form they are kept in (a subclass may change the
+        form of a statistic that has grown: a Gram matrix held as rows becomes dense)."""
+        return stats
 
     def _stat_names(self) -> list[str]:
         return [f"#{i}" for i in range(len(self._stats or []))]

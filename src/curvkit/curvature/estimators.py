@@ -102,6 +102,17 @@ LOW_RANK_OUTPUTS = 8192
 :class:`~curvkit.linalg.kron.LowRankFactor` (a dense one would hold more than 8192^2 floats, 256 MiB in
 float32; GPT-2's 50,257-token output layer: 10 GB)."""
 
+ROWS_OUTPUTS = 2048
+"""``output_factor="auto"`` holds the output factor G of a Kronecker block with at least this many (and at most
+:data:`LOW_RANK_OUTPUTS`) outputs, of a method whose G is a sum of few outer products (``kfac``, ``empirical``,
+``projection``) and of a parameter that is not shared, as its rows while they are FEWER than its outputs (a
+:class:`~curvkit.linalg.kron.LowRankFactor` in the operator), and as the dense Gram matrix from the update where
+they would be more (:class:`GramRows` ``dense_above``). Both are exact. With 256 tokens a batch, TinyLlama's
+5,632- and 2,048-output layers then skip the Gram products of 256 x n^2 multiply-adds each and the (n, n)
+matrices: a KFAC-expand refresh of the whole 1.1 B model costs 1.64x a gradient pass instead of 2.61x, within
+12.7 GiB instead of 18.2 (docs/benchmarks.md, ``llama_scale.py``). Narrower layers keep the dense factor from the first update (the thesis's form; below 2,048
+outputs the dense factor is at most 16 MiB in float32)."""
+
 
 @dataclass(frozen=True)
 class OptionWords:
@@ -169,8 +180,11 @@ class KroneckerEstimator(CurvatureEstimator):
             and a :class:`~curvkit.linalg.kron.LowRankFactor` (thin eigendecomposition, rank <= the number
             of back-propagated vectors: tokens x ``mc_samples`` per batch, summed over updates) in the
             operator; exact, not an approximation, and never an (out, out) matrix. ``auto``: ``low_rank``
-            for the blocks with more than :data:`LOW_RANK_OUTPUTS` outputs (a language model's vocabulary),
-            ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
+            for the blocks with more than :data:`LOW_RANK_OUTPUTS` outputs (a language model's vocabulary);
+            for those with :data:`ROWS_OUTPUTS` (2,048) to :data:`LOW_RANK_OUTPUTS` outputs of a sampled method
+            and an unshared parameter, the rows while they are fewer than the outputs and the dense matrix from
+            the update where they would be more (exact either way; an LLM's projections at a few hundred tokens
+            a batch); ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
             (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
             rank and costs one backward pass per output). With ``distributed`` the ranks' rows are
             gathered (k_r x n values from each rank per update, never an n x n matrix).
@@ -276,6 +290,9 @@ class KroneckerEstimator(CurvatureEstimator):
         self.blocks = [(lp, spec) for lp in self.plans for spec in lp.blocks]
         self.layers = [lp.info for lp in self.plans]
         self.low_rank = [self._low_rank_output(lp, spec) for lp, spec in self.blocks]
+        #: per block: its rows become the dense Gram matrix once they outnumber its outputs (ROWS_OUTPUTS)
+        self.dense_above = [low and self.output_factor == "auto" and spec.out_features <= LOW_RANK_OUTPUTS
+                            for low, (_, spec) in zip(self.low_rank, self.blocks)]
         if self.shared:
             self._check_shared()
         if self.chain is not None:  # the trainable layers are some of the chain's (frozen ones propagate)
@@ -290,8 +307,9 @@ class KroneckerEstimator(CurvatureEstimator):
         combination that cannot have one (class docstring)."""
         if spec.form != "kron" or self.output_factor == "dense":
             return False
-        if self.output_factor == "auto" and spec.out_features <= LOW_RANK_OUTPUTS:
-            return False
+        if self.output_factor == "auto" and spec.out_features <= LOW_RANK_OUTPUTS:  # ROWS_OUTPUTS
+            return (self.method in ("kfac", "empirical", "projection") and spec.out_features >= ROWS_OUTPUTS
+                    and not set(spec.names) & set(self.shared))
         n = spec.out_features
         size = f"{n} outputs: a dense output factor would hold {n}^2 floats ({n * n * 4 / 2**30:.1f} GiB in float32)"
         if self.method in ("kflr", "kfra") and self.output_factor == "low_rank":
@@ -522,7 +540,8 @@ class KroneckerEstimator(CurvatureEstimator):
                 A[i] = f.new_zeros(shapes[i], dtype=self.statistics_dtype)
                 if self.blocks[i][1].form == "kron":
                     zero = f.new_zeros(shapes[K + i], dtype=self.statistics_dtype)
-                    G[i] = GramRows(zero[:0]) if self.low_rank[i] else zero  # type: ignore[assignment]
+                    G[i] = (GramRows(zero[:0], self.dense_above[i]) if self.low_rank[i]  # type: ignore[assignment]
+                            else zero)
         return [a for a in A if a is not None] + G, B, terms  # type: ignore[operator]
 
     def _check_uses(self, sites: list[Site | None], f: Tensor) -> None:
@@ -732,7 +751,7 @@ class KroneckerEstimator(CurvatureEstimator):
             w = weights[-1] if w is None else w
             for i in idx:
                 r = sites[i].read(g.detach())
-                term = self._output_term(self.blocks[i][1], r, self.low_rank[i]) * w
+                term = self._output_term(self.blocks[i][1], r, self.low_rank[i], self.dense_above[i]) * w
                 stats[i] = term if stats[i] is None else stats[i] + term  # type: ignore[operator]
                 if self.keep_per_sample:
                     per[i].append(r)
@@ -829,14 +848,15 @@ class KroneckerEstimator(CurvatureEstimator):
             return "diag"
         return self.norm_structure
 
-    def _output_term(self, spec: BlockSpec, r: Tensor, low_rank: bool = False) -> Tensor | GramRows:
+    def _output_term(self, spec: BlockSpec, r: Tensor, low_rank: bool = False,
+                     dense_above: bool = False) -> Tensor | GramRows:
         r = r.to(self.statistics_dtype)  # products of the rounded rows, summed in float32 or wider
         if spec.form == "grad":  # per-sample gradients (B, P)
             return (r * r).sum(0) if self._grad_structure(spec) == "diag" else r.T @ r
         if self._sharing(spec) == "reduce":
-            return GramRows(r.sum(1)) if low_rank else _gram(r.sum(1))
+            return GramRows(r.sum(1), dense_above) if low_rank else _gram(r.sum(1))
         if low_rank:  # (1/R) sum g g^T = sum (g / sqrt R)(g / sqrt R)^T
-            return GramRows(_rows(r) * (1.0 / r.shape[1]) ** 0.5)
+            return GramRows(_rows(r) * (1.0 / r.shape[1]) ** 0.5, dense_above)
         return _gram(_rows(r)).div_(r.shape[1])
 
     @staticmethod
@@ -886,12 +906,18 @@ class KroneckerEstimator(CurvatureEstimator):
     def _symmetric(self, stats: list[Tensor]) -> list[bool]:
         return [t.dim() == 2 for t in stats]
 
+    def _settled(self, stats: list[Any]) -> list[Any]:
+        """The accumulated statistics with each ``dense_above`` output statistic whose rows outnumber its outputs
+        made its dense Gram matrix (:meth:`GramRows.settled`, :data:`ROWS_OUTPUTS`)."""
+        return [t.settled() if isinstance(t, GramRows) else t for t in stats]
+
     def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
         low = [i for i, t in enumerate(stats) if isinstance(t, GramRows)]
         if low:  # a low-rank output statistic R^T R: the union's is the ranks' rows stacked in rank order
             dense, N, T = self._reduce([t for t in stats if not isinstance(t, GramRows)], B, terms)
             gathered: dict[int, Any] = {i: GramRows.stacked(self.distributed.all_gather_rows(
-                stats[i].rows.detach().contiguous())) for i in low}  # type: ignore[attr-defined]
+                stats[i].rows.detach().contiguous()), stats[i].dense_above)  # type: ignore[attr-defined]
+                for i in low}
             rest = iter(dense)
             return [gathered[i] if i in gathered else next(rest) for i in range(len(stats))], N, T
         if self.method != "kfra":
@@ -926,9 +952,13 @@ class KroneckerEstimator(CurvatureEstimator):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         stats = state.get("stats")
         if stats is not None:
-            state = {**state, "stats": [GramRows(t["rows"]) if isinstance(t, dict) else t for t in stats]}
             K = len(self.blocks)
-            if len(stats) == 2 * K and [isinstance(t, GramRows) for t in state["stats"][K:]] != self.low_rank:
+            dense_above = [False] * K + self.dense_above if len(stats) == 2 * K else [False] * len(stats)
+            state = {**state, "stats": [GramRows(t["rows"], d) if isinstance(t, dict) else t
+                                        for t, d in zip(stats, dense_above)]}
+            held = [isinstance(t, GramRows) for t in state["stats"][K:]]
+            if len(stats) == 2 * K and any(h != low and not d for h, low, d in zip(held, self.low_rank,
+                                                                                   self.dense_above)):
                 raise ValueError("state_dict output factors do not match this estimator's output_factor "
                                  f"({self.output_factor!r}): low-rank and dense blocks differ")
         super().load_state_dict(state)
@@ -1227,12 +1257,16 @@ class GramRows:
     """A Gram matrix ``R^T R`` (n, n) held as its rows R (k, n): the statistic of a low-rank output factor
     (``output_factor``). The arithmetic the accumulation uses stays in rows: ``+`` stacks them, a
     non-negative scalar ``c`` scales them by ``sqrt(c)``, ``/ c`` by ``1 / sqrt(c)``; :attr:`shape` is the
-    matrix's. Memory n x k (k = the vectors back-propagated so far, summed over updates, e.g. with ``ema``);
-    once k would exceed n the rows are replaced by the (n, n) triangle of their QR decomposition (the same
-    Gram matrix; the size of a dense factor)."""
+    matrix's. Memory n x k (k = the vectors back-propagated so far, summed over updates, e.g. with ``ema``).
+    Once k would exceed n the rows are replaced by the (n, n) triangle of their QR decomposition (the same
+    Gram matrix; the size of a dense factor), or, with ``dense_above`` (``output_factor='auto'`` on a block of
+    :data:`ROWS_OUTPUTS` to :data:`LOW_RANK_OUTPUTS` outputs), by the dense Gram matrix itself when the update
+    is complete (:meth:`settled`, after the ranks' rows are gathered, so every rank holds the same kind), which
+    further updates then add to as a plain tensor."""
 
-    def __init__(self, rows: Tensor):
+    def __init__(self, rows: Tensor, dense_above: bool = False):
         self.rows = rows
+        self.dense_above = dense_above
 
     @property
     def shape(self) -> torch.Size:
@@ -1240,21 +1274,32 @@ class GramRows:
         return torch.Size((n, n))
 
     @classmethod
-    def stacked(cls, rows: Tensor) -> GramRows:
-        """The Gram matrix of ``rows`` (k, n), as the (n, n) triangle T of their QR decomposition R = Q T
-        (T^T T = R^T R) when k > n."""
-        return cls(torch.linalg.qr(rows, mode="r")[1] if rows.shape[0] > rows.shape[1] else rows)
+    def stacked(cls, rows: Tensor, dense_above: bool = False) -> GramRows:
+        """The Gram matrix of ``rows`` (k, n): the rows themselves, or the (n, n) triangle T of their QR
+        decomposition R = Q T (T^T T = R^T R) when k > n and not ``dense_above`` (whose rows wait for
+        :meth:`settled`)."""
+        if rows.shape[0] > rows.shape[1] and not dense_above:
+            rows = torch.linalg.qr(rows, mode="r")[1]
+        return cls(rows, dense_above)
 
-    def __add__(self, other: GramRows) -> GramRows:
+    def settled(self) -> GramRows | Tensor:
+        """The dense Gram matrix ``R^T R`` when ``dense_above`` and the rows outnumber the columns, else self."""
+        return _gram(self.rows) if self.dense_above and self.rows.shape[0] > self.rows.shape[1] else self
+
+    def __add__(self, other: GramRows | Tensor) -> GramRows | Tensor:
+        if isinstance(other, Tensor):  # a dense_above statistic that is already the Gram matrix
+            return other + _gram(self.rows)
         if not isinstance(other, GramRows):
             return NotImplemented
-        return GramRows.stacked(torch.cat([self.rows, other.rows]))
+        return GramRows.stacked(torch.cat([self.rows, other.rows]), self.dense_above)
+
+    __radd__ = __add__
 
     def __mul__(self, c: float) -> GramRows:
         c = float(c)
         if c < 0:
             raise ValueError(f"GramRows: a Gram matrix can only be scaled by a non-negative number, got {c}")
-        return GramRows(self.rows * c**0.5)
+        return GramRows(self.rows * c**0.5, self.dense_above)
 
     __rmul__ = __mul__
 
@@ -1262,14 +1307,14 @@ class GramRows:
         return self * (1.0 / float(c))
 
     def to(self, dtype: torch.dtype) -> GramRows:
-        return GramRows(self.rows.to(dtype))
+        return GramRows(self.rows.to(dtype), self.dense_above)
 
     def sum(self) -> Tensor:
         """The sum of the rows' entries (finite exactly when the rows are)."""
         return self.rows.sum()
 
     def clone(self) -> GramRows:
-        return GramRows(self.rows.clone())
+        return GramRows(self.rows.clone(), self.dense_above)
 
 
 @dataclass
