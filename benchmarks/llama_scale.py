@@ -23,12 +23,14 @@ Rows, all in ONE process, each timed as a ratio to a gradient pass measured in t
   LoRA rows; ``LoRA Kronecker Laplace``: ``Laplace(structure="kron", curvature="kfac")`` fit + log marginal
   likelihood; ``LoRA GLM predictive``: its linearised predictive at every token over the whole vocabulary
   (``link="mc"``, 10 draws by forward-mode products); ``LoRA GaussNewton``: one step (KFAC, alpha*, rho);
-* ``GaussNewton all parameters``: one step on every parameter (KFAC, alpha*, rho). On the whole model it fits in
-  24 GB since ``output_factor='auto'`` holds the 2,048- and 5,632-output factors as their 256 rows
-  (``estimators.ROWS_OUTPUTS``): the dense factors and their inverses would be 2 x 10.5 GB.
+* ``GaussNewton all parameters``: one step on every parameter (KFAC, alpha*, rho); ``--quick`` and fewer than 22
+  layers only. On the whole model it was killed by the out-of-memory killer at 23.9 GB (2026-11-29): beside the
+  weights and the gradient (4.4 GB each) a step holds the three candidate directions of the zeta search (4.4 GB
+  each), the input factors (3.9 GB; the output factors are their 256 rows, ``estimators.ROWS_OUTPUTS``), a copy
+  of them and their inverses.
 
 ``--skip-kfac``: the gradient, then the rows after the KFAC rows (GaussNewton, curvlinops, LoRA), for a second
-process on the whole model.
+process on the whole model; ``--no-curvlinops`` leaves curvlinops' row out.
 
 The KFAC rows take the operator with ``operator(release=True)`` (the statistics handed to it, symmetrised in
 place, as :func:`curvkit.curvature.kfac` does): one set of factors in memory, not two. The header gives the
@@ -146,7 +148,7 @@ def coverage(hf: Any) -> float:
 
 
 def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_factor: str = "auto",
-        skip_kfac: bool = False) -> list[dict[str, Any]]:
+        skip_kfac: bool = False, no_curvlinops: bool = False) -> list[dict[str, Any]]:
     from curvkit.curvature import KroneckerEstimator
     from curvkit.likelihoods import CrossEntropy
     from curvkit.structure import UnsupportedModelError
@@ -201,8 +203,15 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_
         for r in rows:
             r["params"] = n_all
         return rows
-    gauss_newton_row(hf, batch, y, row, base)  # its optimiser (factors, inverses) freed on return
+    if quick or (layers is not None and layers < FULL["num_hidden_layers"]):
+        gauss_newton_row(hf, batch, y, row, base)  # its optimiser (factors, inverses) freed on return
+    else:
+        rows.append({"row": "GaussNewton step, every parameter", "coverage": coverage(hf),
+                     "note": "not run: killed by the out-of-memory killer at 23.9 GB (weights, gradient, three "
+                             "candidate directions of 4.4 GB each, factors and their inverses)"})
     try:
+        if no_curvlinops:
+            raise ImportError("--no-curvlinops")
         import curvlinops as cl
 
         lin = [m for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and (quick or "lm_head" not in n)]
@@ -220,8 +229,9 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_
 
         base_cl = unit("gradient (curvlinops' parameters)")
         row("curvlinops KFAC expand", curvlinops_kfac, base_cl, "" if quick else "lm_head excluded")
-    except ImportError:
-        rows.append({"row": "curvlinops KFAC expand", "note": "curvlinops not installed"})
+    except ImportError as err:
+        rows.append({"row": "curvlinops KFAC expand", "note": "not run (--no-curvlinops)" if no_curvlinops else
+                     f"curvlinops not installed ({err})"})
     lora_rows(hf, batch, y, rows, unit, row)
     for r in rows:
         r["params"] = n_all
@@ -315,11 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-factor", default="auto", choices=("auto", "dense", "low_rank"),
                     help="the KFAC rows' output_factor (low_rank: every output factor held as its rows)")
     ap.add_argument("--skip-kfac", action="store_true", help="the gradient and the rows after the KFAC rows")
+    ap.add_argument("--no-curvlinops", action="store_true", help="leave out the curvlinops row")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     REPEATS["n"] = args.repeats
-    rows = run(args.quick, args.layers, args.kfac_only, args.output_factor, args.skip_kfac)
+    rows = run(args.quick, args.layers, args.kfac_only, args.output_factor, args.skip_kfac, args.no_curvlinops)
     table = render(rows)
     name = "quick" if args.quick else "TinyLlama-1.1B" + (f" width, {args.layers} layers" if args.layers else "")
     name += "" if args.output_factor == "auto" else f", output_factor={args.output_factor!r}"

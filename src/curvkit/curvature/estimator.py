@@ -99,22 +99,25 @@ class CurvatureEstimator:
         return self
 
     def _combine(self, stats: list[Tensor], B: int, terms: int) -> None:
-        stats = [t.to(self.statistics_dtype) for t in stats]  # summed in float32 or wider (curvkit.precision)
+        # summed in float32 or wider (curvkit.precision); a statistic several blocks share stays one tensor
+        stats = per_object(lambda t: t.to(self.statistics_dtype), stats)
         if self.distributed is not None:
             stats, B, terms = self._reduce(stats, B, terms)
+        checked: set[int] = set()
         for t, name in zip(stats, self._stat_names()):
-            if not bool(torch.isfinite(t.sum())):
+            if id(t) not in checked and not bool(torch.isfinite(t.sum())):
                 raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
                                  "check the inputs and the model's parameters")
+            checked.add(id(t))
         if self.ema is None:
-            self._stats = stats if self._stats is None else [a + b for a, b in zip(self._stats, stats)]
+            self._stats = stats if self._stats is None else per_object(lambda a, b: a + b, self._stats, stats)
             self.num_data += B
             self.num_terms += terms
         else:
-            means = [t / B for t in stats]
+            means = per_object(lambda t: t / B, stats)
             rho = self.ema
-            self._stats = means if self._stats is None else [rho * a + (1 - rho) * b
-                                                             for a, b in zip(self._stats, means)]
+            self._stats = means if self._stats is None else per_object(lambda a, b: rho * a + (1 - rho) * b,
+                                                                       self._stats, means)
             self.num_data = B
             self.num_terms = terms
         self._stats = self._settled(self._stats)
@@ -134,16 +137,20 @@ class CurvatureEstimator:
 
     def _reduce(self, stats: list[Tensor], B: int, terms: int) -> tuple[list[Tensor], int, int]:
         """(sum over the ranks of ``stats``, of the batch sizes, of the loss terms): one all-reduce (class
-        docstring)."""
+        docstring); a statistic several blocks share travels once."""
+        first = {id(t): i for i, t in reversed(list(enumerate(stats)))}
+        own = sorted(first.values())
         count = stats[0].new_tensor([float(B), float(terms)])
-        out = self.distributed.sum_symmetric([*stats, count], [*self._symmetric(stats), False],
+        symmetric = self._symmetric(stats)
+        out = self.distributed.sum_symmetric([*(stats[i] for i in own), count], [*(symmetric[i] for i in own), False],
                                              f"{type(self).__name__} statistics")
-        return out[:-1], round(float(out[-1][0])), round(float(out[-1][1]))
+        summed = dict(zip(own, out))
+        return [summed[first[id(t)]] for t in stats], round(float(out[-1][0])), round(float(out[-1][1]))
 
     def _means(self) -> list[Tensor]:
         if self._stats is None:
             raise ValueError(f"{type(self).__name__} has no statistics yet: call update(data) first")
-        return list(self._stats) if self.ema is not None else [t / self.num_data for t in self._stats]
+        return list(self._stats) if self.ema is not None else per_object(lambda t: t / self.num_data, self._stats)
 
     def scale(self) -> float:
         """The factor on per-sample means: N for ``reduction='sum'``; N / M for ``'mean'``, M the loss terms
@@ -162,7 +169,8 @@ class CurvatureEstimator:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, "stats": None if self._stats is None else [t.clone() for t in self._stats],
+        return {"kind": type(self).__name__,
+                "stats": None if self._stats is None else per_object(lambda t: t.clone(), self._stats),
                 "num_data": self.num_data, "num_terms": self.num_terms, "num_updates": self.num_updates,
                 "ema": self.ema}
 
@@ -176,9 +184,24 @@ class CurvatureEstimator:
             ref = self._reference_shapes()
             if ref is not None and [tuple(t.shape) for t in stats] != ref:
                 raise ValueError("state_dict statistics do not match this model's layers")
-        self._stats = None if stats is None else [t.clone() for t in stats]
+        self._stats = None if stats is None else per_object(lambda t: t.clone(), stats)
         self.num_data, self.num_updates = int(state["num_data"]), int(state["num_updates"])
         self.num_terms = int(state.get("num_terms", self.num_data))
 
     def _reference_shapes(self) -> list[tuple[int, ...]] | None:
         return None
+
+
+def per_object(fn: Any, *lists: list[Any]) -> list[Any]:
+    """``[fn(*items) for items in zip(*lists)]``, with ``fn`` called once per distinct combination of objects:
+    blocks fed by one input (the q, k and v projections, an MLP's gate and up projections) share ONE input
+    statistic tensor, and every step of the accumulation keeps it one (formed, reduced, summed, checkpointed
+    once; the operator then holds one factor for them)."""
+    done: dict[tuple[int, ...], Any] = {}
+    out = []
+    for items in zip(*lists):
+        key = tuple(id(t) for t in items)
+        if key not in done:
+            done[key] = fn(*items)
+        out.append(done[key])
+    return out

@@ -336,9 +336,10 @@ class KroneckerEstimator(CurvatureEstimator):
         its layer runs, after which its input rows are dropped (replaced by an empty (B, 0) tensor, which
         keeps the batch size for the checks), so the pass never holds more than one layer's rows (a
         convolution's patches, unfolded a few samples at a time, :class:`~curvkit.layerkinds.UnfoldedSite`).
-        The blocks fed by one input (q, k, v of self-attention, emitted one after the other) share one
-        statistic: the last input is remembered."""
-        cache: dict[tuple[int, str, bool], Tensor] = {}
+        The blocks fed by one input (q, k, v of self-attention, an MLP's gate and up projections, emitted one
+        after the other) share one statistic: the last input is remembered, and an input is the same when its
+        memory, layout and version are (:func:`_rows_key`: each module's hook sees its own view of it)."""
+        cache: dict[tuple[Any, str, bool], Tensor] = {}
         last: list[Tensor] = []  # the input the cache is about (held, so that its id stays its own)
 
         def take(i: int, site: Site) -> Tensor | None:
@@ -347,7 +348,7 @@ class KroneckerEstimator(CurvatureEstimator):
                 return None
             lazy = isinstance(site, UnfoldedSite) and not site.formed
             a = None if lazy else site.inputs
-            if a is None or not last or a is not last[0]:
+            if a is None or not last or _rows_key(a) != _rows_key(last[0]):
                 cache.clear()
                 last[:] = [] if a is None else [a]
             stat = self._input_stat(spec, site, cache)
@@ -525,7 +526,7 @@ class KroneckerEstimator(CurvatureEstimator):
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]
         else:
-            grams: dict[tuple[int, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
+            grams: dict[tuple[Any, str, bool], Tensor] = {}  # blocks fed by one input (q, k, v of self-attention)
             A = [None if site is None else self._input_stat(spec, site, grams)
                  for (_, spec), site in zip(self.blocks, sites)]
         if self.method == "kfra":
@@ -581,7 +582,7 @@ class KroneckerEstimator(CurvatureEstimator):
         return self.weight_sharing if spec.sharing == "any" else "expand"
 
     def _input_stat(self, spec: BlockSpec, site: Site,
-                    cache: dict[tuple[int, str, bool], Tensor]) -> Tensor | None:
+                    cache: dict[tuple[Any, str, bool], Tensor]) -> Tensor | None:
         """The input statistic of one batch: ``sum_n sum_r a_hat a_hat^T`` (expand; a_hat = [a, 1]) or
         ``sum_n a_bar a_bar^T`` (reduce; a_bar = [mean_r a, 1]); token counts for an embedding; None for a
         block from per-sample gradients (formed with the output side). Blocks with the same input rows share
@@ -604,7 +605,7 @@ class KroneckerEstimator(CurvatureEstimator):
         if spec.ids:
             keep = a[a >= 0]
             return torch.bincount(keep, minlength=spec.in_features).to(self.statistics_dtype)
-        key = (id(a), mode, bias)
+        key = (_rows_key(a), mode, bias)
         if key not in cache:
             if mode == "reduce":
                 cache[key] = self._input_gram(a.mean(1), bias)
@@ -1198,6 +1199,14 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), mod
                 f"FSDP2-sharded model: only the kinds {', '.join(kinds)} take sharded weights (their "
                 "statistics read only a layer's inputs and output gradients); freeze it (requires_grad_(False)) "
                 "or use data parallelism (every rank holds the whole model)")
+
+
+def _rows_key(t: Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same input rows: their memory (address, shape, strides, dtype, device) and its
+    version counter (unchanged in place since). Two modules reading one tensor see separate views of it (each
+    hook's own ``detach()``): HF Llama's q, k and v projections, whose input statistic is then formed once.
+    Compared only while the first tensor is held, so its memory cannot be another tensor's."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
 def _drop_rows(i: int, site: Site) -> None:

@@ -188,10 +188,12 @@ class PosteriorBlock:
 # ---------------------------------------------------------------------------------------------- Kronecker
 class KroneckerBlock(PosteriorBlock):
     """Kronecker blocks ``factors`` (per-datum, :class:`curvkit.linalg.kron.KroneckerBlock`, sharing one
-    layer's prior precision) over the parameters of ``layout`` (every entry in exactly one block)."""
+    layer's prior precision) over the parameters of ``layout`` (every entry in exactly one block). ``inputs``:
+    a list shared by the posterior's Kronecker blocks, where each keeps the eigendecompositions of its input
+    factors for the others (:attr:`_eigen`)."""
 
     def __init__(self, layout: ParamLayout, layer: int, factors: Sequence[KFactors], form: str = "factored",
-                 balance: bool = False):
+                 balance: bool = False, inputs: list[Any] | None = None):
         factors = list(factors)
         if not factors:
             raise ValueError("a Kronecker posterior block needs at least one Kronecker block")
@@ -199,6 +201,7 @@ class KroneckerBlock(PosteriorBlock):
         if form not in ("factored", "exact"):
             raise ValueError(f"prior_form must be 'factored' (thesis Eq. 5.14) or 'exact', got {form!r}")
         self.form, self.layer, self.factors = form, layer, factors
+        self._inputs: list[tuple[Tensor, tuple[Tensor, Tensor]]] = [] if inputs is None else inputs
         KroneckerOperator(layout, factors)  # checks the blocks against the layout: shapes, every entry once
         if form == "exact":
             for b in factors:
@@ -224,8 +227,11 @@ class KroneckerBlock(PosteriorBlock):
         them, the factored form's sampling and predictives do not. :func:`curvkit.linalg.kron.psd_eigh`
         retries in float64 where LAPACK fails on the repeated zero eigenvalues of a rank-deficient factor
         (MNIST's always-zero border pixels in A). A low-rank G gives its thin eigendecomposition (QG = U,
-        (out, r)); its complement is :attr:`_rest`."""
+        (out, r)); its complement is :attr:`_rest`. Blocks fed by one input (q, k and v projections, LoRA's
+        ``lora_A`` on q and v of every layer) have equal input factors, decomposed once (an O(n^2) comparison
+        against the posterior's earlier ones of the same size, ``inputs``, for an O(n^3) eigendecomposition)."""
         out: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
+        inputs = self._inputs
         for b in self.factors:
             if b.pair:  # no Kronecker eigenbasis (:meth:`_pair`); refused with prior_form='exact'
                 continue
@@ -236,8 +242,11 @@ class KroneckerBlock(PosteriorBlock):
             if b.diagonal_input:
                 out.append((lG, QG, b.A.clamp_min(0), None))
             else:
-                lA, QA = psd_eigh(b.A)
-                out.append((lG, QG, lA, QA))
+                eig = next((e for A, e in inputs if A is b.A or (A.shape == b.A.shape and torch.equal(A, b.A))), None)
+                if eig is None:
+                    eig = psd_eigh(b.A)
+                    inputs.append((b.A, eig))
+                out.append((lG, QG, *eig))
         return out
 
     @functools.cached_property

@@ -95,11 +95,13 @@ class KroneckerSource:
 
     def blocks(self) -> list[KFactors]:
         """The per-datum blocks (``G`` divided by the number of samples; ``A`` is a per-sample mean
-        already): the per-datum curvature is ``blockdiag G (x) A``."""
+        already): the per-datum curvature is ``blockdiag G (x) A``. The operator's input factors are symmetric
+        already and kept as they are (no copy; blocks fed by one input share one, as in the operator)."""
         est = self.estimator
         n = float(est.num_data)
         return [KFactors.from_gram(b.G, b.A, b.weight_name, b.bias_name, scale_G=1.0 / n, index=b.index,
-                                   label=b.label, factored=b.factored, second=b.second) for b in est.operator().blocks]
+                                   label=b.label, factored=b.factored, second=b.second, symmetric_A=True)
+                for b in est.operator().blocks]
 
 
 class DiagonalSource:

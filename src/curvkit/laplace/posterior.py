@@ -644,12 +644,13 @@ class Laplace:
         """The posterior blocks of ``stats`` (:meth:`_statistics`' form, or a version-1 state_dict's)."""
         by_label = {lay.label: (i, lay) for i, lay in enumerate(self.layer_info)}
         blocks: list[PosteriorBlock] = []
+        inputs: list[Any] = []  # the input factors' eigendecompositions, shared by the Kronecker blocks
         for s in stats:
             if s["type"] == "dense" and "layer" not in s:  # the full posterior
                 blocks.append(DenseBlock(self.layout, [self._layer_of[n] for n in self.names], s["F"]))
                 continue
             if s["type"] == "kron":
-                blocks.append(self._kron_block(s, by_label))
+                blocks.append(self._kron_block(s, by_label, inputs))
                 continue
             i, lay = by_label[s["layer"]]
             names = self._ordered(lay.params)
@@ -660,7 +661,8 @@ class Laplace:
                 blocks.append(DenseBlock(layout, [i] * len(names), s["F"]))
         return blocks
 
-    def _kron_block(self, s: Mapping[str, Any], by_label: Mapping[str, Any]) -> KroneckerBlock:
+    def _kron_block(self, s: Mapping[str, Any], by_label: Mapping[str, Any],
+                    inputs: list[Any] | None = None) -> KroneckerBlock:
         """One :class:`KroneckerBlock` from its statistics (version 1: one standard block of a layer)."""
         if "blocks" not in s:
             _, lay = by_label[s["layer"]]
@@ -681,7 +683,7 @@ class Laplace:
             raise ValueError(f"Kronecker blocks over {names} span the layers "
                              f"{[self.layer_names[i] for i in sorted(layers)]}; one prior precision per block is needed")
         return KroneckerBlock(sub_layout(self.layout, names), layers.pop(), factors, self.prior_form,
-                              self.trace_balance)
+                              self.trace_balance, inputs)
 
     def _install(self, blocks: list[PosteriorBlock], stats: list[dict[str, Any]]) -> None:
         self.blocks = blocks
