@@ -594,7 +594,7 @@ class KroneckerEstimator(CurvatureEstimator):
             return None
         mode, bias = self._sharing(spec), spec.bias is not None
         if isinstance(site, UnfoldedSite) and not site.formed:
-            key = (id(site), mode, bias)
+            key: tuple[Any, str, bool] = (id(site), mode, bias)
             if key not in cache:
                 means = site.position_means() if mode == "reduce" else None
                 chunk = max(1, _BUDGET // max(1, site.row_size))
