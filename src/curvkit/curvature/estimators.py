@@ -110,8 +110,8 @@ ROWS_OUTPUTS = 2048
 they would be more (:class:`GramRows` ``dense_above``). Both are exact. With 256 tokens a batch, TinyLlama's
 5,632- and 2,048-output layers then skip the Gram products of 256 x n^2 multiply-adds each and the (n, n)
 matrices: a KFAC-expand refresh of the whole 1.1 B model costs 1.64x a gradient pass instead of 2.61x, within
-12.7 GiB instead of 18.2 (docs/benchmarks.md, ``llama_scale.py``). Narrower layers keep the dense factor from the first update (the thesis's form; below 2,048
-outputs the dense factor is at most 16 MiB in float32)."""
+12.7 GiB instead of 18.2 (docs/benchmarks.md, ``llama_scale.py``). Narrower layers keep the dense factor from
+the first update (the thesis's form; below 2,048 outputs the dense factor is at most 16 MiB in float32)."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,8 @@ class KroneckerEstimator(CurvatureEstimator):
             for those with :data:`ROWS_OUTPUTS` (2,048) to :data:`LOW_RANK_OUTPUTS` outputs of a sampled method
             and an unshared parameter, the rows while they are fewer than the outputs and the dense matrix from
             the update where they would be more (exact either way; an LLM's projections at a few hundred tokens
-            a batch); ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer products
-            (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
+            a batch); ``dense`` for the others. Low-rank factors need a method whose G is a sum of few outer
+            products (``kfac``, ``empirical``, ``projection``): ``kflr`` and ``kfra`` refuse them (KFLR's G has full
             rank and costs one backward pass per output). With ``distributed`` the ranks' rows are
             gathered (k_r x n values from each rank per update, never an n x n matrix).
         config: a :class:`~curvkit.curvature.CurvatureConfig` holding the options above (``weight_sharing``,
