@@ -219,3 +219,16 @@ def test_release_refuses_a_running_average():
                                                                                torch.tensor([0, 1, 2])))
     with pytest.raises(ValueError, match=r"release=True.*ema=0.9.*call operator\(\)"):
         est.operator(release=True)
+
+
+@pytest.mark.parametrize("name", ["bilinear", "lstm"])
+def test_generic_fallback_names_a_non_finite_output(name):
+    """A module on the per-sample fallback whose output is NaN/inf (a NaN weight) gets a ValueError naming the
+    module, not a raw error from the comparison of its replayed output."""
+    make, data, B = CASES[name][0], CASES[name][1], max(CASES[name][2], 2)
+    torch.manual_seed(35)
+    model = make().double()
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if n.startswith("body")).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=r"module 'body.*produced NaN or inf.*check the inputs and the model"):
+        KroneckerEstimator(model, CrossEntropy(), "kfac").update((data(B), torch.randint(0, 3, (B,))))

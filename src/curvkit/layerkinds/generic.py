@@ -189,6 +189,9 @@ def _check_same(new: Any, old: Any, label: str, mod: nn.Module, what: str) -> No
         if not isinstance(s, Tensor) or s.shape != t.shape:
             ok = False
             break
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise ValueError(f"{what}: module {label!r} ({type(mod).__name__}) produced NaN or inf in the forward "
+                             "pass; check the inputs and the model's parameters")
         scale = float(t.detach().abs().max()) if t.numel() else 0.0
         tol = 1e-4 if t.dtype in (torch.float16, torch.bfloat16) else (1e-5 if t.dtype == torch.float32 else 1e-10)
         if not torch.allclose(s.detach(), t.detach(), rtol=tol, atol=tol * scale + tol):
