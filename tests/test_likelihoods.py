@@ -219,12 +219,12 @@ def test_empty_batch_and_all_padding_are_clear_errors(lik):
         CrossEntropy(ignore_index=-1).nll(torch.randn(2, C), torch.full((2,), -1))
 
 
-def test_cross_entropy_samples_a_wide_softmax_by_its_inverse_cdf():
-    """Above INVERSE_CDF_CLASSES classes the labels come from the inverse CDF: their frequencies match the
-    softmax (chi-square over the classes, 200,000 draws, fixed seed) and a class of probability 0 is never drawn."""
+def test_cross_entropy_samples_a_large_softmax_by_its_inverse_cdf():
+    """Above INVERSE_CDF_ENTRIES probabilities the labels come from the inverse CDF: their frequencies match the
+    softmax (200,000 draws, fixed seed) and a class of probability 0 is never drawn."""
     from curvkit import likelihoods
 
-    C = likelihoods.INVERSE_CDF_CLASSES + 4
+    C = 12
     logits = torch.full((C,), -30.0)
     logits[:5] = torch.tensor([0.0, 0.7, 1.1, -0.3, 0.4])
     logits[7] = -float("inf")  # probability exactly 0
@@ -235,3 +235,8 @@ def test_cross_entropy_samples_a_wide_softmax_by_its_inverse_cdf():
     assert counts[7] == 0
     top = counts[:5] / draws.numel()
     torch.testing.assert_close(top, p[:5].double(), atol=4e-3, rtol=0)  # 5 sigma at n = 200,000: about 5e-3
+    by_multinomial = torch.multinomial(f.softmax(-1), 1, generator=torch.Generator().manual_seed(0))[:, 0]
+    assert not torch.equal(draws, by_multinomial)  # the other route
+    small = f[: likelihoods.INVERSE_CDF_ENTRIES // C]  # up to the threshold: curvlinops' draws, torch.multinomial's
+    expected = torch.multinomial(small.softmax(-1), 1, generator=torch.Generator().manual_seed(0))[:, 0]
+    assert torch.equal(likelihoods.CrossEntropy()._sample(small, torch.Generator().manual_seed(0)), expected)

@@ -6,6 +6,8 @@ about the layout, and its batch-first twin (same weights) gives the exact blocks
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -181,6 +183,33 @@ def test_a_fresh_estimator_traces_two_samples_where_they_stand_for_the_batch(mon
     assert seen[-1] == 5  # the two-sample pass has positions first (5 != 2): the batch itself is traced
 
 
+def test_a_later_estimator_of_the_same_model_is_not_traced_again_unless_the_model_changed(monkeypatch):
+    """The traced layouts are kept per model (``estimators._TRACED``): a second estimator of the same model,
+    planned the same, with the same batch size runs no trace. A new batch size, another model object or other
+    plans (a frozen layer) are traced again, and so is the same model after a module's attribute changed: the
+    batch-first twin made sequence-first (``batch_first`` flipped, T == B, every shape as before) is refused
+    as a sequence-first model is, not handed the blocks of the layout traced before."""
+    lik = CrossEntropy("sum")
+    _, bat = _twins()
+    X, y = _data(5, 5)
+    seen = _traced_batches(monkeypatch)
+    first = KroneckerEstimator(bat, lik, "kfac", seed=0).update((X, y)).operator().to_dense()
+    assert seen == [2]
+    again = KroneckerEstimator(bat, lik, "kfac", seed=0).update((X, y)).operator().to_dense()
+    assert seen == [2]
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    KroneckerEstimator(bat, lik, "kfac").update(_data(4, 5))
+    KroneckerEstimator(copy.deepcopy(bat), lik, "kfac").update((X, y))
+    bat.head.requires_grad_(False)
+    KroneckerEstimator(bat, lik, "kfac").update((X, y))
+    assert seen == [2, 2, 2, 2]
+    bat.head.requires_grad_(True)
+    bat.batch_first = False
+    bat.enc.self_attn.batch_first = False
+    with pytest.raises(UnsupportedModelError, match="dimension 1 of its output"):
+        KroneckerEstimator(bat, lik, "kfac").update((X, y))
+
+
 class Draws(nn.Module):
     """A module that draws from the global RNG in its forward pass (its output does not depend on the draw)."""
 
@@ -197,7 +226,7 @@ def test_the_two_sample_trace_leaves_the_global_rng_as_it_was():
     traced = KroneckerEstimator(model, CrossEntropy("sum"), "kfac", seed=0)
     traced.update((X, y))
     state = torch.get_rng_state()
-    KroneckerEstimator(model, CrossEntropy("sum"), "kfac", seed=0).update((X, y))
+    KroneckerEstimator(copy.deepcopy(model), CrossEntropy("sum"), "kfac", seed=0).update((X, y))  # traced anew
     after_fresh = torch.get_rng_state()
     torch.set_rng_state(state)
     traced.reset()

@@ -103,12 +103,11 @@ class CurvatureEstimator:
         stats = per_object(lambda t: t.to(self.statistics_dtype), stats)
         if self.distributed is not None:
             stats, B, terms = self._reduce(stats, B, terms)
-        checked: set[int] = set()
-        for t, name in zip(stats, self._stat_names()):
-            if id(t) not in checked and not bool(torch.isfinite(t.sum())):
-                raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
-                                 "check the inputs and the model's parameters")
-            checked.add(id(t))
+        sums = per_object(lambda t: t.sum().reshape(1), stats)  # one finiteness check, one device sync
+        if sums and not bool(torch.isfinite(torch.cat([s.to(sums[0].dtype) for s in sums])).all()):
+            name = next(n for s, n in zip(sums, self._stat_names()) if not bool(torch.isfinite(s).all()))
+            raise ValueError(f"{type(self).__name__}: the statistic {name} of this batch contains NaN or inf; "
+                             "check the inputs and the model's parameters")
         if self.ema is None:
             self._stats = stats if self._stats is None else per_object(lambda a, b: a + b, self._stats, stats)
             self.num_data += B
