@@ -291,3 +291,66 @@ def test_gauss_newton_without_kept_primals_takes_the_same_steps():
     assert [r["alpha"] for r in opts[0].history] == pytest.approx([r["alpha"] for r in opts[1].history], rel=1e-10)
     with pytest.raises(ValueError, match="keep_primals must be True or False"):
         GaussNewton(models[0].parameters(), model=models[0], likelihood=CrossEntropy(), keep_primals="yes")
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)))
+
+
+class ComputedWeight(nn.Module):
+    """A linear map whose weight is computed in every pass (weight normalisation's form): not a parameter, so
+    it is identified by its values' fingerprint, as the inputs are."""
+
+    def __init__(self):
+        super().__init__()
+        self.v, self.g, self.head = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.ones(4, 1)), nn.Linear(4, 2)
+
+    def forward(self, x):
+        W = self.g * self.v / self.v.norm(dim=1, keepdim=True)
+        return self.head(torch.tanh(nn.functional.linear(x, W)))
+
+
+def test_a_parameter_changed_in_place_after_the_record_is_seen():
+    """Weights and biases that are parameters are checked by memory and version counter, not by value: a bias
+    written in place between the recorded pass and the products (which no later call's input would show: its
+    output is the one replayed) makes the products recompute their primals and give J d at the new bias."""
+    torch.manual_seed(0)
+    for change in (None, "weight", "bias"):
+        model = Plain().double()  # not a Sequential: the dual-number route (a Sequential records tangents)
+        X = torch.randn(6, 3, generator=gen(8), dtype=torch.float64)
+        lin = Linearisation(model, read_model(model), [n for n, _ in model.named_parameters()])
+        assert lin.route == "dual"
+        with torch.enable_grad():
+            lin.record(X)
+        with torch.no_grad():
+            if change is not None:
+                getattr(model.a, change).add_(0.5)
+        dirs = [[torch.randn(p.shape, generator=gen(9), dtype=torch.float64) for p in model.parameters()]]
+        if change is None:  # nothing changed: the record is replayed whole
+            record = lin._primals
+            got = lin(dirs)
+            assert lin._primals is record and record.position == len(record.outputs) == 2
+            continue
+        got = lin(dirs)
+        assert lin._primals is None, change
+        torch.testing.assert_close(got, _reference_jd(model, X, dirs), atol=ATOL, rtol=0)
+
+
+def test_a_computed_weight_is_replayed_by_its_fingerprint():
+    torch.manual_seed(0)
+    model = ComputedWeight().double()
+    X = torch.randn(6, 3, generator=gen(8), dtype=torch.float64)
+    lin = Linearisation(model, read_model(model), [n for n, _ in model.named_parameters()])
+    assert lin.route == "dual"
+    with torch.enable_grad():
+        lin.record(X)
+    record = lin._primals
+    dirs = [[torch.randn(p.shape, generator=gen(9), dtype=torch.float64) for p in model.parameters()]]
+    got = lin(dirs)
+    assert lin._primals is record and record.position == len(record.outputs) == 2
+    torch.testing.assert_close(got, _reference_jd(model, X, dirs), atol=ATOL, rtol=0)

@@ -23,7 +23,7 @@ batches for the readers that take them (``mappings=True``) and refuses them by n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, overload
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "check_inputs",
     "describe_inputs",
     "finite_tensor",
+    "first_nonfinite",
     "input_tensors",
     "inputs_to",
     "integer",
@@ -122,6 +123,21 @@ def finite_tensor(name: str, t: Tensor) -> Tensor:
         raise ValueError(f"{name} contains NaN or inf ({bad} of {t.numel()} entries)"
                          if bad else f"{name} has entries too large to sum in {t.dtype}")
     return t
+
+
+def first_nonfinite(tensors: Sequence[Tensor]) -> int | None:
+    """The position of the first tensor with a NaN or inf entry, None if every entry is finite: ONE read of the
+    device for all of them, one pass over each (its sum, which a NaN or inf entry makes non-finite; a check per
+    tensor would stall a GPU's queue once per tensor, and ``isfinite(t).all()`` is five passes). Only when a
+    sum is not finite are the entries themselves checked (a sum can overflow where no entry is infinite)."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    sums = torch.stack([t.sum().to(device, torch.float64 if t.dtype == torch.float64 else torch.float32)
+                        for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return None
+    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), None)
 
 
 def describe_inputs(X: Any) -> str:

@@ -33,10 +33,12 @@ rule, so the pass computes the same J v to rounding (tests compare with ``torch.
 When the same model has just run on the same batch at the same parameters (the Gauss-Newton step's captured
 forward pass), :class:`PrimalRecorder` keeps the outputs of its linear calls in a :class:`PrimalRecord` (the
 calls :class:`DualRules` makes, attention evaluated the same way), and ``DualRules(record)`` takes each call's
-primal from it instead. Each replayed call checks that it is the recorded one: the fingerprints of its input
-and weight (:func:`_fingerprint`, to sqrt(eps) relative), the output's shape and that the recorded output was
-not changed in place since (its version counter); anything else raises :class:`ReplayMismatch`, and the caller
-recomputes the pass without the record.
+primal from it instead. Each replayed call checks that it is the recorded one: its weight and bias, where they
+are parameters, by their memory and version counter (a dual tensor's primal is a view of the parameter), the
+fingerprints of its input and of any other operand (:func:`_fingerprint`, to sqrt(eps) relative, compared for
+all calls at once when the pass is :meth:`~PrimalRecord.finished`), the output's shape and that the recorded
+output was not changed in place since (its version counter); anything else raises :class:`ReplayMismatch`,
+and the caller recomputes the pass without the record.
 
 Nothing outside the call changes: the modes hold no state but the record they are given and are entered only
 around one pass (:func:`dual_rules`).
@@ -96,48 +98,97 @@ class ReplayMismatch(RuntimeError):
     """The pass being replayed did not make the recorded pass's linear calls (:class:`PrimalRecord`)."""
 
 
+def _same_tensor(t: Tensor | None, then: Tensor | None, version: int | None) -> bool:
+    """``t`` reads the memory of the recorded ``then`` (held by the record, so its memory was not given to another
+    tensor) as it was then: same place, shape, strides and dtype, not written in place since (``version``; a
+    view shares its base's counter, so a dual tensor's primal counts the parameter's writes)."""
+    if t is None or then is None:
+        return t is None and then is None
+    return (t.data_ptr() == then.data_ptr() and t.shape == then.shape and t.stride() == then.stride()
+            and t.dtype == then.dtype and t._version == version)
+
+
 class PrimalRecord:
-    """The outputs of the linear calls of one forward pass, in call order, with a fingerprint of each input
-    (:func:`_fingerprint`), so that a later dual-number pass at the same parameters on the same batch takes the
-    primal y = x W^T + b from here instead of recomputing it (one of the three matrix products per call)."""
+    """The outputs of the linear calls of one forward pass, in call order, with what identifies each call's
+    operands, so that a later dual-number pass at the same parameters on the same batch takes the primal
+    y = x W^T + b from here instead of recomputing it (one of the three matrix products per call).
+
+    A weight or bias that is a parameter is identified by its memory and version counter (no pass over it: a
+    parameter is only changed in place); any other operand, the input x always, by its fingerprint
+    (:func:`_fingerprint`), compared to sqrt(eps) relative for all calls at once by :meth:`finished`."""
 
     def __init__(self) -> None:
         self.outputs: list[Tensor] = []
-        self.prints: list[Tensor] = []
+        self.prints: list[Tensor] = []  # per call: the fingerprints of its input (and of a computed weight/bias)
+        self.params: list[tuple[Any, ...]] = []  # per call: (W, W version, b, b version) for parameters, else Nones
         self.versions: list[int] = []  # an output changed in place since (by the model, in any pass) is stale
         self.position = 0
+        self.checks: list[tuple[Tensor, Tensor, float]] = []  # per replayed call: (now, then, tol) for finished()
 
-    def add(self, x: Tensor, W: Tensor, y: Tensor) -> None:
+    @staticmethod
+    def _operands(x: Tensor, W: Tensor, b: Tensor | None, params: tuple[Any, ...] | None) -> Tensor:
+        """The fingerprints of a call: x's, and W's / b's where they are not identified as parameters."""
+        parts = [_fingerprint(x)]
+        if params is None or params[0] is None:
+            parts.append(_fingerprint(W))
+        if b is not None and (params is None or params[2] is None):
+            parts.append(_fingerprint(b))
+        return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+    def add(self, x: Tensor, W: Tensor, y: Tensor, b: Tensor | None = None) -> None:
+        weight = (W, W._version) if isinstance(W, torch.nn.Parameter) else (None, None)
+        bias = (b, b._version) if isinstance(b, torch.nn.Parameter) else (None, None)
+        self.params.append((*weight, *bias))
         self.outputs.append(y.detach())
-        self.prints.append(torch.cat([_fingerprint(x), _fingerprint(W)], 1))
+        self.prints.append(self._operands(x, W, b, self.params[-1]))
         self.versions.append(y._version)
 
-    def next(self, x: Tensor, W: Tensor, shape: tuple[int, ...]) -> Tensor:
-        """The recorded output of the next call ``F.linear(x, W, .)``, after checking that its input and weight are
-        the recorded ones (to rounding: the recorded pass may have used other kernels); raises
-        :class:`ReplayMismatch` otherwise."""
+    def next(self, x: Tensor, W: Tensor, shape: tuple[int, ...], b: Tensor | None = None) -> Tensor:
+        """The recorded output of the next call ``F.linear(x, W, b)``. The call's shape, the output's version and
+        its parameters' identities are checked here; its fingerprints are compared by :meth:`finished` (all
+        calls in one read of the device), which raises :class:`ReplayMismatch` for any difference."""
         i = self.position
         if i >= len(self.outputs) or tuple(self.outputs[i].shape) != shape:
             raise ReplayMismatch(f"linear call {i}: not the recorded pass's")
         if self.outputs[i]._version != self.versions[i]:
             raise ReplayMismatch(f"linear call {i}: its recorded output was changed in place")
-        now, then = torch.cat([_fingerprint(x), _fingerprint(W)], 1), self.prints[i]
-        tol = torch.finfo(x.dtype).eps ** 0.5
-        if now.shape != then.shape or not bool(((now[0] - then[0]).abs() <= tol * (then[1] + now[1] + tol)).all()):
+        Wr, Wv, br, bv = self.params[i]
+        if (Wr is not None and not _same_tensor(W, Wr, Wv)) or (br is not None and not _same_tensor(b, br, bv)):
+            raise ReplayMismatch(f"linear call {i}: its weight or bias is not the recorded pass's")
+        now, then = self._operands(x, W, b, self.params[i]), self.prints[i]
+        if now.shape != then.shape:
             raise ReplayMismatch(f"linear call {i}: its input or weight differs from the recorded pass's")
+        self.checks.append((now, then, torch.finfo(x.dtype).eps ** 0.5))
         self.position += 1
         return self.outputs[i]
 
     def rewind(self) -> None:
         self.position = 0
+        self.checks = []
 
     def clear(self) -> None:
         """Forget what was recorded (a new call of the model starts: the record is of its last call)."""
-        self.outputs, self.prints, self.versions, self.position = [], [], [], 0
+        self.outputs, self.prints, self.params, self.versions, self.position, self.checks = [], [], [], [], 0, []
 
     def finished(self) -> None:
+        """Raise :class:`ReplayMismatch` unless the pass made every recorded call with the recorded operands: the
+        fingerprints of all calls are compared here, in one vectorised comparison and ONE read of the device (a
+        read per call would stall a GPU's queue once per linear layer); a pass that took a wrong primal is then
+        discarded by the caller."""
         if self.position != len(self.outputs):
             raise ReplayMismatch(f"the pass made {self.position} of the {len(self.outputs)} recorded linear calls")
+        if not self.checks:
+            return
+        now = torch.cat([c[0] for c in self.checks], 1)
+        then = torch.cat([c[1] for c in self.checks], 1)
+        widths = [c[0].shape[1] for c in self.checks]
+        tol = torch.tensor([c[2] for c in self.checks], dtype=now.dtype).repeat_interleave(
+            torch.tensor(widths)).to(now.device)
+        same = (now[0] - then[0]).abs() <= tol * (then[1] + now[1] + tol)
+        if not bool(same.all()):
+            column = int((~same).nonzero()[0, 0])
+            i = next(j for j, end in enumerate(torch.tensor(widths).cumsum(0).tolist()) if column < end)
+            raise ReplayMismatch(f"linear call {i}: its input or weight differs from the recorded pass's")
 
 
 def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -147,7 +198,7 @@ def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None, *,
         return None
     (xp, xt), (Wp, Wt), (bp, bt) = _unpack(x), _unpack(W), _unpack_optional(b)
     out_shape = (*x.shape[:-1], W.shape[0])
-    known = None if record is None else record.next(xp, Wp, out_shape)
+    known = None if record is None else record.next(xp, Wp, out_shape, bp)
     if xt is None and Wt is None and bt is None:
         return known
     x2 = xp.reshape(-1, W.shape[1])
@@ -234,10 +285,10 @@ class DualRules(TorchFunctionMode):
         return func(*args, **kwargs) if out is None else out
 
 
-def _linear_args(args: Any, kwargs: Any) -> tuple[Tensor, Tensor]:
-    """(input, weight) of a call of ``F.linear``."""
-    named = dict(zip(("input", "weight"), args), **kwargs)
-    return named["input"], named["weight"]
+def _linear_args(args: Any, kwargs: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(input, weight, bias) of a call of ``F.linear``."""
+    named = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    return named["input"], named["weight"], named.get("bias")
 
 
 class PrimalRecorder(TorchFunctionMode):
@@ -254,7 +305,8 @@ class PrimalRecorder(TorchFunctionMode):
             return _attention(self, args, kwargs)
         out = func(*args, **kwargs)
         if func is F.linear and _takes_linear(*args, **kwargs):
-            self.record.add(*_linear_args(args, kwargs), out)
+            x, W, b = _linear_args(args, kwargs)
+            self.record.add(x, W, out, b)
         return out
 
 

@@ -359,6 +359,12 @@ def _check_diagonal_factor(a: Tensor, what: str) -> None:
         raise ValueError(f"{what} contains NaN or inf entries")
 
 
+def _read(scalars: list[Tensor]) -> list[float]:
+    """The values of 0-d tensors (of one device and dtype) with ONE read of the device, not one per scalar (each
+    read stalls a GPU's queue)."""
+    return torch.stack(scalars).tolist() if scalars else []
+
+
 def _trace(M: Tensor) -> Tensor:
     """Trace of a factor (a vector is a diagonal factor)."""
     return M.sum() if M.dim() == 1 else M.trace()
@@ -382,10 +388,16 @@ def _eye_like(M: Tensor) -> Tensor:
 
 
 def _shift(M: Tensor, d: float) -> Tensor:
-    """``M + d I`` in M's form (a vector: a diagonal factor; a :class:`LowRankFactor` stays one)."""
+    """``M + d I`` in M's form (a vector: a diagonal factor; a :class:`LowRankFactor` stays one), a new tensor:
+    a copy with d added to its diagonal (two passes, no identity matrix formed; the same entries as
+    ``M + d * I``)."""
     if isinstance(M, LowRankFactor):
         return cast(Tensor, M.shifted(d))
-    return M + d * _eye_like(M)
+    if M.dim() == 1:
+        return M + d
+    out = M.clone()
+    out.diagonal().add_(d)
+    return out
 
 
 def _spd_inverse(M: Tensor, what: str) -> Tensor:

@@ -70,6 +70,7 @@ from curvkit.linalg.factors import (  # noqa: F401  (re-exported)
     _diag,
     _eye_like,
     _fro,
+    _read,
     _sandwich,
     _shift,
     _spd_inverse,
@@ -294,13 +295,15 @@ class KroneckerOperator(CurvatureOperator):
         if norm not in ("trace", "frobenius"):
             raise ValueError(f"norm must be 'trace' or 'frobenius', got {norm!r}")
         out = []
-        for b in self.blocks:
+        terms = [b.second if b.second is not None else (b.G, b.A) for b in self.blocks]  # a pair: the damped term
+        traces = iter(_read([_trace(M) for b, GA in zip(self.blocks, terms) if b.factored for M in GA])
+                      if norm == "trace" else [])
+        for b, (G, A) in zip(self.blocks, terms):
             if not b.factored:  # damped exactly (factored_damping): no split
                 out.append(1.0)
                 continue
-            G, A = b.second if b.second is not None else (b.G, b.A)  # a pair: the term that carries the damping
             if norm == "trace":
-                nG, nA = float(_trace(G)) / b.out_dim, float(_trace(A)) / b.in_dim
+                nG, nA = next(traces) / b.out_dim, next(traces) / b.in_dim
             else:
                 nG = _fro(G) / math.sqrt(b.out_dim)
                 nA = _fro(A) / math.sqrt(b.in_dim)
@@ -343,22 +346,22 @@ class KroneckerOperator(CurvatureOperator):
                 raise ValueError(f"pi must be a positive finite number, got {p}")
         k = math.sqrt(delta)
         blocks = []
+        scales = iter(_read([b.G[0, 0] for b in self.blocks if not b.factored]))
         for b, p in zip(self.blocks, pis):
             second = None
             # symmetric and finite by construction (validated factors plus a multiple of I): the fast path
             if not b.factored:  # [[g]] (x) A + delta I = [[g]] (x) (A + delta / g I): exact
-                g = float(b.G[0, 0])
+                g = next(scales)
                 if not g > 0:
                     raise ValueError(f"block {b.name!r}: its scale {g:g} must be positive to carry damping")
-                G, A = b.G, b.A + (delta / g) * _eye_like(b.A)
+                G, A = b.G, _shift(b.A, delta / g)
             elif b.second is not None:  # a sum of two terms: the damping rides on the second (KroneckerPairEigh)
                 G, A = b.G, b.A
-                second = (_shift(b.second[0], k / p), b.second[1] + (p * k) * _eye_like(b.second[1]))
+                second = (_shift(b.second[0], k / p), _shift(b.second[1], p * k))
             else:
-                G = _shift(b.G, k / p)
-                A = b.A + (p * k) * _eye_like(b.A)
+                G, A = _shift(b.G, k / p), _shift(b.A, p * k)
             blocks.append(KroneckerBlock.from_gram(G, A, b.weight_name, b.bias_name, index=b.index, label=b.label,
-                                                   factored=b.factored, second=second))
+                                                   factored=b.factored, second=second, symmetric=True))
         return KroneckerOperator(self.layout, blocks)
 
     def inverse(self, damping: float = 0.0, method: Literal["eigen", "factored"] = "eigen",

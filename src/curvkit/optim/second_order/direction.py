@@ -61,13 +61,10 @@ from curvkit.linalg.kron import (
     pair_eigh,
     write_block_matrix,
 )
+from curvkit.linalg.factors import _read, _trace
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 
 __all__ = ["FactoredInverse", "cholesky_factors", "parameter_units", "split_with_zero_blocks"]
-
-
-def _trace(M: Tensor) -> float:
-    return float(M.sum() if M.dim() == 1 else M.trace())
 
 
 def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "frobenius"]
@@ -79,8 +76,9 @@ def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "froben
     limit of Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``
     (1.0 for a plain-matrix block, which is damped exactly).
     """
-    zero = [i for i, b in enumerate(op.blocks)
-            if b.factored and not b.pair and not (_trace(b.G) > 0 and _trace(b.A) > 0)]
+    kron = [i for i, b in enumerate(op.blocks) if b.factored and not b.pair]
+    traces = _read([t for i in kron for t in (_trace(op.blocks[i].G), _trace(op.blocks[i].A))])
+    zero = [i for j, i in enumerate(kron) if not (traces[2 * j] > 0 and traces[2 * j + 1] > 0)]
     if not zero:
         return op, op.damping_split(norm), []
     def scalar_G(b: KroneckerBlock, c: float) -> Tensor:  # c I in G's form (a low-rank G: rank 0, never (n, n))
@@ -105,25 +103,49 @@ def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "froben
     return KroneckerOperator(op.layout, blocks, op.damping), omegas, [op.blocks[i].name for i in zero]
 
 
-def _cholesky(M: Tensor, what: str) -> Tensor:
+class _Failures:
+    """The failure flags of factorisations (0-d, on the device) with what each factor is, read ONCE by
+    :meth:`check` (a read per factor would stall a GPU's queue once per factor)."""
+
+    def __init__(self) -> None:
+        self.flags: list[Tensor] = []
+        self.names: list[str] = []
+
+    def add(self, failed: Tensor, what: str) -> None:
+        self.flags.append(failed)
+        self.names.append(what)
+
+    def check(self) -> None:
+        for failed, what in zip(_read(self.flags), self.names):
+            if failed:
+                raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase "
+                                               "the damping")
+
+
+def _cholesky(M: Tensor, what: str, failures: _Failures) -> Tensor:
     L, info = torch.linalg.cholesky_ex(M)
-    if int(info) != 0:
-        raise NotPositiveDefiniteError(f"factor {what} is not positive definite after damping; increase the damping")
+    failures.add(info != 0, what)
     return L
 
 
-def cholesky_factors(damped: KroneckerBlock) -> tuple[Any, Tensor]:
+def cholesky_factors(damped: KroneckerBlock, failures: _Failures | None = None) -> tuple[Any, Tensor]:
     """(L_G, L_A) of a damped block: lower Cholesky factors of G and A, or A itself for a diagonal input
     factor (checked positive). A low-rank G (:class:`~curvkit.linalg.kron.LowRankFactor`, a vocabulary-sized
-    output) gives its inverse ``U diag(1/s) U^T + (1/c) (I - U U^T)`` instead, in the same thin form."""
+    output) gives its inverse ``U diag(1/s) U^T + (1/c) (I - U U^T)`` instead, in the same thin form.
+    ``failures``: where the checks are collected to be read with other blocks' (None: read here)."""
+    own = failures is None
+    failures = _Failures() if failures is None else failures
     G: Tensor | LowRankFactor = damped.G
-    LG = G.inverse(f"{damped.name!r} G") if isinstance(G, LowRankFactor) else _cholesky(G, f"{damped.name!r} G")
+    what = f"{damped.name!r}"
+    LG = G.inverse(f"{what} G") if isinstance(G, LowRankFactor) else _cholesky(G, f"{what} G", failures)
     if damped.A.dim() == 1:
-        if not bool((damped.A > 0).all()):
-            raise NotPositiveDefiniteError(f"factor {damped.name!r} A is not positive definite after damping; "
-                                           "increase the damping")
-        return LG, damped.A
-    return LG, _cholesky(damped.A, f"{damped.name!r} A")
+        failures.add(~(damped.A > 0).all(), f"{what} A")
+        LA = damped.A
+    else:
+        LA = _cholesky(damped.A, f"{what} A", failures)
+    if own:
+        failures.check()
+    return LG, LA
 
 
 def damped_blocks(op: KroneckerOperator, damping: float, omegas: Sequence[float]) -> KroneckerOperator:
@@ -170,8 +192,11 @@ class FactoredInverse:
 
     def __init__(self, op: KroneckerOperator, damping: float, omegas: Sequence[float]):
         damped = damped_blocks(op, damping, omegas)
+        failures = _Failures()
         self.blocks: list[tuple[KroneckerBlock, Any, Any]] = [
-            (b, pair_eigh(d), None) if d.pair else (b, *cholesky_factors(d)) for b, d in zip(op.blocks, damped.blocks)]
+            (b, pair_eigh(d), None) if d.pair else (b, *cholesky_factors(d, failures))
+            for b, d in zip(op.blocks, damped.blocks)]
+        failures.check()
 
     @classmethod
     def of_blocks(cls, blocks: Sequence[tuple[KroneckerBlock, Any, Any]]) -> FactoredInverse:

@@ -141,6 +141,7 @@ from curvkit.validation import (
     Inputs,
     check_inputs,
     describe_inputs,
+    first_nonfinite,
     input_tensors,
     inputs_to,
     integer,
@@ -251,10 +252,11 @@ def _check_ema(ema: Any) -> float | str | None:
     return unit_interval("ema", ema, closed_left=True)
 
 
-def _dot(a: list[Tensor], b: list[Tensor]) -> float:
-    """sum_i <a_i, b_i>, summed in float32 for bf16/fp16 tensors (curvkit.precision)."""
-    return float(sum((x * y).sum(dtype=torch.float32 if x.dtype in precision.LOW_PRECISION else None)
-                     for x, y in zip(a, b)))
+def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """sum_i <a_i, b_i> (0-d, on the device): one dot product per tensor (bf16/fp16 tensors multiplied and
+    summed in float32, curvkit.precision), their sum in one more pass."""
+    return torch.stack([(x * y).sum(dtype=torch.float32) if x.dtype in precision.LOW_PRECISION else
+                        torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)]).sum()
 
 
 class GaussNewton(CurvatureOptimizer):
@@ -688,8 +690,12 @@ class GaussNewton(CurvatureOptimizer):
 
     def _objective(self, data_loss: Tensor, params: list[Tensor]) -> float:
         wd = self.hp["weight_decay"]
-        reg = 0.5 * wd * sum(float((p.detach() ** 2).sum()) for p in params) if wd else 0.0
-        return float(data_loss) + reg
+        if not wd:
+            return float(data_loss)
+        sums = [_dot([p.detach()], [p.detach()]).reshape(1) for p in params]
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in sums) else torch.float32
+        squares = torch.cat([t.to(dtype) for t in sums]).cpu().double()  # one read of the device for them all
+        return float(data_loss) + 0.5 * wd * float(squares.sum())
 
     def _forward(self, k: int, params: list[Tensor], closure: Callable[[], Any] | None,
                  batch: tuple[Inputs, Tensor] | None, refresh: bool) -> tuple[Any, ...]:
@@ -883,10 +889,10 @@ class GaussNewton(CurvatureOptimizer):
             raise FloatingPointError(f"{name}: step {k}: the loss on this minibatch is {E0}; nothing was changed")
         wd = hp["weight_decay"]
         g = [gr + wd * p.detach() if wd else gr for gr, p in zip(grads, params)]
-        for n, t in zip(self._names, g):
-            if not bool(torch.isfinite(t).all()):
-                raise FloatingPointError(f"{name}: step {k}: the gradient of {n} contains NaN or inf; nothing "
-                                         "was changed")
+        bad = first_nonfinite(g)
+        if bad is not None:
+            raise FloatingPointError(f"{name}: step {k}: the gradient of {self._names[bad]} contains NaN or inf; "
+                                     "nothing was changed")
         if rebuild:
             self._hold(self.estimator.operator())
         adapt_zeta = bool(hp["zeta_every"]) and k % hp["zeta_every"] == 0
@@ -923,9 +929,12 @@ class GaussNewton(CurvatureOptimizer):
                                      "changed")
         lam = wd + self.tau
         all_dirs = dirs + ([prev] if prev is not None else [])
-        sq = [[_dot(a, b) for b in all_dirs] for a in all_dirs]
-        C = [[float(M[i, j]) + lam * sq[i][j] for j in range(len(all_dirs))] for i in range(len(all_dirs))]
-        dg = [_dot(d, g) for d in all_dirs]
+        n = len(all_dirs)
+        dots = [_dot(a, b) for a in all_dirs for b in all_dirs] + [_dot(d, g) for d in all_dirs]
+        read = torch.stack([t.to(M.dtype) for t in dots]).tolist()  # with M: one read of the device
+        Mv = M.tolist()
+        C = [[Mv[i][j] + lam * read[i * n + j] for j in range(n)] for i in range(n)]
+        dg = read[n * n:]
         best, best_q, best_alpha = 0, math.inf, math.nan
         for i in range(len(dirs)):
             try:
@@ -962,10 +971,10 @@ class GaussNewton(CurvatureOptimizer):
         update = [alpha * t for t in d]
         if beta is not None:
             update = [u + beta * v for u, v in zip(update, prev)]  # type: ignore[arg-type]
-        for n, p, u in zip(self._names, params, update):
-            if not bool(torch.isfinite(p.detach() + u).all()):
-                raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
-                                         f"{n} (alpha = {alpha:.3g}, {what}); nothing was changed")
+        bad = first_nonfinite([p.detach() + u for p, u in zip(params, update)])
+        if bad is not None:
+            raise FloatingPointError(f"{type(self).__name__}: step {k}: the update would write NaN or inf into "
+                                     f"{self._names[bad]} (alpha = {alpha:.3g}, {what}); nothing was changed")
         return update
 
     def _reuse_step_size(self, k: int, params: list[Tensor], E0: float, data_loss: Tensor, g: list[Tensor],
@@ -983,7 +992,7 @@ class GaussNewton(CurvatureOptimizer):
             beta = None
         update = self._update(k, params, alpha, d, beta, prev, "the mean of the past alpha*s")
         record = dict(step=k, loss=E0, data_loss=float(data_loss), alpha=alpha, beta=beta, zeta=self.zeta,
-                      predicted_change=None, direction_dot_grad=_dot(d, g), dCd=None, omega=dict(self._omega),
+                      predicted_change=None, direction_dot_grad=float(_dot(d, g)), dCd=None, omega=dict(self._omega),
                       zero_curvature=list(self._zero_blocks), refreshed=rebuild, quadratic=False)
         return E0, update, record
 
