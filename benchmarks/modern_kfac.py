@@ -241,8 +241,8 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
         d = next((r["num_params"] for q in per_q.values() for r in q.values() if "num_params" in r), None)
         grad = per_q.get("grad", {}).get("torch", {}).get("median_s")
         grad_mem = per_q.get("grad", {}).get("torch", {}).get("peak_delta_mib")
-        lines.append(f"### {model} (batch {MODELS[model]['batch']}, outputs {MODELS[model]['outputs']}, {d:,} "
-                     "parameters)\n")
+        lines.append(f"### {model} (batch {MODELS[model]['batch']}, outputs {MODELS[model]['outputs']}"
+                     + (f", {d:,} parameters)\n" if d is not None else ")\n"))  # None under --no-memory
         lines.append("| quantity | library | coverage | median wall time | / gradient pass | curvkit / curvlinops | "
                      "CPU time | threads busy | peak memory (MiB) | / gradient pass | curvkit / curvlinops |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
