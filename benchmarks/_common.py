@@ -7,7 +7,9 @@ How numbers are measured (and why they can be trusted):
   and all samples. The median is robust to the occasional slow run on a shared machine. Beside it, the
   process's CPU time (``time.process_time``, every thread) of the same runs: ``cpu_s`` and
   ``threads_busy`` = CPU / wall, which says whether a call uses the threads torch is given (on a loaded
-  machine CPU time is the steadier measure of work, wall time the one a user waits).
+  machine CPU time is the steadier measure of work, wall time the one a user waits). :func:`time_rounds`
+  times several callables the same way in interleaved rounds; :func:`summed_cpu_fields` adds up the CPU time of
+  the processes of a multi-process benchmark.
 * **Peak memory**: :func:`peak_rss_delta` measures the peak resident set size (RSS) of the process
   DURING one call minus the RSS just before it. torch allocates CPU tensors with the C allocator, so
   Python's ``tracemalloc`` does not see them; RSS does. Linux lets a process reset its RSS high-water
@@ -69,6 +71,29 @@ def cpu_fields(wall: list[float], cpu: list[float]) -> dict[str, Any]:
             "threads_busy": statistics.median(busy) if busy else None}
 
 
+def time_rounds(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict[str, Any]]:
+    """``repeats`` rounds of one call of each of ``calls`` in rotating order (load changes on a shared machine hit
+    every callable alike; warm-up is the caller's): per key the median wall seconds over the rounds (``median_s``,
+    ``min_s``, ``samples_s``) and the CPU seconds of the same calls (:func:`cpu_fields`)."""
+    keys = list(calls)
+    wall: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            t = time_call(calls[k], repeats=1, warmup=0)
+            wall[k].append(t["median_s"])
+            cpu[k].append(t["cpu_s"])
+    return {k: {"median_s": statistics.median(wall[k]), "min_s": min(wall[k]), "samples_s": wall[k],
+                **cpu_fields(wall[k], cpu[k])} for k in keys}
+
+
+def summed_cpu_fields(wall: list[float], cpu_by_rank: list[list[float]]) -> dict[str, Any]:
+    """:func:`cpu_fields` of several processes timing the same steps (one list of per-step CPU seconds per rank,
+    ``wall`` the per-step wall seconds of one of them): per step the sum of every rank's CPU seconds, so
+    ``threads_busy`` counts the threads kept busy in all the processes together."""
+    return cpu_fields(wall, [sum(c) for c in zip(*cpu_by_rank)])
+
+
 def time_and_peak(fn: Callable[[], Any], repeats: int, slow_s: float = 30.0) -> dict[str, Any]:
     """A timed warm-up call, then the peak memory of one call (:func:`peak_rss_delta`) and the median time of
     ``repeats`` calls. A warm-up slower than ``slow_s`` seconds is the only call, measured for both time and
@@ -124,8 +149,9 @@ def peak_rss_delta(fn: Callable[[], Any]) -> dict[str, Any]:
 
 def time_steps(step: Callable[..., Any], batches: list[Any], warmup: int, steps: int) -> dict[str, Any]:
     """Training steps ``step(*batch)`` cycling over ``batches``: ``warmup`` untimed, then ``steps`` timed one
-    by one (wall clock). Returns ``mean_s``, ``median_s``, ``samples_s`` and the peak RSS increase of the
-    timed steps (``peak_delta_mib``: model, data and optimiser state allocated before)."""
+    by one (wall clock and process CPU time). Returns ``mean_s``, ``median_s``, ``samples_s``, the CPU fields of the
+    same steps (:func:`cpu_fields`, and their mean ``cpu_mean_s``) and the peak RSS increase of the timed steps
+    (``peak_delta_mib``: model, data and optimiser state allocated before)."""
     k = 0
     for _ in range(warmup):
         step(*batches[k % len(batches)])
@@ -144,7 +170,7 @@ def time_steps(step: Callable[..., Any], batches: list[Any], warmup: int, steps:
 
     mem = peak_rss_delta(timed)
     return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "samples_s": times,
-            **cpu_fields(times, cpu), "peak_delta_mib": mem["peak_delta_mib"]}
+            **cpu_fields(times, cpu), "cpu_mean_s": statistics.fmean(cpu), "peak_delta_mib": mem["peak_delta_mib"]}
 
 
 def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
@@ -225,6 +251,11 @@ def fmt_seconds(s: float | None) -> str:
 
 def fmt_ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
+
+
+def fmt_busy(b: float | None) -> str:
+    """Threads kept busy (CPU / wall time), for a table's ``threads busy`` column."""
+    return "-" if b is None else f"{b:.2f}"
 
 
 def fmt_mib(m: float | None) -> str:

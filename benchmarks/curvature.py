@@ -23,9 +23,11 @@ Memory: each (model, library, quantity) runs in its own fresh process (``benchma
 ``--warmup`` untimed calls, then one call whose peak RSS increase is recorded. Time: one process per model
 holds every (library, quantity) callable (each with its own copy of the model), warms each up, then runs
 ``--repeats`` rounds with one call of each per round in rotating order; the median over rounds is
-reported. Interleaving makes the ratios fair on a shared machine whose load changes over time.
-Default: one torch thread (``--threads``), the most stable setting on a shared CPU. The table gives time, ratio to the gradient pass, ratio of curvkit to the fastest OTHER library
-for that quantity, and peak memory.
+reported, wall time and the process's CPU time (``time.process_time``, every thread) of the same calls.
+Interleaving makes the ratios fair on a shared machine whose load changes over time.
+Default: one torch thread (``--threads``), the most stable setting on a shared CPU. The table gives wall time,
+its ratio to the gradient pass, the ratio of curvkit to the fastest OTHER library for that quantity (both
+wall-time ratios), CPU time, threads busy (CPU / wall time) and peak memory.
 
 Run: ``.venv/bin/python benchmarks/curvature.py`` (full) or ``--quick`` (fewer repeats and probes, for
 development). ``--out FILE.md`` also writes the tables to a file.
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +44,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, require_library, run_worker, time_call
+from _common import (
+    fmt_busy,
+    fmt_mib,
+    fmt_ratio,
+    fmt_seconds,
+    peak_rss_delta,
+    require_library,
+    run_worker,
+    time_rounds,
+)
 
 MODELS = {"mlp": {"batch": 512}, "cnn": {"batch": 128}}
 QUANTITIES = ("grad", "ggnvp", "hvp", "diag_ggn", "kfac", "trace_hessian", "trace_hessian_hvp", "trace_ggn")
@@ -233,13 +243,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     for c in calls.values():
         for _ in range(spec["warmup"]):
             c()
-    samples: dict[str, list[float]] = {k: [] for k in calls}
-    keys = list(calls)
-    for r in range(spec["repeats"]):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            samples[k].append(time_call(calls[k], repeats=1, warmup=0)["median_s"])
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "samples_s": v, "num_params": d}
-            for k, v in samples.items()}
+    return {k: {**t, "num_params": d} for k, t in time_rounds(calls, spec["repeats"]).items()}
 
 
 # ============================================================================ driver
@@ -268,9 +272,9 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
         d = next((r["num_params"] for q in per_q.values() for r in q.values() if "num_params" in r), None)
         grad = per_q.get("grad", {}).get("torch", {}).get("median_s")
         lines.append(f"### {model} (batch {MODELS[model]['batch']}, {d} parameters)\n")
-        lines.append("| quantity | library | median time | / gradient pass | curvkit / best other | "
-                     "peak memory (MiB) | value |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| quantity | library | median wall time | / gradient pass | curvkit / best other | CPU time | "
+                     "threads busy | peak memory (MiB) | value |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for q in QUANTITIES:
             rows = per_q.get(q, {})
             ref_rows = per_q.get(COMPARE_WITH.get(q, q), {})
@@ -278,16 +282,18 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
             best_other = min(others) if others else None
             for lib, r in rows.items():
                 if "error" in r:
-                    lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | failed: {r['error'][:120]} | | | | |")
+                    lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | failed: {r['error'][:120]} | | | | | | |")
                     continue
                 t = r["median_s"]
                 ratio_best = (t / best_other) if lib == "curvkit" and best_other else None
                 val = "-" if r.get("value") is None else f"{r['value']:.5g}"
                 lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | {fmt_seconds(t)} | "
                              f"{fmt_ratio(t / grad) if grad else '-'} | {fmt_ratio(ratio_best)} | "
+                             f"{fmt_seconds(r.get('cpu_s'))} | {fmt_busy(r.get('threads_busy'))} | "
                              f"{fmt_mib(r.get('peak_delta_mib'))} | {val} |")
         lines.append("")
-    lines.append(f"Settings: {args.repeats} timed repeats (median) after {args.warmup} warm-up call(s); "
+    lines.append(f"Settings: {args.repeats} timed repeats (median wall and CPU time) after {args.warmup} warm-up "
+                 "call(s); "
                  f"{args.probes} Hutchinson probes; torch threads {args.threads}; float32; CPU. "
                  "`value` = norm of the result (trace value for traces): equal values across libraries "
                  "confirm that they compute the same quantity (KFAC: MC-sampled, differs).\n")

@@ -6,7 +6,10 @@ Problem: an MLP 784-256-128-10 (ReLU, float32, 235,146 parameters), softmax cros
 minibatch of ``--batch`` (256) random inputs and labels (the numbers do not depend on the data's content),
 split into contiguous shards. Every process runs one intra-op thread (the machine has 2 cores: 2 processes
 use both, 1 process one). Each arm: ``--warmup`` steps, then ``--steps`` timed steps; per-step time is the
-median over the timed steps on rank 0 (every step ends with the same collectives on every rank).
+median wall time over the timed steps on rank 0 (every step ends with the same collectives on every rank). CPU
+time: every rank measures its process's CPU time (``time.process_time``, every thread) over the same steps; the
+table gives, per step, the SUM over the ranks (median over the timed steps), and the threads kept busy in all the
+processes together (that sum / rank 0's wall time, median over the steps; at most 2 here, one thread per process).
 
 Bytes per step are counted by curvkit's :class:`~curvkit.distributed.Reducer` itself (every collective
 curvkit issues goes through it): the payload each rank hands to ``all_reduce`` (the same on every rank)
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from _common import require_library
+from _common import require_library, summed_cpu_fields
 
 LAYERS = [784, 256, 128, 10]
 
@@ -71,27 +74,29 @@ def _worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
                                distributed=red)
     else:
         opt = MESU(net.parameters(), model=net, mc_samples=4, sigma_prior=0.01, sigma_res=10.0, distributed=red)
-    times = []
+    times, cpu = [], []
     n = spec["warmup"] + spec["steps"]
     for t in range(n):
         X, y = _data(spec["batch"], t)
         a, b = shard_range(spec["batch"], rank, world)
         if t == spec["warmup"] and red is not None:
             red.stats.reset()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         opt.step(batch=(X[a:b], y[a:b]))
         if red is not None:
             red.barrier()  # every rank done with the step (not counted in the bytes: no payload)
         if t >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     stats = red.stats.snapshot() if red is not None else {"bytes": {}, "calls": {}}
-    allstats = red.all_gather_object(stats) if red is not None else [stats]
+    gathered = red.all_gather_object((stats, cpu)) if red is not None else [(stats, cpu)]
+    allstats = [g[0] for g in gathered]
     if rank == 0:
         ar = allstats[0]["bytes"].get("all_reduce", 0) / spec["steps"]
         bc = sum(s["bytes"].get("broadcast", 0) for s in allstats) / spec["steps"]
         with open(out, "w") as fh:
-            json.dump({"time_s": statistics.median(times), "allreduce_bytes": ar, "broadcast_bytes": bc,
-                       "calls": allstats[0]["calls"]}, fh)
+            json.dump({"time_s": statistics.median(times), **summed_cpu_fields(times, [g[1] for g in gathered]),
+                       "allreduce_bytes": ar, "broadcast_bytes": bc, "calls": allstats[0]["calls"]}, fh)
 
 
 def _kfac_pytorch_worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:  # pragma: no cover
@@ -117,14 +122,14 @@ def _kfac_pytorch_worker(rank: int, world: int, spec: dict[str, Any], out: str) 
                              damping=1e-3, lr=0.1)
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
     lik = torch.nn.CrossEntropyLoss()
-    times = []
+    times, cpu = [], []
     for t in range(spec["warmup"] + spec["steps"]):
         X, y = _data(spec["batch"], t)
         a = rank * spec["batch"] // world
         b = (rank + 1) * spec["batch"] // world
         if t == spec["warmup"]:
             counted.update(all_reduce=0, broadcast=0)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         sgd.zero_grad()
         lik(net(X[a:b]), y[a:b]).backward()
         pre.step()
@@ -132,12 +137,14 @@ def _kfac_pytorch_worker(rank: int, world: int, spec: dict[str, Any], out: str) 
         dist.barrier()
         if t >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, counted)
+    dist.all_gather_object(gathered, (counted, cpu))
     if rank == 0:
         with open(out, "w") as fh:
-            json.dump({"time_s": statistics.median(times), "allreduce_bytes": gathered[0]["all_reduce"] / spec["steps"],
-                       "broadcast_bytes": sum(g["broadcast"] for g in gathered) / spec["steps"]}, fh)
+            json.dump({"time_s": statistics.median(times), **summed_cpu_fields(times, [g[1] for g in gathered]),
+                       "allreduce_bytes": gathered[0][0]["all_reduce"] / spec["steps"],
+                       "broadcast_bytes": sum(g[0]["broadcast"] for g in gathered) / spec["steps"]}, fh)
 
 
 def kfac_pytorch_model(refresh: int) -> dict[str, float]:
@@ -199,16 +206,19 @@ def main() -> None:
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"gloo, 1 thread per process")
     print(f"machine: {machine}; MLP {'-'.join(map(str, LAYERS))}, batch {args.batch}, refresh every "
-          f"{args.refresh} step(s), {args.steps} timed steps\n")
-    print("| optimiser | processes | step time (ms) | vs 1 process | all-reduce MiB/step | broadcast MiB/step | "
-          "total MiB/step | source |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.refresh} step(s), {args.steps} timed steps (median wall time on rank 0, median CPU time summed over "
+          "the processes)\n")
+    print("| optimiser | processes | step time (ms) | vs 1 process | CPU time / step, all processes (ms) | "
+          "threads busy, all processes | all-reduce MiB/step | broadcast MiB/step | total MiB/step | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = {r["arm"]: r["time_s"] for r in rows if r["world"] == 1}
     for r in rows:
         t = r["time_s"]
         ratio = f"{t / base[r['arm']]:.2f}x" if t is not None and base.get(r["arm"]) else "n/a"
         tot = r["allreduce_bytes"] + r["broadcast_bytes"]
+        cpu, busy = r.get("cpu_s"), r.get("threads_busy")
         print(f"| {r['arm']} | {r['world']} | {'n/a' if t is None else f'{1000 * t:.1f}'} | {ratio} | "
+              f"{'n/a' if cpu is None else f'{1000 * cpu:.1f}'} | {'n/a' if busy is None else f'{busy:.2f}'} | "
               f"{_mib(r['allreduce_bytes'])} | {_mib(r['broadcast_bytes'])} | {_mib(tot)} | {r['source']} |")
     gn = next(r for r in rows if r["arm"] == "gauss_newton" and r["world"] == 2)
     kp = next(r for r in rows if r["arm"] == "kfac-pytorch" and r["world"] == 2)

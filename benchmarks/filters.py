@@ -7,8 +7,10 @@ minibatches of the bundled real MNIST (scaled to [0, 1]), a pool of 32 distinct 
 * **Time**: wall time per training step (zero_grad, forward, backward, ``step``) and of ``optimizer.step()``
   alone, averaged over the timed steps of a fresh model + optimiser, after 3 warm-up steps. Kronecker
   filters time a whole number of their refresh periods k (eigendecomposition / inversion every k steps),
-  so the amortised cost is exact. ``--rounds`` rounds interleave the optimisers (rotating order) so that
-  machine load affects all alike; the table gives the median over rounds and the ratio to Adam's median.
+  so the amortised cost is exact. Beside each wall time, the process's CPU time (``time.process_time``, every
+  thread) of the same steps, and the threads kept busy (CPU / wall time). ``--rounds`` rounds interleave the
+  optimisers (rotating order) so that machine load affects all alike; the table gives the median over rounds
+  and the ratio of the median wall time to Adam's.
 * **Memory**: bytes of the tensors held in the optimiser state after the run (Adam: 2 x parameters).
   Transient per-step allocations are not included.
 * **Targets** (issue 4): factorised filters <= 1.3x Adam per training step; Kronecker filters <= 2x Adam
@@ -28,6 +30,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +38,8 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_fields, fmt_busy
 from curvkit.optim.filters import (
     BFAdam,
     BFAdamSS,
@@ -112,28 +117,31 @@ def mnist_batches(B: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def run_one(entry: Entry, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int
-            ) -> tuple[float, float, int]:
-    """(mean training-step seconds, mean step() seconds, state bytes) over ``steps`` timed steps."""
+            ) -> tuple[float, float, int, float, float]:
+    """(mean training-step seconds, mean step() seconds, state bytes, mean training-step CPU seconds, mean step()
+    CPU seconds) over ``steps`` timed steps."""
     model = make_model()
     opt = entry.factory(model)
     it = iter(range(10**9))
 
-    def one() -> float:
+    def one() -> tuple[float, float]:
         X, y = batches[next(it) % len(batches)]
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(X), y).backward()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         opt.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for _ in range(WARMUP):
         one()
-    t_start = time.perf_counter()
+    c_start, t_start = time.process_time(), time.perf_counter()
     step_times = [one() for _ in range(steps)]
     total = (time.perf_counter() - t_start) / steps
+    total_cpu = (time.process_time() - c_start) / steps
     if not all(math.isfinite(float(p.detach().sum())) for p in model.parameters()):
         raise RuntimeError("parameters became non-finite")
-    return total, sum(step_times) / steps, state_bytes(opt)
+    return (total, sum(t for t, _ in step_times) / steps, state_bytes(opt), total_cpu,
+            sum(c for _, c in step_times) / steps)
 
 
 def main() -> None:
@@ -156,7 +164,7 @@ def main() -> None:
     if args.only:
         keys = [w.strip() for w in args.only.split(",")]
         opts = {n: e for n, e in opts.items() if n == "Adam (baseline)" or any(w in n for w in keys)}
-    res: dict[str, list[tuple[float, float, int]]] = {n: [] for n in opts}
+    res: dict[str, list[tuple[float, float, int, float, float]]] = {n: [] for n in opts}
     failed: dict[str, str] = {}
     names = list(opts)
     for r in range(args.rounds):
@@ -175,7 +183,8 @@ def main() -> None:
     base_mem = base[0][2]
     lines = [
         f"784-512-512-10 ReLU MLP (669,706 parameters), float32, real MNIST minibatches of {args.batch}, "
-        f"{args.steps} timed steps (Kronecker: whole refresh periods) x {args.rounds} rounds, median; "
+        f"{args.steps} timed steps (Kronecker: whole refresh periods) x {args.rounds} rounds, median wall and CPU "
+        "time; "
         f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs "
         f"({platform.processor() or platform.machine()}), load average at the end {os.getloadavg()[0]:.1f}, "
         f"{datetime.date.today().isoformat()}.",
@@ -183,21 +192,25 @@ def main() -> None:
         "Targets (issue 4): factorised filters <= 1.3x Adam per training step; Kronecker filters <= 2x Adam "
         "with the inversion amortised every k steps.",
         "",
-        "| optimiser | train step (ms) | vs Adam | target | met | optimizer.step (ms) | vs Adam | state (MiB) | vs Adam |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| optimiser | train step (ms) | vs Adam | target | met | train step CPU (ms) | threads busy | "
+        "optimizer.step (ms) | vs Adam | optimizer.step CPU (ms) | state (MiB) | vs Adam |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in res.items():
         target = TARGETS.get(opts[name].family)
         tgt = f"<= {target:.1f}x" if target else "-"
         if name in failed:
-            lines.append(f"| {name} | failed: {failed[name]} | | {tgt} | no | | | | |")
+            lines.append(f"| {name} | failed: {failed[name]} | | {tgt} | no | | | | | | | |")
             continue
         tot = statistics.median(r[0] for r in rs)
         st = statistics.median(r[1] for r in rs)
         mem = rs[0][2]
+        cpu = cpu_fields([r[0] for r in rs], [r[3] for r in rs])
+        st_cpu = statistics.median(r[4] for r in rs)
         met = "-" if target is None else ("yes" if tot / base_total <= target else "no")
         lines.append(f"| {name} | {tot * 1e3:.2f} | {tot / base_total:.2f}x | "
-                     f"{tgt} | {met} | {st * 1e3:.2f} | {st / base_step:.2f}x | "
+                     f"{tgt} | {met} | {cpu['cpu_s'] * 1e3:.2f} | {fmt_busy(cpu['threads_busy'])} | "
+                     f"{st * 1e3:.2f} | {st / base_step:.2f}x | {st_cpu * 1e3:.2f} | "
                      f"{mem / 2**20:.1f} | {mem / base_mem:.2f}x |")
     text = "\n".join(lines)
     print(text)

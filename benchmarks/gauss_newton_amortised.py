@@ -4,9 +4,10 @@ inverses and the quadratic model of alpha* every step) against ``quadratic_every
 ``benchmarks/gauss_newton_vit.py`` (KFAC), with AdamW beside them. Prints markdown tables.
 
 Every arm starts from the same initialisation and sees the same minibatches, in one process, one after the other
-(``--threads`` torch threads, default 1). Columns: seconds per update (mean over the run) and its ratio to the
-thesis arm's; the minibatch data loss at the end (mean of the last 5 updates); the updates and the seconds each arm
-needed to reach the thesis arm's final value and AdamW's (the loss smoothed over 5 updates; "-" if it did not). Machine load
+(``--threads`` torch threads, default 1). Columns: wall seconds per update (mean over the run) and its ratio to
+the thesis arm's; the CPU seconds of the process per update over the same updates (``time.process_time``, every
+thread) and the threads kept busy (CPU / wall time); the minibatch data loss at the end (mean of the last 5 updates); the updates and the seconds each arm
+needed to reach the thesis arm's final value and AdamW's (the loss smoothed over 5 updates, wall seconds; "-" if it did not). Machine load
 moves the seconds of all arms alike only roughly: the load average is printed; the ratios are of one run.
 
 Models: the autoencoder ``curvkit.models.autoencoder(784, width=0.5)`` (784-500-250-125-15 and back, Glorot
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_busy
 
 ARMS: dict[str, dict[str, Any]] = {
     "thesis (every step)": {},
@@ -54,12 +56,13 @@ def _problem(name: str, steps: int) -> tuple[Any, Any, list[tuple[torch.Tensor, 
 
 
 def _run(make: Any, lik: Any, batches: list[Any], steps: int, arm: dict[str, Any] | None, source: str,
-         lr: float) -> tuple[list[float], list[float]]:
+         lr: float) -> tuple[list[float], list[float], list[float]]:
+    """(data loss of every update, wall seconds and process CPU seconds from the start to the end of every update)."""
     from curvkit.optim import GaussNewton
     from curvkit.optim.second_order import AMORTISED
 
     model = make()
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     if arm is None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-5)
 
@@ -76,11 +79,12 @@ def _run(make: Any, lik: Any, batches: list[Any], steps: int, arm: dict[str, Any
         def step(X: torch.Tensor, y: torch.Tensor) -> float:
             gn.step(batch=(X, y))
             return float(gn.history[-1]["data_loss"])
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for k in range(steps):
         losses.append(step(*batches[k % len(batches)]))
         times.append(time.perf_counter() - t0)
-    return losses, times
+        cpu.append(time.process_time() - c0)
+    return losses, times, cpu
 
 
 def _smooth(x: list[float], w: int = 5) -> list[float]:
@@ -93,20 +97,21 @@ def table(name: str, steps: int) -> str:
     runs = {f"GaussNewton {source.upper()}, {arm}": _run(make, lik, batches, steps, cfg, source, lr)
             for arm, cfg in ARMS.items()}
     runs[f"AdamW (lr {lr:g})"] = _run(make, lik, batches, steps, None, source, lr)
-    ref_loss, ref_time = next(iter(runs.values()))
+    ref_loss, ref_time, _ = next(iter(runs.values()))
     target = _smooth(ref_loss)[-1]
     adamw = _smooth(runs[f"AdamW (lr {lr:g})"][0])[-1]
     per_ref = ref_time[-1] / steps
     lines = [f"### {name}: {steps} updates per arm, load average {load0:.2f} -> {os.getloadavg()[0]:.2f}", "",
-             "| arm | s / update | vs thesis | final loss (last 5) | updates to thesis's final | s to it | "
-             "updates to AdamW's final | s to it |", "|---|---|---|---|---|---|---|---|"]
-    for arm, (loss, t) in runs.items():
+             "| arm | s / update | vs thesis | CPU s / update | threads busy | final loss (last 5) | updates to "
+             "thesis's final | s to it | updates to AdamW's final | s to it |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, (loss, t, c) in runs.items():
         sm = _smooth(loss)
         cells = []
         for goal in (target, adamw):
             hit = next((i for i, v in enumerate(sm) if v <= goal), None)
             cells += ["-" if hit is None else str(hit + 1), "-" if hit is None else f"{t[hit]:.1f}"]
-        lines.append(f"| {arm} | {t[-1] / steps:.3f} | {t[-1] / steps / per_ref:.2f} | {sm[-1]:.4g} | "
+        lines.append(f"| {arm} | {t[-1] / steps:.3f} | {t[-1] / steps / per_ref:.2f} | {c[-1] / steps:.3f} | "
+                     f"{fmt_busy(c[-1] / t[-1] if t[-1] > 0 else None)} | {sm[-1]:.4g} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

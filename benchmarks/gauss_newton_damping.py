@@ -28,7 +28,9 @@ Problems (float64, CPU, 1 thread; each with 3 seeds for the initial weights and 
 Measured: the full-data objective (loss + weight decay) after 10, 25, 50 and 100 steps (median over the
 seeds, and the worst seed); the number of steps the schedule needs to reach the thesis schedule's 100-step
 objective (median); the largest increase of the full-data objective between two steps (worst seed); the
-wall-clock per step relative to the thesis's schedule on the same problem and seed (every (problem, seed)
+wall-clock per step (``optimizer.step`` only, mean over the run, median over the seeds), the process's CPU time
+per step over the same steps (``time.process_time``, every thread) and the threads kept busy (CPU / wall time);
+the wall-clock per step relative to the thesis's schedule on the same problem and seed (every (problem, seed)
 runs all schedules back to back, in rotating order, so machine load affects them alike). A diverged run
 (a non-finite objective or a step the optimiser refuses) counts as inf.
 
@@ -43,12 +45,17 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_fields, fmt_busy, fmt_seconds
 
 Problem = tuple[Callable[[int], nn.Module], Any, Tensor, Tensor, int | None]
 
@@ -101,7 +108,8 @@ def _objective(model: nn.Module, lik: Any, X: Tensor, Y: Tensor) -> float:
 
 
 def run(problem: Problem, schedule: str, seed: int, steps: int) -> dict[str, Any]:
-    """One run: the full-data objective before every step and after the last, and the time per step."""
+    """One run: the full-data objective before every step and after the last, and the wall and CPU time per
+    step."""
     from curvkit.optim import GaussNewton
     from curvkit.optim.second_order import FAST_ADAPTATION
 
@@ -123,21 +131,23 @@ def run(problem: Problem, schedule: str, seed: int, steps: int) -> dict[str, Any
         kw["tau"] = kw["zeta"] = _mean_eigenvalue(model, lik, b)
     opt = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfra", weight_decay=WEIGHT_DECAY,
                       **kw)
-    curve, spent = [], 0.0
+    curve, spent, spent_cpu = [], 0.0, 0.0
     for _ in range(steps):
         curve.append(_objective(model, lik, X, Y))
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         try:
             opt.step(batch=b)
         except (FloatingPointError, ValueError):
             curve.append(math.inf)
             break
         spent += time.perf_counter() - t0
+        spent_cpu += time.process_time() - c0
         b = batch()
     else:
         curve.append(_objective(model, lik, X, Y))
     curve = [v if math.isfinite(v) else math.inf for v in curve]
-    return {"curve": curve, "time_per_step": spent / max(1, len(curve) - 1)}
+    n = max(1, len(curve) - 1)
+    return {"curve": curve, "time_per_step": spent / n, "cpu_per_step": spent_cpu / n}
 
 
 def newton_optimum(problem: Problem, seed: int) -> float:
@@ -187,8 +197,9 @@ def main() -> None:
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, torch "
              f"{torch.__version__}, {args.threads} torch thread(s), float64; {args.steps} steps, seeds 0..{args.seeds - 1}.",
              "", f"| problem | schedule | objective after 10 / 25 / 50 / {args.steps} steps (median; worst seed at the end) | "
-             f"steps to the thesis's {args.steps}-step objective | largest objective increase (ratio) | time / step vs thesis |",
-             "|---|---|---|---|---|---|"]
+             f"steps to the thesis's {args.steps}-step objective | largest objective increase (ratio) | time / step | "
+             "CPU time / step | threads busy | time / step vs thesis |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, prob in probs.items():
         res: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for seed in range(args.seeds):
@@ -209,6 +220,8 @@ def main() -> None:
             hit = statistics.median(h if h is not None else math.inf for h in hits)
             jump = max(max((b / a for a, b in zip(r["curve"], r["curve"][1:]) if a > 0), default=1.0) for r in runs)
             ratio = statistics.median(r["time_per_step"] / t["time_per_step"] for r, t in zip(runs, res["thesis"]))
+            cpu = cpu_fields([r["time_per_step"] for r in runs], [r["cpu_per_step"] for r in runs])
+            wall = statistics.median(r["time_per_step"] for r in runs)
             extra = ""
             if opt_value is not None:
                 gaps = [next((i for i, v in enumerate(r["curve"]) if (v - o) <= 1e-8 * abs(o)), None)
@@ -216,7 +229,8 @@ def main() -> None:
                 extra = "; to a 1e-8 gap: " + ", ".join("-" if g is None else str(g) for g in gaps)
             lines.append(f"| {name} | {sch} | {at(10):.4g} / {at(25):.4g} / {at(50):.4g} / {at(args.steps):.4g} "
                          f"(worst {worst:.4g}) | {'not reached' if math.isinf(hit) else f'{hit:g}'}{extra} | "
-                         f"{jump:.3g} | {ratio:.2f}x |")
+                         f"{jump:.3g} | {fmt_seconds(wall)} | {fmt_seconds(cpu['cpu_s'])} | "
+                         f"{fmt_busy(cpu['threads_busy'])} | {ratio:.2f}x |")
         print(f"{name}: done ({time.time() - t_start:.0f} s)", flush=True)
     lines += ["", f"Load average (1 min) during the run: {min(loads):.1f} to {max(loads):.1f} (shared machine); "
               f"total {time.time() - t_start:.0f} s.", ""]

@@ -10,8 +10,10 @@ laplace-torch's default CurvlinopsGGN KFAC with the type-2 Fisher) with the exac
 laplace-torch's ``diag``). Prior precision 1, N = the number of fitted images on both sides.
 
 Every measurement runs in a fresh process (:func:`_common.run_worker`): a warm-up call, the peak RSS increase
-during one call, then the median wall time over ``--repeats`` calls; an arm whose warm-up takes over 30 s is
-measured by that call alone, time and peak memory (laplace-torch's diagonal fit and GLM predictive here). The table
+during one call, then the median wall time over ``--repeats`` calls and the median CPU time of the process over the
+same calls (``time.process_time``, every thread; threads busy = CPU / wall time); an arm whose warm-up takes over
+30 s is measured by that call alone, time and peak memory (laplace-torch's diagonal fit and GLM predictive here).
+The ratio curvkit / laplace-torch is of the wall times. The table
 is rewritten after every row, so an interrupted run keeps what it finished. Agreement: mean absolute difference of the
 two libraries' GLM probabilities, and of their MC probabilities compared with the Monte Carlo standard error
 of a difference of two independent K-sample averages.
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_and_peak
+from _common import fmt_busy, fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_and_peak
 
 
 def _model(hidden: int) -> torch.nn.Sequential:
@@ -130,7 +132,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         return last["out"]
 
     t = time_and_peak(fn, repeats=spec["repeats"])
-    out: dict[str, Any] = {"median_s": t["median_s"], "runs": t["runs"], "peak_mib": t["peak_delta_mib"]}
+    out: dict[str, Any] = {"median_s": t["median_s"], "cpu_s": t["cpu_s"], "threads_busy": t["threads_busy"],
+                           "runs": t["runs"], "peak_mib": t["peak_delta_mib"]}
     if op != "fit":  # the probabilities of the last timed call (MC: the same seed every call)
         torch.save(last["out"].detach().double(), spec["probs"])
     return out
@@ -186,10 +189,11 @@ def main() -> None:
                 res["mean_abs_diff"] = diff
             err = base.get("error") or ours.get("error")
             if err:
-                rows.append([structure, op, base.get("error", "ok")[:60], ours.get("error", "ok")[:60], "", "", "", ""])
+                rows.append([structure, op, base.get("error", "ok")[:60], ours.get("error", "ok")[:60], *[""] * 8])
             else:
                 rows.append([structure, op, _time(base), _time(ours), fmt_ratio(ours["median_s"] / base["median_s"]),
-                             fmt_mib(base["peak_mib"]), fmt_mib(ours["peak_mib"]), agree])
+                             fmt_seconds(base["cpu_s"]), fmt_busy(base["threads_busy"]), fmt_seconds(ours["cpu_s"]),
+                             fmt_busy(ours["threads_busy"]), fmt_mib(base["peak_mib"]), fmt_mib(ours["peak_mib"]), agree])
             _write(args, rows, results, final=False)  # an interrupted run keeps its finished rows
     _write(args, rows, results, final=True)
 
@@ -201,12 +205,14 @@ def _time(res: dict[str, Any]) -> str:
 
 
 def _write(args: Any, rows: list[list[Any]], results: dict[str, Any], final: bool) -> None:
-    header = ["structure", "operation", "laplace-torch", "curvkit", "curvkit / laplace-torch",
-              "laplace-torch peak MiB", "curvkit peak MiB", "mean |p diff|"]
+    header = ["structure", "operation", "laplace-torch", "curvkit", "curvkit / laplace-torch", "laplace-torch CPU",
+              "laplace-torch threads busy", "curvkit CPU", "curvkit threads busy", "laplace-torch peak MiB",
+              "curvkit peak MiB", "mean |p diff|"]
     lines = [f"Laplace benchmark ({datetime.date.today()}): 784-{args.hidden}-{args.hidden}-10 MLP, fit on "
              f"{args.fit} MNIST images, MC predictive on {args.test} and GLM predictive on {args.glm_test} test images, "
              f"{args.samples} MC samples, "
-             f"{args.threads} torch threads, median of {args.repeats} after a warm-up call and a peak-memory call "
+             f"{args.threads} torch threads, median wall and CPU time of {args.repeats} after a warm-up call and a "
+             "peak-memory call "
              f"(an arm whose warm-up takes over 30 s: that one call); load average {os.getloadavg()[0]:.1f}"
              + ("." if final else " (partial: the run is not finished)."), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

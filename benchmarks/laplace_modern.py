@@ -12,8 +12,10 @@ in one run, every measurement in a fresh process (:func:`_common.run_worker`), 1
    (forward and backward of the mean cross-entropy) over the same 1,024 images.
 
 Each worker runs under an address-space cap (``--cap-gib``, default 10): an arm that asks for more fails with
-an out-of-memory error, which the table reports. Time: the median of ``--repeats`` calls after a warm-up call
-and a peak-memory call (an arm whose warm-up takes over 30 s: that one call). Peak: the RSS increase during one
+an out-of-memory error, which the table reports. Time: the median wall time of ``--repeats`` calls after a warm-up
+call and a peak-memory call (an arm whose warm-up takes over 30 s: that one call), and the median CPU time of the
+process over the same calls (``time.process_time``, every thread; threads busy = CPU / wall time); the ratios are
+of the wall times. Peak: the RSS increase during one
 call. Agreement: the mean absolute difference of the two libraries' GLM probabilities.
 
 Targets (issue 21): fit at most half laplace-torch's time, predictives no slower, memory no higher.
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_and_peak
+from _common import fmt_busy, fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_and_peak
 
 VIT = dict(dim=144, depth=5, heads=4, mlp_dim=576)
 
@@ -127,7 +129,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     t = time_and_peak(fn, repeats=spec["repeats"])
     if op == "glm":
         torch.save(last["out"].detach().double(), spec["probs"])
-    return {"median_s": t["median_s"], "runs": t["runs"], "peak_mib": t["peak_delta_mib"]}
+    return {"median_s": t["median_s"], "cpu_s": t["cpu_s"], "threads_busy": t["threads_busy"], "runs": t["runs"],
+            "peak_mib": t["peak_delta_mib"]}
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -194,9 +197,9 @@ def main() -> None:
             per_grad = f"{ck['median_s'] / grad['median_s']:.1f}x{lt_grad}"
         setting = (f"MLP 32-64-{row['classes']}" if row["part"] == "mlp" else "ViT 1.27M") + f", {row['subset']}"
         ratio = "-" if "error" in lt or "error" in ck else fmt_ratio(ck["median_s"] / lt["median_s"])
-        rows.append([setting, row["structure"], row["op"], _cell(lt), _cell(ck), ratio,
-                     "-" if "error" in lt else fmt_mib(lt["peak_mib"]), "-" if "error" in ck else fmt_mib(ck["peak_mib"]),
-                     per_grad, agree])
+        rows.append([setting, row["structure"], row["op"], _cell(lt), _cell(ck), ratio, *_cpu_cells(lt),
+                     *_cpu_cells(ck), "-" if "error" in lt else fmt_mib(lt["peak_mib"]),
+                     "-" if "error" in ck else fmt_mib(ck["peak_mib"]), per_grad, agree])
         results[f"{setting}/{row['structure']}/{row['op']}"] = res
         _write(args, rows, results, grad, final=False)
     _write(args, rows, results, grad, final=True)
@@ -210,15 +213,23 @@ def _cell(res: dict[str, Any]) -> str:
     return fmt_seconds(res["median_s"]) + (" (1 run)" if res.get("runs") == 1 else "")
 
 
+def _cpu_cells(res: dict[str, Any]) -> list[str]:
+    """CPU time and threads busy of an arm (``-`` for a failed one)."""
+    if "error" in res:
+        return ["-", "-"]
+    return [fmt_seconds(res["cpu_s"]), fmt_busy(res["threads_busy"])]
+
+
 def _write(args: Any, rows: list[list[Any]], results: dict[str, Any], grad: Any, final: bool) -> None:
-    header = ["setting", "structure", "op", "laplace-torch", "curvkit", "curvkit / laplace-torch",
-              "laplace-torch peak MiB", "curvkit peak MiB", "curvkit / laplace-torch in gradient passes",
-              "mean |p diff|"]
-    gtext = "-" if not grad or "error" in grad else fmt_seconds(grad["median_s"])
+    header = ["setting", "structure", "op", "laplace-torch", "curvkit", "curvkit / laplace-torch", "laplace-torch CPU",
+              "laplace-torch threads busy", "curvkit CPU", "curvkit threads busy", "laplace-torch peak MiB",
+              "curvkit peak MiB", "curvkit / laplace-torch in gradient passes", "mean |p diff|"]
+    gtext = "-" if not grad or "error" in grad else (f"{fmt_seconds(grad['median_s'])} wall, "
+                                                      f"{fmt_seconds(grad.get('cpu_s'))} CPU")
     lines = [f"Laplace, many classes and ViT ({datetime.date.today()}): MLP fit on {args.mlp_fit} points, GLM on "
              f"{args.mlp_test}; ViT fit on {args.vit_fit} MNIST images, GLM on {args.vit_test}; gradient pass over the "
              f"ViT's fit images {gtext}; {args.threads} torch thread(s), {args.cap_gib:g} GiB address-space cap per "
-             f"worker, median of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
+             f"worker, median wall and CPU time of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
              + ("." if final else " (partial: the run is not finished)."), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -9,7 +9,9 @@ batch dimension. Loss: softmax cross-entropy, mean over the tokens.
 
 Rows, all in ONE process, each timed as a ratio to a gradient pass measured in the same process just before
 (median process CPU time of 3 calls, 5 for the gradient, ``time.process_time``, with
-``OMP_WAIT_POLICY=PASSIVE`` unless set; peak memory: the increase of the resident set during the call):
+``OMP_WAIT_POLICY=PASSIVE`` unless set; beside it the median wall time of the same calls and the threads kept
+busy, CPU / wall time; the ratios are of the CPU times; peak memory: the increase of the resident set during the
+call):
 
 * ``gradient``: loss + gradient of every parameter (math attention, as the curvature passes run);
 * ``curvkit KFAC expand`` / ``reduce``: ``KroneckerEstimator(curvature="kfac")`` ``update`` +
@@ -58,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import peak_rss_delta
+from _common import cpu_fields, peak_rss_delta
 
 FULL = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
         "num_key_value_heads": 4, "vocab_size": 32000}
@@ -124,15 +126,18 @@ REPEATS = {"n": 3}  # calls per row (``--repeats``); the gradient takes two more
 PROCESS_PEAK = {"mib": 0.0}  # the largest resident set seen during any first call (before + its increase)
 
 
-def measure(fn: Any, repeats: int | None = None) -> tuple[float, float | None]:
-    """(median process CPU seconds of ``repeats`` calls, peak resident-set increase in MiB of the first)."""
+def measure(fn: Any, repeats: int | None = None) -> tuple[dict[str, Any], float | None]:
+    """({``s``: median process CPU seconds of ``repeats`` calls, ``wall_s``: their median wall seconds,
+    ``threads_busy``}, peak resident-set increase in MiB of the first)."""
     repeats = REPEATS["n"] if repeats is None else repeats
     times: list[float] = []
+    walls: list[float] = []
 
     def timed() -> Any:
-        t0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = fn()
-        times.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - t0)
+        times.append(time.process_time() - c0)
         return out
 
     mem = peak_rss_delta(timed)
@@ -140,7 +145,8 @@ def measure(fn: Any, repeats: int | None = None) -> tuple[float, float | None]:
         PROCESS_PEAK["mib"] = max(PROCESS_PEAK["mib"], mem["rss_before_mib"] + mem["peak_delta_mib"])
     for _ in range(repeats - 1):
         timed()
-    return statistics.median(times), mem["peak_delta_mib"]
+    busy = cpu_fields(walls, times)["threads_busy"]
+    return {"s": statistics.median(times), "wall_s": statistics.median(walls), "threads_busy": busy}, mem["peak_delta_mib"]
 
 
 def coverage(hf: Any) -> float:
@@ -159,17 +165,17 @@ def run(quick: bool, layers: int | None = None, kfac_only: bool = False, output_
 
     def unit(name: str) -> tuple[float, float | None]:
         gradient(hf, batch, y)  # warm-up
-        s, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
-        rows.append({"row": name, "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0, "coverage": coverage(hf)})
-        return s, mib
+        t, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
+        rows.append({"row": name, **t, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0, "coverage": coverage(hf)})
+        return t["s"], mib
 
     def row(name: str, fn: Any, base: tuple[float, float | None], note: str = "") -> bool:
         try:
-            s, mib = measure(fn)
+            t, mib = measure(fn)
         except UnsupportedModelError as err:
             rows.append({"row": name, "note": "refused: " + str(err).split(";")[0][:160], "coverage": coverage(hf)})
             return False
-        rows.append({"row": name, "s": s, "ratio": s / base[0], "mib": mib, "coverage": coverage(hf), "note": note,
+        rows.append({"row": name, **t, "ratio": t["s"] / base[0], "mib": mib, "coverage": coverage(hf), "note": note,
                      "mib_ratio": mib / base[1] if mib is not None and base[1] else None})
         return True
 
@@ -293,16 +299,16 @@ def lora_rows(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: li
 
 def unit_for(hf: Any, batch: dict[str, torch.Tensor], y: torch.Tensor, rows: list[dict[str, Any]]) -> Any:
     gradient(hf, batch, y)
-    s, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
-    rows.append({"row": "LoRA gradient (adapters)", "s": s, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0,
+    t, mib = measure(lambda: gradient(hf, batch, y), REPEATS["n"] + 2)
+    rows.append({"row": "LoRA gradient (adapters)", **t, "ratio": 1.0, "mib": mib, "mib_ratio": 1.0,
                  "coverage": sum(p.numel() for p in hf.parameters() if p.requires_grad)
                  / sum(p.numel() for p in hf.parameters())})
-    return s, mib
+    return t["s"], mib
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    out = ["| row | trainable share | CPU s | x gradient | peak MiB | x gradient | note |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| row | trainable share | CPU s | x gradient | wall s | threads busy | peak MiB | x gradient | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
     def cell(r: dict[str, Any], k: str, fmt: str) -> str:
         return format(r[k], fmt) if r.get(k) is not None else "-"
 
@@ -310,7 +316,8 @@ def render(rows: list[dict[str, Any]]) -> str:
         def f(k: str, fmt: str, r: dict[str, Any] = r) -> str:
             return cell(r, k, fmt)
         out.append(f"| {r['row']} | {f('coverage', '.2%')} | {f('s', '.2f')} | {f('ratio', '.2f')} | "
-                   f"{f('mib', '.0f')} | {f('mib_ratio', '.2f')} | {r.get('note', '')} |")
+                   f"{f('wall_s', '.2f')} | {f('threads_busy', '.2f')} | {f('mib', '.0f')} | {f('mib_ratio', '.2f')} | "
+                   f"{r.get('note', '')} |")
     return "\n".join(out)
 
 

@@ -15,9 +15,11 @@ Timed callables (each from the batch to the updated parameters):
 * ``adam``: one ``torch.optim.Adam`` step (zero_grad, forward, backward, step; mean loss) on the same net;
 * ``fwd_bwd``: one plain forward/backward pass (the unit cost).
 
-All callables are warmed up, then ``--repeats`` rounds run one call of each per round in rotating order;
-the table reports the median over rounds and ratios against the loop and against Adam from the same run
-(interleaving keeps ratios fair on a shared machine whose load drifts). Default one torch thread.
+All callables are warmed up, then ``--repeats`` rounds run one call of each per round in rotating order
+(``_common.time_rounds``); the table reports the median wall time over rounds, its minimum, and ratios of the
+median wall times against the loop and against Adam from the same run (interleaving keeps ratios fair on a
+shared machine whose load drifts), then the median CPU time of the process (``time.process_time``, every
+thread) over the same calls and the threads kept busy (CPU / wall time). Default one torch thread.
 
 Run: ``.venv/bin/python benchmarks/mesu.py`` (``--repeats``, ``--threads``, ``--mc-samples``, ``--out FILE.md``).
 """
@@ -27,15 +29,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_busy, time_rounds
 from curvkit.likelihoods import CrossEntropy
 from curvkit.models import mlp
 from curvkit.optim import MESU
@@ -95,23 +98,15 @@ def build(mc_samples: int) -> dict[str, Callable[[], object]]:
     return fns
 
 
-def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, list[float]]:
+def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, dict[str, Any]]:
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    names = list(fns)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
+    return time_rounds(fns, repeats)
 
 
-def table(samples: dict[str, list[float]], mc_samples: int) -> str:
-    med = {n: statistics.median(s) for n, s in samples.items()}
+def table(results: dict[str, dict[str, Any]], mc_samples: int) -> str:
+    med = {n: r["median_s"] for n, r in results.items()}
     desc = {
         "mesu_vmap": f"MESU step, K = {mc_samples} samples vectorised (vmap)",
         "mesu_closure": f"MESU step, closure path (K = {mc_samples} sequential passes)",
@@ -119,10 +114,12 @@ def table(samples: dict[str, list[float]], mc_samples: int) -> str:
         "adam": "one Adam step",
         "fwd_bwd": "one forward/backward pass",
     }
-    lines = ["| operation | median time (ms) | min (ms) | / sequential loop | / Adam step |", "|---|---|---|---|---|"]
-    for n in samples:
-        lines.append(f"| {desc[n]} | {1e3 * med[n]:.2f} | {1e3 * min(samples[n]):.2f} | "
-                     f"{med[n] / med['loop_fwd_bwd']:.2f}x | {med[n] / med['adam']:.2f}x |")
+    lines = ["| operation | median wall time (ms) | min (ms) | / sequential loop | / Adam step | CPU time (ms) | "
+             "threads busy |", "|---|---|---|---|---|---|---|"]
+    for n, r in results.items():
+        lines.append(f"| {desc[n]} | {1e3 * med[n]:.2f} | {1e3 * r['min_s']:.2f} | "
+                     f"{med[n] / med['loop_fwd_bwd']:.2f}x | {med[n] / med['adam']:.2f}x | {1e3 * r['cpu_s']:.2f} | "
+                     f"{fmt_busy(r['threads_busy'])} |")
     ratio = med["mesu_vmap"] / med["loop_fwd_bwd"]
     lines.append("")
     lines.append(f"Target (issue 3): vectorised step <= 0.5x the sequential loop. Measured: {ratio:.2f}x -> "
@@ -149,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    samples = measure(build(args.mc_samples), args.repeats, args.warmup)
+    results = measure(build(args.mc_samples), args.repeats, args.warmup)
     header = (f"Machine: {cpu_model()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at the "
               f"end, {platform.system()}, torch {torch.__version__}, "
               f"{args.threads} torch thread(s), float32 CPU; 1024-200-200-10 ReLU MLP, batch 128 (MNIST padded to "
-              f"32x32), K = {args.mc_samples}; median of {args.repeats} interleaved rounds after {args.warmup} "
-              f"warm-up calls.\nCommand: `.venv/bin/python benchmarks/mesu.py --repeats {args.repeats} --threads "
+              f"32x32), K = {args.mc_samples}; median wall and CPU time of {args.repeats} interleaved rounds after "
+              f"{args.warmup} warm-up calls.\nCommand: `.venv/bin/python benchmarks/mesu.py --repeats {args.repeats} --threads "
               f"{args.threads} --mc-samples {args.mc_samples}`\n")
-    text = header + "\n" + table(samples, args.mc_samples) + "\n"
+    text = header + "\n" + table(results, args.mc_samples) + "\n"
     print(text)
     if args.out is not None:
         args.out.write_text(text)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -54,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import cpu_fields, fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_call
+from _common import fmt_busy, fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker, time_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"vit": {"batch": 128, "outputs": "(B, 10)"}, "gpt": {"batch": 16, "outputs": "(B, 64, 256)"},
@@ -211,16 +210,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     calls = {f"{lib}/{q}": make_call(lib, q, copy.deepcopy(base), X, y) for lib, q in spec["jobs"]}
     for c in calls.values():
         c()
-    samples: dict[str, list[float]] = {k: [] for k in calls}
-    cpu: dict[str, list[float]] = {k: [] for k in calls}
-    keys = list(calls)
-    for r in range(spec["repeats"]):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            t = time_call(calls[k], repeats=1, warmup=0)
-            samples[k].append(t["median_s"])
-            cpu[k].append(t["cpu_s"])
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "samples_s": v, **cpu_fields(v, cpu[k])}
-            for k, v in samples.items()}
+    return time_rounds(calls, spec["repeats"])
 
 
 # ============================================================================ driver
@@ -251,8 +241,8 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
         d = next((r["num_params"] for q in per_q.values() for r in q.values() if "num_params" in r), None)
         grad = per_q.get("grad", {}).get("torch", {}).get("median_s")
         grad_mem = per_q.get("grad", {}).get("torch", {}).get("peak_delta_mib")
-        lines.append(f"### {model} (batch {MODELS[model]['batch']}, outputs {MODELS[model]['outputs']}, {d:,} "
-                     "parameters)\n")
+        lines.append(f"### {model} (batch {MODELS[model]['batch']}, outputs {MODELS[model]['outputs']}"
+                     + (f", {d:,} parameters)\n" if d is not None else ")\n"))  # None under --no-memory
         lines.append("| quantity | library | coverage | median wall time | / gradient pass | curvkit / curvlinops | "
                      "CPU time | threads busy | peak memory (MiB) | / gradient pass | curvkit / curvlinops |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -269,10 +259,9 @@ def render(results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argpa
                 mem = r.get("peak_delta_mib")
                 vs_mem = fmt_ratio(mem / ref_mem) if ref_mem and mem is not None and lib.startswith("curvkit") else "-"
                 cov = f"{100 * r['coverage']:.0f} %" if "coverage" in r else "-"
-                busy = r.get("threads_busy")
                 lines.append(f"| {QUANTITY_NAMES[q]} | {lib} | {cov} | {fmt_seconds(t)} | "
                              f"{fmt_ratio(t / grad) if grad and t else '-'} | {vs} | {fmt_seconds(r.get('cpu_s'))} | "
-                             f"{'-' if busy is None else f'{busy:.2f}'} | {fmt_mib(mem)} | "
+                             f"{fmt_busy(r.get('threads_busy'))} | {fmt_mib(mem)} | "
                              f"{fmt_ratio(mem / grad_mem) if mem is not None and grad_mem else '-'} | {vs_mem} |")
         lines.append("")
     lines.append(f"Settings: {args.repeats} timed rounds (median) after one warm-up call each; torch threads "

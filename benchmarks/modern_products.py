@@ -31,7 +31,10 @@ Time: one process per model holds every arm (each with its own copy of the model
 of each (so every process is "already warmed"), ``--repeats`` rounds run one session of each arm in
 rotating order, and the median over rounds is reported. Times are CPU seconds of the process (one torch
 thread), which other jobs time-slicing a shared machine's cores do not inflate (wall-clock times were
-seen to swing by +-30 % between rounds on the loaded development machine). Memory: a fresh process per arm: a warm-up
+seen to swing by +-30 % between rounds on the loaded development machine); every ratio is of CPU times. Beside
+them, the wall-clock times (``time.perf_counter``) of the same calls for construction + first product and for the
+steady product, in parentheses / the gradient pass's wall time, and the threads kept busy over a whole session
+(its CPU time / its wall time, median over rounds). Memory: a fresh process per arm: a warm-up
 session, then the peak resident-set increase (``_common.peak_rss_delta``) of construction + first product
 (everything the operator builds and holds included), and of one steady-state product on a warm operator.
 The ``value`` column (norm of the first product) shows that the libraries compute the same matrix.
@@ -58,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
+from _common import cpu_fields, fmt_busy, fmt_mib, fmt_ratio, fmt_seconds, peak_rss_delta, run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("gradient", "curvkit GGN", "curvkit GGN reverse", "curvkit Hessian", "curvlinops GGN", "curvlinops Hessian")
@@ -145,20 +148,21 @@ def make_arm(arm: str, model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor)
     raise ValueError(f"unknown arm {arm!r}")
 
 
-def session(build: Any, product: Any, products: int) -> tuple[list[float], Any]:
+def session(build: Any, product: Any, products: int) -> tuple[list[float], list[float], Any]:
     """[construction, product 1, product 2, ...] CPU seconds of this process on a fresh operator (one torch
     thread: CPU time is what the computation costs, and other jobs time-slicing the cores do not inflate
-    it), and the first product."""
-    t0 = time.process_time()
+    it), the wall seconds of the same calls, and the first product."""
+    c0, t0 = time.process_time(), time.perf_counter()
     op = build()
-    times = [time.process_time() - t0]
+    times, walls = [time.process_time() - c0], [time.perf_counter() - t0]
     first = None
     for _ in range(products):
-        t0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = product(op)
-        times.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - t0)
+        times.append(time.process_time() - c0)
         first = out if first is None else first
-    return times, first
+    return times, walls, first
 
 
 def norm(out: Any) -> float | None:
@@ -192,22 +196,30 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         return {"first": mem_first, "steady": mem_steady, "num_params": d}
     arms = list(spec["arms"])
     calls = {a: make_arm(a, copy.deepcopy(base), X, y) for a in arms}
-    values = {a: norm(session(*calls[a], 2)[1]) for a in arms}  # warm-up
+    values = {a: norm(session(*calls[a], 2)[2]) for a in arms}  # warm-up
     rounds: dict[str, list[list[float]]] = {a: [] for a in arms}
+    walls: dict[str, list[list[float]]] = {a: [] for a in arms}
     for r in range(spec["repeats"]):
         for a in arms[r % len(arms):] + arms[: r % len(arms)]:
-            rounds[a].append(session(*calls[a], n)[0])
+            cpu, wall, _ = session(*calls[a], n)
+            rounds[a].append(cpu)
+            walls[a].append(wall)
     out: dict[str, Any] = {}
     for a, rs in rounds.items():
+        ws = walls[a]
         if a == "gradient":
-            out[a] = {"grad_s": statistics.median(t for r in rs for t in r[1:])}
+            out[a] = {"grad_s": statistics.median(t for r in rs for t in r[1:]),
+                      "grad_wall_s": statistics.median(t for w in ws for t in w[1:])}
         else:
             out[a] = {"construct_s": statistics.median(r[0] for r in rs),
                       "first_s": statistics.median(r[1] for r in rs),
                       "fresh_s": statistics.median(r[0] + r[1] for r in rs),
                       "second_s": statistics.median(r[2] for r in rs),
                       "steady_s": statistics.median(t for r in rs for t in r[3:]),
+                      "fresh_wall_s": statistics.median(w[0] + w[1] for w in ws),
+                      "steady_wall_s": statistics.median(t for w in ws for t in w[3:]),
                       "value": values[a]}
+        out[a]["threads_busy"] = cpu_fields([sum(w) for w in ws], [sum(r) for r in rs])["threads_busy"]
         out[a]["num_params"] = d
     return out
 
@@ -218,19 +230,23 @@ def render(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
     for model, per_arm in results.items():
         d = next((r.get("num_params") for r in per_arm.values() if r.get("num_params")), None)
         lines.append(f"#### {model} ({d:,} parameters)\n" if d else f"#### {model}\n")
-        lines.append("| arm | construction + 1st product | 1st product | 2nd product | steady product | "
+        lines.append("| arm | construction + 1st product (CPU) | 1st product (CPU) | 2nd product (CPU) | steady product "
+                     "(CPU) | construction + 1st product, wall | steady product, wall | threads busy | "
                      "peak MiB (construction + 1st) | peak MiB (steady) | value |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for arm, r in per_arm.items():
             grad = r.get("grad_ref_s")
+            grad_wall = r.get("grad_ref_wall_s")
+            busy = fmt_busy(r.get("threads_busy"))
             if "error" in r:
-                lines.append(f"| {arm} | failed: {r['error'][:140]} | | | | | | |")
+                lines.append(f"| {arm} | failed: {r['error'][:140]} | | | | | | | | | |")
                 continue
             mem_f = r.get("first_mem", {}).get("peak_delta_mib")
             mem_s = r.get("steady_mem", {}).get("peak_delta_mib")
             gmem = r.get("grad_mem_mib")
             if arm.split(" (")[0] == "gradient":
-                lines.append(f"| {arm} | {fmt_seconds(r.get('grad_s'))} = 1x | | | | {fmt_mib(mem_f)} = 1x | | |")
+                lines.append(f"| {arm} | {fmt_seconds(r.get('grad_s'))} = 1x | | | | "
+                             f"{fmt_seconds(r.get('grad_wall_s'))} = 1x | | {busy} | {fmt_mib(mem_f)} = 1x | | |")
                 continue
 
             def cell(key: str, grad: float | None = grad, r: dict[str, Any] = r) -> str:
@@ -242,11 +258,14 @@ def render(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
 
             val = "-" if r.get("value") is None else f"{r['value']:.5g}"
             lines.append(f"| {arm} | {cell('fresh_s')} | {cell('first_s')} | {cell('second_s')} | "
-                         f"{cell('steady_s')} | {mcell(mem_f)} | {mcell(mem_s)} | {val} |")
+                         f"{cell('steady_s')} | {cell('fresh_wall_s', grad_wall)} | {cell('steady_wall_s', grad_wall)} | "
+                         f"{busy} | {mcell(mem_f)} | {mcell(mem_s)} | {val} |")
         lines.append("")
     lines.append(f"Times: median over {args.repeats} interleaved rounds of one session per arm (construction, "
-                 f"two products, {args.steady} steady products); in parentheses: / one loss + gradient pass of "
-                 f"the same process. Peak memory: increase of the resident set during the call, in parentheses / "
+                 f"two products, {args.steady} steady products), CPU seconds of the process and, for construction + "
+                 f"1st and the steady product, wall seconds of the same calls; in parentheses: / one loss + gradient "
+                 f"pass of the same process (CPU / CPU, wall / wall); threads busy: a session's CPU / wall time. "
+                 f"Peak memory: increase of the resident set during the call, in parentheses / "
                  f"the gradient pass's. torch threads {args.threads}; float32; CPU.\n")
     return "\n".join(lines)
 
@@ -303,13 +322,14 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         os.environ["PYTHONPATH"] = env_before
             grad_s = timing.get("gradient", {}).get("grad_s")
+            grad_wall_s = timing.get("gradient", {}).get("grad_wall_s")
             grad_mem = mems["gradient"].get("first", {}).get("peak_delta_mib")
             for a in group:
                 r = dict(timing.get(a, {"error": mems[a].get("error") or timing.get("error", "no timing")}))
                 if "error" in mems[a]:
                     r = {"error": mems[a]["error"]}
                 r.update({"first_mem": mems[a].get("first", {}), "steady_mem": mems[a].get("steady", {}),
-                          "grad_ref_s": grad_s, "grad_mem_mib": grad_mem})
+                          "grad_ref_s": grad_s, "grad_ref_wall_s": grad_wall_s, "grad_mem_mib": grad_mem})
                 results[m][a + suffix] = r
                 print(f"[{m}] {a + suffix}: {json.dumps({k: v for k, v in r.items() if k.endswith('_s')})}",
                       file=sys.stderr, flush=True)

@@ -11,9 +11,10 @@ statistics, factors, inverses and the posterior in float32):
   base, the Laplace-LoRA setting) on every ``attn.c_attn``, everything else frozen (bf16 base in the bf16 arm);
   ``Laplace(structure="kron", curvature="kfac").fit`` then the log marginal likelihood.
 
-Time: CPU seconds of the process (``time.process_time``), best of ``--repeats``; peak memory: the increase of
-the resident set during the call (``_common.peak_rss_delta``). Ratios: bf16 / float32 of the same arm in the
-same run. Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/precision_scale.py``.
+Time: CPU seconds of the process (``time.process_time``, every thread), best of ``--repeats``; beside it the wall
+seconds of the same calls, best of ``--repeats``, and the threads kept busy (CPU / wall time, median over the
+calls); peak memory: the increase of the resident set during the call (``_common.peak_rss_delta``). Ratios: bf16 /
+float32 of the same arm in the same run (CPU time). Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/precision_scale.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_mib, peak_rss_delta
+from _common import cpu_fields, fmt_busy, fmt_mib, peak_rss_delta
 
 
 def build(layers: int, batch: int, tokens: int, lora: bool, dtype: torch.dtype) -> tuple[Any, dict, torch.Tensor]:
@@ -77,23 +78,25 @@ def main() -> int:
             hf, X, y = build(args.layers, args.batch, args.tokens, name.startswith("LoRA"), dtype)
             fn = arm(name, hf, X, y)
             print(f"{name} {dtype}: built", file=sys.stderr, flush=True)
-            times = []
+            times, walls = [], []
             for _ in range(args.repeats):
-                t0 = time.process_time()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
-                times.append(time.process_time() - t0)
+                walls.append(time.perf_counter() - t0)
+                times.append(time.process_time() - c0)
             mem = peak_rss_delta(fn)["peak_delta_mib"]
             weights = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**20
-            res[dtype] = (min(times), mem, weights)
+            res[dtype] = (min(times), mem, weights, min(walls), cpu_fields(walls, times)["threads_busy"])
             del hf
-        (t32, m32, w32), (t16, m16, w16) = res[torch.float32], res[torch.bfloat16]
-        rows.append(f"| {name} | {t32:.2f} | {t16:.2f} | {t16 / t32:.2f} | {fmt_mib(m32)} | {fmt_mib(m16)} | "
+        (t32, m32, w32, wall32, b32), (t16, m16, w16, wall16, b16) = res[torch.float32], res[torch.bfloat16]
+        rows.append(f"| {name} | {t32:.2f} | {t16:.2f} | {t16 / t32:.2f} | {wall32:.2f} | {wall16:.2f} | "
+                    f"{fmt_busy(b32)} | {fmt_busy(b16)} | {fmt_mib(m32)} | {fmt_mib(m16)} | "
                     f"{m16 / m32 if m16 and m32 else float('nan'):.2f} | {w32:.0f} | {w16:.0f} |")
     print(f"GPT-2 width 768, {args.layers} layers, vocabulary 50,257, batch {args.batch} x {args.tokens} tokens, "
-          f"torch threads {torch.get_num_threads()}\n")
-    print("| arm | fp32 CPU s | bf16 CPU s | bf16/fp32 | fp32 peak MiB | bf16 peak MiB | bf16/fp32 | "
-          "fp32 weights MiB | bf16 weights MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"torch threads {torch.get_num_threads()}; best of {args.repeats} call(s)\n")
+    print("| arm | fp32 CPU s | bf16 CPU s | bf16/fp32 | fp32 wall s | bf16 wall s | fp32 threads busy | "
+          "bf16 threads busy | fp32 peak MiB | bf16 peak MiB | bf16/fp32 | fp32 weights MiB | bf16 weights MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 

@@ -17,10 +17,11 @@ the autoencoder is not run: it back-propagates one vector per output (784 backwa
 square root of H_L is a (B, 784, 784) tensor (2.5 GB at B = 1000): not affordable, as the thesis says.
 
 Measurement: each (problem, optimiser) runs in a fresh process (``_common.run_worker``): ``--warmup`` steps,
-then ``--steps`` timed steps (a multiple of 5); the per-step time is the mean over the timed steps, the
-peak memory is the peak RSS increase during the timed steps over the RSS before them (model, data and
+then ``--steps`` timed steps (a multiple of 5); the per-step time is the mean wall time over the timed steps,
+beside it the mean CPU time of the process over the same steps (``time.process_time``, every thread) and the
+threads kept busy (CPU / wall time); the peak memory is the peak RSS increase during the timed steps over the RSS before them (model, data and
 optimiser state already allocated). ``--rounds`` rounds run the optimisers in rotating order so that machine
-load affects all alike; the table gives the median over rounds and the ratio to Adam's median.
+load affects all alike; the table gives the median over rounds and the ratio of the wall time to Adam's median.
 
 Time to target (``--results DIR``, default ``results/autoencoder-medium``): from a finished ``autoencoder``
 run, the training wall-clock each optimiser needed for its smoothed minibatch objective to reach the value
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
+from _common import fmt_busy, fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
 
 PROBLEMS = {
     "autoencoder": ["Adam", "KFRA", "KFAC"],
@@ -174,27 +175,31 @@ def main() -> None:
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, torch "
              f"{torch.__version__}, {args.threads} torch thread(s); load average at the end "
              f"{os.getloadavg()[0]:.2f} (shared machine). Batch {args.batch}, float32; {args.warmup} warm-up and "
-             f"{args.steps} timed steps per process, median over {args.rounds} round(s).", "",
-             "| problem | optimiser | params | time / step | vs Adam | peak memory (MiB) |", "|---|---|---|---|---|---|"]
+             f"{args.steps} timed steps per process (mean wall and CPU time), median over {args.rounds} round(s).", "",
+             "| problem | optimiser | params | time / step | vs Adam | CPU time / step | threads busy | peak memory (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for problem in problems:
         base = [s["mean_s"] for s in samples.get((problem, "Adam"), []) if "mean_s" in s]
         adam = statistics.median(base) if base else None
         for name in PROBLEMS[problem]:
             got = samples.get((problem, name))
             if got is None:
-                lines.append(f"| {problem} | {name} | - | not run (optional dependency asdfghjkl missing) | - | - |")
+                lines.append(f"| {problem} | {name} | - | not run (optional dependency asdfghjkl missing) | - | - | - | - |")
                 continue
             ok = [s for s in got if "mean_s" in s]
             if not ok:
-                lines.append(f"| {problem} | {name} | - | error: {got[0].get('error', '?')[:80]} | - | - |")
+                lines.append(f"| {problem} | {name} | - | error: {got[0].get('error', '?')[:80]} | - | - | - | - |")
                 continue
             t = statistics.median(s["mean_s"] for s in ok)
+            cpu = statistics.median(s["cpu_mean_s"] for s in ok)
+            busy = statistics.median(s["cpu_mean_s"] / s["mean_s"] for s in ok)
             mem = [s["peak_delta_mib"] for s in ok if s["peak_delta_mib"] is not None]
             lines.append(f"| {problem} | {name} | {ok[0]['params']:,} | {fmt_seconds(t)} | "
-                         f"{fmt_ratio(t / adam if adam else None)} | {fmt_mib(max(mem) if mem else None)} |")
+                         f"{fmt_ratio(t / adam if adam else None)} | {fmt_seconds(cpu)} | {fmt_busy(busy)} | "
+                         f"{fmt_mib(max(mem) if mem else None)} |")
     if "autoencoder" in problems:
         lines.append("| autoencoder | KFLR | - | not run: 784 backward passes and a (B, 784, 784) H_L square root "
-                     "per step | - | - |")
+                     "per step | - | - | - | - |")
     rows = time_to_target(Path(args.results))
     lines += ["", "#### Training wall-clock to reach the best Adam run's final objective", ""]
     if rows is None:

@@ -18,7 +18,10 @@ Arms (each a fresh pair of processes, one torch thread each):
   after it (``docs/usage.md``, "Sharded models (FSDP2)").
 
 Measured per arm: the median step time on rank 0 over ``--steps`` timed steps after ``--warmup`` (each step ends
-with a barrier), the median over ``--rounds`` runs of each arm in rotating order; the bytes per step counted by
+with a barrier), the median over ``--rounds`` runs of each arm in rotating order; beside it the CPU time per step
+of both processes together (each rank's ``time.process_time``, every thread, over the same steps, summed over the
+ranks per step; the median over the steps, then over the runs) and the threads kept busy in both processes (that
+sum / rank 0's wall time; at most 2 here); the bytes per step counted by
 the :class:`~curvkit.distributed.Reducer` (``Reducer.stats``: the payload rank 0 hands to ``all_reduce`` and ``all_gather``, and the payload of every ``broadcast`` summed over
 the ranks that send it, averaged over the timed steps); memory per rank, from the rank's tensors: the parameters
 it holds between steps (DTensor local shards under FSDP2), gradients left in ``p.grad`` (none: a step computes
@@ -49,7 +52,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import peak_rss_delta
+from _common import fmt_busy, peak_rss_delta, summed_cpu_fields
 from gauss_newton_vit import VIT, _batches
 
 ARMS = ("data-parallel", "FSDP2")
@@ -93,13 +96,15 @@ def _worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
     red.barrier()
     red.stats.reset()
     times: list[float] = []
+    cpu: list[float] = []
 
     def timed() -> None:
         for k in range(int(spec["steps"])):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             gn.step(batch=batches[(int(spec["warmup"]) + k) % 4])
             red.barrier()  # every rank done with the step (no payload: not counted)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
 
     mem = peak_rss_delta(timed)
     replica = getattr(gn, "_replica", None)
@@ -112,12 +117,13 @@ def _worker(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
         "peak_delta_mib": mem["peak_delta_mib"], "rss_before_mib": mem["rss_before_mib"],
     }
     stats = red.stats.snapshot()
-    every = red.all_gather_object({"stats": stats, "memory": memory})
+    every = red.all_gather_object({"stats": stats, "memory": memory, "cpu": cpu})
     if rank == 0:
         steps = int(spec["steps"])
         mine = every[0]["stats"]["bytes"]
         Path(out).write_text(json.dumps({
-            "time_s": statistics.median(times), "params": sum(p.numel() for p in model.parameters()),
+            "time_s": statistics.median(times), **summed_cpu_fields(times, [e["cpu"] for e in every]),
+            "params": sum(p.numel() for p in model.parameters()),
             "all_reduce": mine.get("all_reduce", 0) / steps, "all_gather": mine.get("all_gather", 0) / steps,
             "broadcast": sum(e["stats"]["bytes"].get("broadcast", 0) for e in every) / steps,
             "calls": every[0]["stats"]["calls"], "memory": [e["memory"] for e in every]}))
@@ -144,15 +150,17 @@ def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple
              f"start, {load[1]:.2f} at the end (shared machine). ViT {dp['params']:,} parameters, float32, global "
              f"batch {args.batch} (each rank {args.batch // 2}); {args.warmup} warm-up and {args.steps} timed steps "
              f"per run, {args.rounds} run(s) per arm in rotating order, step time: the median over runs of rank 0's "
-             "median. Bytes: the Reducer's counts per step (rank 0's all-reduce and "
+             "median; CPU time: of both processes together, per step summed over the ranks, the median over runs "
+             "of the median over steps (threads busy: that sum / rank 0's wall time). Bytes: the Reducer's counts per step (rank 0's all-reduce and "
              "all-gather payloads, broadcasts summed over their senders). Memory per rank: parameters held and "
              "optimiser state (`state_dict()` tensors) between steps, the replica's whole parameters during a step, "
              "their sum with the gradients (none in `p.grad` between steps; the step's whole gradient within it), "
              "peak RSS during the timed steps over the RSS before them.", "",
-             "| arm | time / step (s) | vs data-parallel | all-reduce MiB | all-gather MiB | broadcast MiB | "
+             "| arm | time / step (s) | vs data-parallel | CPU time / step, both processes (s) | threads busy, both "
+             "processes | all-reduce MiB | all-gather MiB | broadcast MiB | "
              "total MiB / step | params held (MiB) | optimiser state (MiB) | replica in a step (MiB) | params + "
              "grads + state, between / in a step (MiB) | peak RSS delta (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         r = rows[arm]
         m = r["memory"][0]
@@ -160,7 +168,8 @@ def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple
         peak = "n/a" if m["peak_delta_mib"] is None else f"{m['peak_delta_mib']:.0f}"
         held = m["params"] + m["grads"] + m["state"]
         step = held + m["replica"] + 4 * r["params"]  # + the step's whole float32 gradient
-        lines.append(f"| {arm} | {r['time_s']:.2f} | {r['time_s'] / dp['time_s']:.2f}x | {_mib(r['all_reduce'])} | "
+        lines.append(f"| {arm} | {r['time_s']:.2f} | {r['time_s'] / dp['time_s']:.2f}x | {r['cpu_s']:.2f} | "
+                     f"{fmt_busy(r['threads_busy'])} | {_mib(r['all_reduce'])} | "
                      f"{_mib(r['all_gather'])} | {_mib(r['broadcast'])} | {_mib(total)} | {_mib(m['params'])} | "
                      f"{_mib(m['state'])} ({_mib(m['factors'])} factors) | {_mib(m['replica'])} | {_mib(held)} / "
                      f"{_mib(step)} | {peak} |")
@@ -185,7 +194,8 @@ def main() -> None:
     for k in range(args.rounds):  # rotating order: machine load affects both arms alike
         for arm in ARMS[k % 2:] + ARMS[:k % 2]:
             runs[arm].append(_run(arm, spec))
-    rows = {arm: {**got[-1], "time_s": statistics.median(g["time_s"] for g in got)} for arm, got in runs.items()}
+    rows = {arm: {**got[-1], **{k: statistics.median(g[k] for g in got) for k in ("time_s", "cpu_s", "threads_busy")}}
+            for arm, got in runs.items()}
     text = table(rows, args, (load0, os.getloadavg()[0]))
     print(text)
     if args.out:
