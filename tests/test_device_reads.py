@@ -66,7 +66,7 @@ def test_a_step_reads_the_device_as_often_for_two_layers_as_for_eight():
 def test_first_nonfinite_names_the_first_tensor_at_fault():
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert first_nonfinite(ok) is None and first_nonfinite([]) is None
-    assert first_nonfinite(ok + [torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])]) == 2
+    assert first_nonfinite([*ok, torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])]) == 2
 
 
 def test_a_nan_gradient_is_refused_by_name_and_nothing_changes():

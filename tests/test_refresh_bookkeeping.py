@@ -41,7 +41,7 @@ def test_an_explicit_index_changed_in_place_is_checked_again():
     block = KroneckerBlock(torch.eye(2, dtype=torch.float64), torch.eye(3, dtype=torch.float64), "w", index=index)
     KroneckerOperator(layout, [block])
     index[1, 2] = 0  # entry 0 twice, entry 5 never
-    with pytest.raises(ValueError, match="covered by 2 Kronecker blocks|not covered|exactly one block"):
+    with pytest.raises(ValueError, match=r"covered by 2 Kronecker blocks|not covered|exactly one block"):
         KroneckerOperator(layout, [block])
     assert len(block_index._INDEX_MEMO) <= block_index._INDEX_MEMO_SIZE
 

@@ -232,3 +232,29 @@ def test_the_two_sample_trace_leaves_the_global_rng_as_it_was():
     traced.reset()
     traced.update((X, y))
     assert torch.equal(torch.get_rng_state(), after_fresh)
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.head(torch.tanh(self.a(x)))
+
+
+def test_a_model_that_counts_its_calls_is_traced_at_every_batch_and_few_layouts_are_kept(monkeypatch):
+    """A plain attribute that changes at every call is part of the key: every batch is traced again (correct,
+    not faster), and the layouts kept for the model stay bounded (estimators._TRACED_KEPT)."""
+    import curvkit.curvature.estimators as estimators
+
+    model = CountsCalls().double()
+    X, y = torch.randn(6, 3, dtype=D64), torch.randint(0, 2, (6,))
+    seen = _traced_batches(monkeypatch)
+    est = KroneckerEstimator(model, CrossEntropy("sum"), "kfac", seed=0)
+    for _ in range(estimators._TRACED_KEPT + 4):
+        est.update((X, y))
+    assert len(seen) == estimators._TRACED_KEPT + 4
+    assert len(estimators._TRACED[model]) == estimators._TRACED_KEPT

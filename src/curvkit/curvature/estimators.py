@@ -153,8 +153,11 @@ _BUDGET = 2**22  # scalars of output-space vectors formed at once (KFLR's square
 #: and ``_statistics``): every module's identity, class and plain attributes (``training``, ``batch_first``, a
 #: rebound ``forward``), the planned layers and their handlers, the shared parameters, the kind of pass (raw
 #: per-sample copies, compute dtype, batch statistics), the batch size and each site's output shape. A module
-#: whose layout changes without any of these changing (through its config object, say) is not seen.
-_TRACED: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
+#: whose layout changes without any of these changing (through its config object, say) is not seen; one whose
+#: plain attributes change at every call (a call counter) is traced at every batch. The last
+#: :data:`_TRACED_KEPT` layouts per model are kept (insertion-ordered dict used as a set).
+_TRACED: weakref.WeakKeyDictionary[nn.Module, dict[Any, None]] = weakref.WeakKeyDictionary()
+_TRACED_KEPT = 16
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -533,7 +536,7 @@ class KroneckerEstimator(CurvatureEstimator):
         B, terms = int(f.shape[0]), self.likelihood.num_terms(f, y)
         layout = (_modules_now(self.model), self._planned, B,
                   tuple(None if site is None else tuple(site.output.shape) for site in sites))
-        known = _TRACED.setdefault(self.model, set())
+        known = _TRACED.setdefault(self.model, {})
         traced = layout not in known
         if self.structure.sharded:  # each backward pass runs FSDP2's collectives: every rank the same passes
             traced = self.distributed.sum_int(int(traced)) > 0
@@ -543,7 +546,9 @@ class KroneckerEstimator(CurvatureEstimator):
                               coupled=self.batch_statistics == "couple", always_pass=bool(self.structure.sharded))
             if self.shared:
                 self._check_uses(sites, f)
-        known.add(layout)
+        known[layout] = None
+        while len(known) > _TRACED_KEPT:
+            del known[next(iter(known))]
         A: list[Tensor | None]
         if cap.take is not None:  # formed in the pass (:meth:`_taker`)
             A = [cap.taken.get(i) for i in range(len(sites))]

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from curvkit.linalg.factors import _read, _trace
 from curvkit.linalg.kron import (
     KroneckerBlock,
     KroneckerOperator,
@@ -61,7 +62,6 @@ from curvkit.linalg.kron import (
     pair_eigh,
     write_block_matrix,
 )
-from curvkit.linalg.factors import _read, _trace
 from curvkit.linalg.krylov import NotPositiveDefiniteError
 
 __all__ = ["FactoredInverse", "cholesky_factors", "parameter_units", "split_with_zero_blocks"]
