@@ -16,7 +16,10 @@ How numbers are measured (and why they can be trusted):
   mark (``echo 5 > /proc/self/clear_refs``; ``VmHWM`` in ``/proc/self/status``), so the peak belongs to
   this call only. To stop glibc from keeping freed memory (which would hide part of the peak), workers
   run with ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation >= 64 KiB is its own ``mmap`` and goes back
-  to the OS when freed) and ``malloc_trim(0)`` is called before the baseline is read.
+  to the OS when freed) and ``malloc_trim(0)`` is called before the baseline is read. A TIMING worker
+  (``spec["kind"] == "timing"``) runs with the allocator as a user's process has it: an ``mmap`` and a page
+  fault per allocation slow every call, the more the more temporaries it makes (a byte-GPT's gradient pass
+  94 ms with the setting, 51 ms without, 2026-11-29), which no user pays.
 * **Isolation**: :func:`run_worker` runs each measurement in a fresh Python process, so caches,
   allocator state or hooks left by one library cannot affect another library's numbers. A worker that
   fails gives a table cell with its error (the exception line), never pieces of a traceback.
@@ -176,7 +179,7 @@ def time_steps(step: Callable[..., Any], batches: list[Any], warmup: int, steps:
 def run_worker(script: Path | str, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """Run ``python SCRIPT --worker JSON`` in a fresh process; it must print one JSON line last. A worker
     that fails or runs past ``timeout`` seconds gives ``{"error": ...}`` (the table says so; the run goes on)."""
-    env = {**os.environ, **WORKER_ENV}
+    env = {**os.environ, **(WORKER_ENV if spec.get("kind") != "timing" else {})}
     try:
         proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=timeout)

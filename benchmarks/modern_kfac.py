@@ -23,8 +23,9 @@ Quantities (each timed from the model and the batch to the factors; wall and CPU
 
 Libraries: ``curvkit`` on every trainable parameter (each one has a block: the weight-shared Linear layers,
 the packed attention projections, Embedding, LayerNorm, the ViT's raw class token and position table), a
-fresh ``KroneckerEstimator`` per call (it traces the sample dimension on its first batch: a forward and a
-backward pass of two of its samples);
+fresh ``KroneckerEstimator`` per call (construction, planning and the factors; the samples-first trace, a
+forward and a backward pass of two samples, runs once per model and layout, in the untimed warm-up call: later
+estimators of the same model skip it, ``curvkit.curvature.estimators._TRACED``);
 ``curvkit-reused`` the same with one estimator kept for every call (``reset()`` + ``update``: what an
 optimiser or a posterior that keeps its estimator pays per refresh);
 ``curvkit-subset`` and ``curvlinops`` on the parameters curvlinops 3.0.1 supports (the nn.Linear layers it
