@@ -39,6 +39,13 @@ session, then the peak resident-set increase (``_common.peak_rss_delta``) of con
 (everything the operator builds and holds included), and of one steady-state product on a warm operator.
 The ``value`` column (norm of the first product) shows that the libraries compute the same matrix.
 
+Every worker imports ``torch._dynamo`` first: the state of a process that has stepped a ``torch.optim`` optimiser
+or called ``torch.func`` (curvlinops' arms import it in the timing process anyway). Without it, curvkit's GGN
+products take the double-backward route (docs/architecture.md, "The first call in a fresh process"), whose
+time and memory differ from forward mode's; ``benchmarks/first_call.py`` measures that state. Before
+2026-11-29 the memory workers did not import it, so their curvkit GGN column was that route while the times
+were forward mode's.
+
 Run: ``.venv/bin/python benchmarks/modern_products.py --out bench.md --json bench.json`` (``--quick`` for
 development). ``--baseline-src DIR`` adds the default curvkit GGN and Hessian arms from another source tree
 (e.g. an older commit unpacked with ``git archive``), in their own processes with their own gradient
@@ -177,6 +184,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """``kind='memory'``: one arm in this fresh process (warm-up session, then the peak RSS increase of
     construction + first product and of one steady-state product). ``kind='timing'``: every arm of one model
     in interleaved rounds of sessions (module doc)."""
+    import torch._dynamo  # the products' route depends on it (module docstring)
+
     torch.set_num_threads(spec["threads"])
     base, X, y = build_model(spec["model"])
     d = sum(p.numel() for p in base.parameters() if p.requires_grad)
