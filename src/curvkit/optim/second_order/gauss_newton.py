@@ -692,10 +692,8 @@ class GaussNewton(CurvatureOptimizer):
         wd = self.hp["weight_decay"]
         if not wd:
             return float(data_loss)
-        sums = [_dot([p.detach()], [p.detach()]).reshape(1) for p in params]
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in sums) else torch.float32
-        squares = torch.cat([t.to(dtype) for t in sums]).cpu().double()  # one read of the device for them all
-        return float(data_loss) + 0.5 * wd * float(squares.sum())
+        detached = [p.detach() for p in params]
+        return float(data_loss) + 0.5 * wd * float(_dot(detached, detached))  # one read of the device
 
     def _forward(self, k: int, params: list[Tensor], closure: Callable[[], Any] | None,
                  batch: tuple[Inputs, Tensor] | None, refresh: bool) -> tuple[Any, ...]:
