@@ -57,7 +57,7 @@ def _reads_per_5_steps(hidden: int) -> int:
 def test_a_step_reads_the_device_as_often_for_two_layers_as_for_eight():
     """Five steps (tau every step, zeta's three-candidate search on one): the same number of reads for an MLP
     with 1 and with 7 hidden Linear + LayerNorm layers (before: about 8 reads per parameter and block per
-    step, 290 per step on the ViT of ``reproduce modern``, 35 now: benchmarks/step_costs.py)."""
+    step, 290 per step on the ViT of ``reproduce modern``, 22 now: benchmarks/step_costs.py)."""
     shallow, deep = _reads_per_5_steps(1), _reads_per_5_steps(7)
     assert deep == shallow, (shallow, deep)
     assert shallow <= 5 * 40
