@@ -140,6 +140,14 @@ def first_nonfinite(tensors: Sequence[Tensor]) -> int | None:
     return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), None)
 
 
+def storage_key(t: Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same data: their memory (address, shape, strides, dtype, device) and its
+    version counter (unchanged in place since; a view shares its base's counter). Two views of one tensor (each
+    module hook's own ``detach()``, a dual tensor's primal and the parameter) have the same key. Compare keys only
+    while the first tensor is held, so that its memory cannot have become another tensor's."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
 def describe_inputs(X: Any) -> str:
     """A short description for error messages: a tensor's shape, a mapping's key -> shape."""
     if isinstance(X, Tensor):

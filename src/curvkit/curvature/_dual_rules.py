@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from curvkit.validation import storage_key
+
 __all__ = ["DualRules", "PrimalRecord", "PrimalRecorder", "ReplayMismatch", "dual_rules"]
 
 
@@ -98,16 +100,6 @@ class ReplayMismatch(RuntimeError):
     """The pass being replayed did not make the recorded pass's linear calls (:class:`PrimalRecord`)."""
 
 
-def _same_tensor(t: Tensor | None, then: Tensor | None, version: int | None) -> bool:
-    """``t`` reads the memory of the recorded ``then`` (held by the record, so its memory was not given to another
-    tensor) as it was then: same place, shape, strides and dtype, not written in place since (``version``; a
-    view shares its base's counter, so a dual tensor's primal counts the parameter's writes)."""
-    if t is None or then is None:
-        return t is None and then is None
-    return (t.data_ptr() == then.data_ptr() and t.shape == then.shape and t.stride() == then.stride()
-            and t.dtype == then.dtype and t._version == version)
-
-
 class PrimalRecord:
     """The outputs of the linear calls of one forward pass, in call order, with what identifies each call's
     operands, so that a later dual-number pass at the same parameters on the same batch takes the primal
@@ -120,7 +112,7 @@ class PrimalRecord:
     def __init__(self) -> None:
         self.outputs: list[Tensor] = []
         self.prints: list[Tensor] = []  # per call: the fingerprints of its input (and of a computed weight/bias)
-        self.params: list[tuple[Any, ...]] = []  # per call: (W, W version, b, b version) for parameters, else Nones
+        self.params: list[tuple[Any, ...]] = []  # per call: (W, its storage_key, b, its key) for parameters, else Nones
         self.versions: list[int] = []  # an output changed in place since (by the model, in any pass) is stale
         self.position = 0
         self.checks: list[tuple[Tensor, Tensor, float]] = []  # per replayed call: (now, then, tol) for finished()
@@ -136,8 +128,8 @@ class PrimalRecord:
         return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
     def add(self, x: Tensor, W: Tensor, y: Tensor, b: Tensor | None = None) -> None:
-        weight = (W, W._version) if isinstance(W, torch.nn.Parameter) else (None, None)
-        bias = (b, b._version) if isinstance(b, torch.nn.Parameter) else (None, None)
+        weight = (W, storage_key(W)) if isinstance(W, torch.nn.Parameter) else (None, None)  # W held: key valid
+        bias = (b, storage_key(b)) if isinstance(b, torch.nn.Parameter) else (None, None)
         self.params.append((*weight, *bias))
         self.outputs.append(y.detach())
         self.prints.append(self._operands(x, W, b, self.params[-1]))
@@ -152,8 +144,8 @@ class PrimalRecord:
             raise ReplayMismatch(f"linear call {i}: not the recorded pass's")
         if self.outputs[i]._version != self.versions[i]:
             raise ReplayMismatch(f"linear call {i}: its recorded output was changed in place")
-        Wr, Wv, br, bv = self.params[i]
-        if (Wr is not None and not _same_tensor(W, Wr, Wv)) or (br is not None and not _same_tensor(b, br, bv)):
+        Wr, Wk, br, bk = self.params[i]
+        if (Wr is not None and storage_key(W) != Wk) or (br is not None and (b is None or storage_key(b) != bk)):
             raise ReplayMismatch(f"linear call {i}: its weight or bias is not the recorded pass's")
         now, then = self._operands(x, W, b, self.params[i]), self.prints[i]
         if now.shape != then.shape:

@@ -93,6 +93,7 @@ from curvkit.structure import (
     refuse,
 )
 from curvkit.validation import Inputs, num_samples, take_samples
+from curvkit.validation import storage_key as _rows_key  # the inputs' identity (a name tests patch)
 
 __all__ = ["CurvatureEstimator", "DiagonalEstimator", "KroneckerEstimator", "OptionWords", "PerSample", "wide_blocks"]
 
@@ -1226,14 +1227,6 @@ def _check_sharded(method: str, distributed: Any, plans: Sequence[Any] = (), mod
                 f"FSDP2-sharded model: only the kinds {', '.join(kinds)} take sharded weights (their "
                 "statistics read only a layer's inputs and output gradients); freeze it (requires_grad_(False)) "
                 "or use data parallelism (every rank holds the whole model)")
-
-
-def _rows_key(t: Tensor) -> tuple[Any, ...]:
-    """What makes two tensors the same input rows: their memory (address, shape, strides, dtype, device) and its
-    version counter (unchanged in place since). Two modules reading one tensor see separate views of it (each
-    hook's own ``detach()``): HF Llama's q, k and v projections, whose input statistic is then formed once.
-    Compared only while the first tensor is held, so its memory cannot be another tensor's."""
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
 def _drop_rows(i: int, site: Site) -> None:

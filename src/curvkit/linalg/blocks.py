@@ -88,7 +88,7 @@ class KroneckerBlock:
                   scale_G: float = 1.0, scale_A: float = 1.0, *, index: Index | None = None,
                   label: str | None = None, factored: bool = True,
                   second: tuple[Tensor, Tensor] | None = None, symmetric_A: bool = False,
-                  in_place: bool = False, symmetric: bool = False) -> KroneckerBlock:
+                  in_place: bool = False, symmetric_G: bool = False) -> KroneckerBlock:
         """Internal fast path for factors that are symmetric by construction (sums of Gram matrices
         ``X^T X`` computed by curvkit itself): skips the validation of ``__post_init__`` (which costs
         several elementwise passes over each factor) and stores ``scale * (M + M^T) / 2``, so the
@@ -97,17 +97,17 @@ class KroneckerBlock:
         blocks fed by one input): held as it is, times ``scale_A`` only when that is not 1.
         ``in_place``: a dense G is the caller's to give away (statistics not used again): it is symmetrised and
         scaled in place (:func:`~curvkit.linalg.factors._symmetrise_`, the same entries) instead of copied.
-        ``symmetric``: G and A are both exactly symmetric already (the factors of a block plus multiples of the
-        identity, :meth:`KroneckerOperator.factored_damping`): held as they are, scaled where a scale is not 1.
+        ``symmetric_G``: G is exactly symmetric already (a block's factor plus a multiple of the identity,
+        :meth:`KroneckerOperator.factored_damping`): held as it is, times ``scale_G`` only when that is not 1.
         """
         blk = cls.__new__(cls)
         if isinstance(G, LowRankFactor):
             blk.G = G * scale_G
-        elif symmetric:
+        elif symmetric_G:
             blk.G = G if scale_G == 1.0 else G * scale_G
         else:
             blk.G = _symmetrise_(G, 0.5 * scale_G) if in_place else _symmetrise(G, 0.5 * scale_G)
-        if symmetric_A or symmetric:
+        if symmetric_A:
             blk.A = A if scale_A == 1.0 else A * scale_A
         else:
             blk.A = A * scale_A if A.dim() == 1 else _symmetrise(A, 0.5 * scale_A)

@@ -386,13 +386,6 @@ def _diag(M: Tensor) -> Tensor:
     return M if M.dim() == 1 else M.diagonal()
 
 
-def _eye_like(M: Tensor) -> Tensor:
-    """The identity in the form of factor M (ones for a diagonal factor)."""
-    if M.dim() == 1:
-        return torch.ones_like(M)
-    return torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
-
-
 def _shift(M: Tensor, d: float) -> Tensor:
     """``M + d I`` in M's form (a vector: a diagonal factor; a :class:`LowRankFactor` stays one), a new tensor:
     a copy with d added to its diagonal (two passes, no identity matrix formed; the same entries as
@@ -464,8 +457,7 @@ class KroneckerPairEigh:
     def of(cls, G1: Tensor, A1: Tensor, G2: Tensor, A2: Tensor, damping: float = 0.0, pi: float = 1.0,
            what: str = "block") -> KroneckerPairEigh:
         k = math.sqrt(check_damping(damping))
-        G2d = G2 + (k / pi) * _eye_like(G2)
-        A2d = A2 + (pi * k) * _eye_like(A2)
+        G2d, A2d = _shift(G2, k / pi), _shift(A2, pi * k)
         WA, a, ldA = _generalised_eigh(A1, A2d, f"input factor of {what}")
         if isinstance(G1, LowRankFactor) and G2d.dim() == 1:  # thin (class docstring)
             if G1.c != 0:

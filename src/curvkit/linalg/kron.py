@@ -68,7 +68,6 @@ from curvkit.linalg.factors import (  # noqa: F401  (re-exported)
     _complement_apply,
     _dense,
     _diag,
-    _eye_like,
     _fro,
     _read,
     _sandwich,
@@ -361,7 +360,8 @@ class KroneckerOperator(CurvatureOperator):
             else:
                 G, A = _shift(b.G, k / p), _shift(b.A, p * k)
             blocks.append(KroneckerBlock.from_gram(G, A, b.weight_name, b.bias_name, index=b.index, label=b.label,
-                                                   factored=b.factored, second=second, symmetric=True))
+                                                   factored=b.factored, second=second, symmetric_G=True,
+                                                   symmetric_A=True))
         return KroneckerOperator(self.layout, blocks)
 
     def inverse(self, damping: float = 0.0, method: Literal["eigen", "factored"] = "eigen",
