@@ -170,6 +170,7 @@ class KroneckerOperator(CurvatureOperator):
                 )
         self._eigh: list[KroneckerEigh] | None = None
         self._singles: tuple[KroneckerOperator, Tensor] | None = None  # the one-term blocks (_solve_by_blocks)
+        self._traces: list[tuple[float, float] | None] | None = None  # factor_traces(), read once
 
     @property
     def has_pairs(self) -> bool:
@@ -266,7 +267,7 @@ class KroneckerOperator(CurvatureOperator):
         """``C + damping I`` as a KroneckerOperator (the damping is carried exactly; shares the factors and
         their cached eigendecompositions)."""
         out = KroneckerOperator(self.layout, self.blocks, self.damping + _check_damping(damping))
-        out._eigh = self._eigh
+        out._eigh, out._traces = self._eigh, self._traces
         return out
 
     def __mul__(self, scale: float) -> KroneckerOperator:
@@ -294,15 +295,14 @@ class KroneckerOperator(CurvatureOperator):
         if norm not in ("trace", "frobenius"):
             raise ValueError(f"norm must be 'trace' or 'frobenius', got {norm!r}")
         out = []
-        terms = [b.second if b.second is not None else (b.G, b.A) for b in self.blocks]  # a pair: the damped term
-        traces = iter(_read([_trace(M) for b, GA in zip(self.blocks, terms) if b.factored for M in GA])
-                      if norm == "trace" else [])
-        for b, (G, A) in zip(self.blocks, terms):
+        traces = self.factor_traces() if norm == "trace" else [None] * len(self.blocks)
+        for b, tr in zip(self.blocks, traces):
             if not b.factored:  # damped exactly (factored_damping): no split
                 out.append(1.0)
                 continue
-            if norm == "trace":
-                nG, nA = next(traces) / b.out_dim, next(traces) / b.in_dim
+            G, A = b.second if b.second is not None else (b.G, b.A)  # a pair: the term that carries the damping
+            if tr is not None:
+                nG, nA = tr[0] / b.out_dim, tr[1] / b.in_dim
             else:
                 nG = _fro(G) / math.sqrt(b.out_dim)
                 nA = _fro(A) / math.sqrt(b.in_dim)
@@ -313,6 +313,15 @@ class KroneckerOperator(CurvatureOperator):
                 )
             out.append(math.sqrt(nA / nG))
         return out
+
+    def factor_traces(self) -> list[tuple[float, float] | None]:
+        """Per block ``(tr G, tr A)`` of the term that carries factored damping (the second of a pair), None for
+        a block damped exactly (``factored=False``); all read from the device at once, on the first call."""
+        if self._traces is None:
+            terms = [(b.second if b.second is not None else (b.G, b.A)) if b.factored else None for b in self.blocks]
+            values = iter(_read([_trace(M) for GA in terms if GA is not None for M in GA]))
+            self._traces = [None if GA is None else (next(values), next(values)) for GA in terms]
+        return self._traces
 
     def factored_damping(self, damping: float, pi: float | Sequence[float] | None = None,
                          norm: Literal["trace", "frobenius"] = "trace") -> KroneckerOperator:

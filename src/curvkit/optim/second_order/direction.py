@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from curvkit.linalg.factors import _read, _trace
+from curvkit.linalg.factors import _read
 from curvkit.linalg.kron import (
     KroneckerBlock,
     KroneckerOperator,
@@ -76,9 +76,9 @@ def split_with_zero_blocks(op: KroneckerOperator, norm: Literal["trace", "froben
     limit of Eq. 4.25, ``delta I``); the others keep their factors and the split of Eq. 4.27 in ``norm``
     (1.0 for a plain-matrix block, which is damped exactly).
     """
-    kron = [i for i, b in enumerate(op.blocks) if b.factored and not b.pair]
-    traces = _read([t for i in kron for t in (_trace(op.blocks[i].G), _trace(op.blocks[i].A))])
-    zero = [i for j, i in enumerate(kron) if not (traces[2 * j] > 0 and traces[2 * j + 1] > 0)]
+    traces = op.factor_traces()  # read once, kept for op.damping_split
+    zero = [i for i, (b, tr) in enumerate(zip(op.blocks, traces))
+            if tr is not None and not b.pair and not (tr[0] > 0 and tr[1] > 0)]
     if not zero:
         return op, op.damping_split(norm), []
     def scalar_G(b: KroneckerBlock, c: float) -> Tensor:  # c I in G's form (a low-rank G: rank 0, never (n, n))
