@@ -30,7 +30,44 @@ def test_operators_of_the_same_blocks_reuse_the_checked_index_maps():
     torch.testing.assert_close(first @ v, second @ v, rtol=0, atol=0)
     torch.testing.assert_close(second.to_dense(), first.to_dense(), rtol=0, atol=0)
     other = KroneckerEstimator(_net(), CrossEntropy(), "kflr").update((X, y)).operator()
-    assert not any(a is b for a, b in zip(first._index, other._index))  # explicit indices: other objects
+    assert all(a is b for a, b in zip(first._index, other._index))  # equal blocks: a fresh estimator finds them
+    torch.testing.assert_close(other @ v, first @ v, rtol=0, atol=0)
+    wider = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    third = KroneckerEstimator(wider, CrossEntropy(), "kflr").update((X, y)).operator()
+    assert not any(a is b for a, b in zip(first._index, third._index))  # another layout: built and checked
+
+
+def test_equal_strided_indices_share_the_maps_and_a_shared_row_index_is_not_an_inference_tensor():
+    """Two estimators of two copies of an attention model name equal q/k/v slices (StridedIndex, compared by
+    value) and the same (1, P) row index of their LayerNorm (one tensor per P, made outside inference mode even
+    when the plan is made inside it): the second operator takes the first one's maps and gives the same
+    products as the operator of a block set built from scratch."""
+    from curvkit.layerkinds._base import row_index
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+            self.norm = nn.LayerNorm(4, dtype=torch.float64)
+            self.head = nn.Linear(4, 3, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.attn(x, x, x, need_weights=False)[0]).mean(1))
+
+    g = torch.Generator().manual_seed(2)
+    X, y = torch.randn(5, 3, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g)
+    first = KroneckerEstimator(Attn(), CrossEntropy(), "kflr").update((X, y)).operator()
+    with torch.inference_mode():
+        assert not row_index(777).is_inference()
+    assert row_index(8) is row_index(8)
+    block_index._INDEX_MEMO.clear()
+    fresh = KroneckerEstimator(Attn(), CrossEntropy(), "kflr").update((X, y)).operator()  # maps built again
+    second = KroneckerEstimator(Attn(), CrossEntropy(), "kflr").update((X, y)).operator()
+    assert any(type(b.index).__name__ == "StridedIndex" for b in second.blocks)
+    assert all(a is b for a, b in zip(fresh._index, second._index))
+    v = torch.randn(first.layout.dim, dtype=torch.float64, generator=g)
+    torch.testing.assert_close(second @ v, first @ v, rtol=0, atol=0)
 
 
 def test_an_explicit_index_changed_in_place_is_checked_again():

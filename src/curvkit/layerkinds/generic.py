@@ -44,7 +44,16 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
-from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, recording, replay, replaying
+from curvkit.layerkinds._base import (
+    BlockSpec,
+    Emit,
+    LayerHandler,
+    Site,
+    recording,
+    replay,
+    replaying,
+    row_index,
+)
 from curvkit.structure import UnsupportedModelError, refuse
 
 __all__ = ["DENSE_LIMIT", "ModuleHandler"]
@@ -77,7 +86,7 @@ class ModuleHandler(LayerHandler):
             first, second = names[group[0]], names[group[1]] if len(group) > 1 else None
             assert first is not None
             name = label if len(groups) == 1 else f"{label}.{group[0]}"
-            out.append(BlockSpec(name, first, second, 1, P, form="grad", index=torch.arange(P)[None, :],
+            out.append(BlockSpec(name, first, second, 1, P, form="grad", index=row_index(P),
                                  roles=("module", *group)))
         return out
 

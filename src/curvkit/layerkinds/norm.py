@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batched_input, recording
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, Site, batched_input, recording, row_index
 
 __all__ = ["NormHandler"]
 
@@ -63,7 +63,7 @@ class NormHandler(LayerHandler):
         assert first is not None
         P = sum(int(getattr(module, a).numel()) for a in ("weight", "bias") if names.get(a) is not None)
         roles = tuple(a for a in ("weight", "bias") if names.get(a) is not None)
-        return [BlockSpec(label, first, b if w is not None else None, 1, P, form="grad", index=torch.arange(P)[None, :],
+        return [BlockSpec(label, first, b if w is not None else None, 1, P, form="grad", index=row_index(P),
                           roles=roles)]
 
     def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:

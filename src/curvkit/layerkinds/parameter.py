@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
-from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler
+from curvkit.layerkinds._base import BlockSpec, Emit, LayerHandler, row_index
 
 __all__ = ["ParameterHandler"]
 
@@ -46,7 +45,7 @@ class ParameterHandler(LayerHandler):
         name = names[self.attr]
         assert name is not None
         P = int(getattr(module, self.attr).numel())
-        return [BlockSpec(name, name, None, 1, P, form="grad", index=torch.arange(P)[None, :], roles=("raw",))]
+        return [BlockSpec(name, name, None, 1, P, form="grad", index=row_index(P), roles=("raw",))]
 
     def attach(self, module: nn.Module, label: str, blocks: Sequence[BlockSpec], emit: Emit, what: str) -> list[Any]:
         return []

@@ -306,16 +306,16 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: 
     of the last few block sets are kept (a :class:`BlockIndex` is not changed after it is built): an
     estimator's operators, rebuilt at every refresh, name the same blocks with the same index objects, and
     the coverage count is a tenth of a small model's refresh (2 ms of a GPT's 20 ms of bookkeeping). The
-    key holds the layout, the names, labels and each explicit index by identity and tensor version (an index
-    made under ``torch.inference_mode()`` has no version counter: its maps are built every time)."""
+    key holds the layout, the names, labels and each explicit index (:func:`_index_key`: a strided index by
+    value, a tensor by identity and version; an index made under ``torch.inference_mode()`` has no version
+    counter: its maps are built every time)."""
     indices = [s[2] if len(s) > 2 else None for s in named]
     if any(isinstance(ix, Tensor) and ix.is_inference() for ix in indices):  # no version counter: not kept
         return _check_and_build(layout, named, device, kind)
     key = (tuple(layout.names), tuple(tuple(t) for t in layout.shapes), str(device), kind, tuple(
-        (s[0], s[1], id(s[2]) if len(s) > 2 else None, getattr(s[2], "_version", None) if len(s) > 2 else None,
-         s[3] if len(s) > 3 else None) for s in named))
+        (s[0], s[1], _index_key(s[2] if len(s) > 2 else None), s[3] if len(s) > 3 else None) for s in named))
     hit = _INDEX_MEMO.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], indices)):
+    if hit is not None and all(a is b for a, b in zip(hit[0], indices) if isinstance(a, Tensor)):
         _INDEX_MEMO.move_to_end(key)
         return list(hit[1])
     out = _check_and_build(layout, named, device, kind)
@@ -323,6 +323,14 @@ def _build_index(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: 
     if len(_INDEX_MEMO) > _INDEX_MEMO_SIZE:
         _INDEX_MEMO.popitem(last=False)
     return list(out)
+
+
+def _index_key(ix: Any) -> Any:
+    """An explicit index in :func:`_build_index`'s key: a :class:`StridedIndex` by value (frozen: a fresh
+    estimator's equal q/k/v slices find the maps built), a tensor by identity and version counter."""
+    if isinstance(ix, Tensor):
+        return ("tensor", id(ix), ix._version)
+    return ix
 
 
 def _check_and_build(layout: ParamLayout, named: Sequence[tuple[Any, ...]], device: torch.device,
