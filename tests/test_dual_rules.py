@@ -117,20 +117,24 @@ def test_attention_projections_take_the_linear_rule():
     assert taken["linear"] == 1 + 2 + 2 + 1  # patch embedding, in/out projections, MLP, head
 
 
+def _small_case(case: str, n: int, g: torch.Generator):
+    """(model, X, y, likelihood): a float64 ViT classifier or a causal LM with a padded target, n samples."""
+    if case == "vit":
+        model = vit(image_size=4, patch_size=2, dim=4, depth=1, heads=2, mlp_dim=6, num_classes=3, seed=1,
+                    dtype=torch.float64)
+        return model, torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g), CrossEntropy()
+    model = causal_lm(vocab_size=5, max_len=4, dim=4, depth=1, heads=2, mlp_dim=6, seed=2, dtype=torch.float64)
+    X, y = torch.randint(0, 5, (n, 4), generator=g), torch.randint(0, 5, (n, 4), generator=g)
+    y[1, 2:] = -100
+    return model, X, y, CrossEntropy(ignore_index=-100)
+
+
 @pytest.mark.parametrize("case", ["vit", "gpt"])
 def test_quadratic_form_of_the_dual_route_equals_the_dense_ggn(case):
     """The Gauss-Newton step size's M_ij = d_i^T G d_j from the dual-number route (Linearisation + output_gram)
     equals the dense exact GGN's, on a ViT and on a causal LM with padding."""
     g = gen(6)
-    if case == "vit":
-        model = vit(image_size=4, patch_size=2, dim=4, depth=1, heads=2, mlp_dim=6, num_classes=3, seed=1,
-                    dtype=torch.float64)
-        X, y, lik = torch.randn(4, 1, 4, 4, generator=g), torch.randint(0, 3, (4,), generator=g), CrossEntropy()
-    else:
-        model = causal_lm(vocab_size=5, max_len=4, dim=4, depth=1, heads=2, mlp_dim=6, seed=2, dtype=torch.float64)
-        X, y = torch.randint(0, 5, (3, 4), generator=g), torch.randint(0, 5, (3, 4), generator=g)
-        y[1, 2:] = -100
-        lik = CrossEntropy(ignore_index=-100)
+    model, X, y, lik = _small_case(case, 4 if case == "vit" else 3, g)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     lin = Linearisation(model, read_model(model), names)
     assert lin.route == "dual"
@@ -150,15 +154,7 @@ def test_ggn_operator_forward_mode_takes_the_rules_and_equals_the_dense_ggn(case
     from curvkit.curvature import GGNOperator
 
     g = gen(7)
-    if case == "vit":
-        model = vit(image_size=4, patch_size=2, dim=4, depth=1, heads=2, mlp_dim=6, num_classes=3, seed=1,
-                    dtype=torch.float64)
-        X, y, lik = torch.randn(20, 1, 4, 4, generator=g), torch.randint(0, 3, (20,), generator=g), CrossEntropy()
-    else:
-        model = causal_lm(vocab_size=5, max_len=4, dim=4, depth=1, heads=2, mlp_dim=6, seed=2, dtype=torch.float64)
-        X, y = torch.randint(0, 5, (20, 4), generator=g), torch.randint(0, 5, (20, 4), generator=g)
-        y[1, 2:] = -100
-        lik = CrossEntropy(ignore_index=-100)
+    model, X, y, lik = _small_case(case, 20, g)  # 20 samples: the product runs in pieces of the batch
     taken = {"linear": 0, "layer_norm": 0}
     for rule in taken:
         original = getattr(_dual_rules, f"_{rule}")
