@@ -18,8 +18,8 @@ normalisation layer or of raw parameters) and written back into the parameters' 
   flat-vector permutation: this is the per-step hot path of the optimiser. Both sides are two triangular solves
   from the right on the rows of a row-major matrix (:func:`_right_solve`; ``G^{-1} X = (X^T G^{-1})^T``):
   1.6-2x faster on a CPU than ``torch.cholesky_solve`` for the same factors (ViT blocks of 256-768 rows).
-  A low-rank G (a vocabulary-sized
-  output layer, :class:`~curvkit.linalg.kron.LowRankFactor`) is inverted in its thin eigendecomposition,
+  A low-rank G (a vocabulary-sized output layer, :class:`~curvkit.linalg.kron.LowRankFactor`) is inverted in its
+  thin eigendecomposition,
   ``(U diag(s) U^T + k/omega I)^{-1} = U diag(1/(s + k/omega)) U^T + (omega/k) (I - U U^T)``: O(out r) per
   column, never an (out, out) matrix.
 * A SUM OF TWO Kronecker terms ``G (x) A + G2 (x) A2`` (a weight used in two places, e.g. a tied head and
