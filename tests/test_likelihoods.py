@@ -240,3 +240,26 @@ def test_cross_entropy_samples_a_large_softmax_by_its_inverse_cdf():
     small = f[: likelihoods.INVERSE_CDF_ENTRIES // C]  # up to the threshold: curvlinops' draws, torch.multinomial's
     expected = torch.multinomial(small.softmax(-1), 1, generator=torch.Generator().manual_seed(0))[:, 0]
     assert torch.equal(likelihoods.CrossEntropy()._sample(small, torch.Generator().manual_seed(0)), expected)
+
+
+def test_output_checks_decide_by_one_reduction_and_keep_their_meaning():
+    """``check`` sums the outputs once (a finite sum: no NaN or inf) and looks at the entries only when the sum is
+    not finite, so large finite logits whose sum overflows pass and a NaN or inf entry is named; ``check_logits``
+    decides "probabilities" by the minimum first (logits with a negative entry, or a NaN, are logits) and sums the
+    rows of non-negative outputs in float64, so a bf16 softmax is still recognised."""
+    lik = CrossEntropy()
+    big = torch.full((2, 3), 3e38)  # finite entries, their float32 sum is inf
+    lik.check(big)
+    for bad in (float("nan"), float("inf")):
+        f = torch.zeros(2, 3)
+        f[1, 2] = bad
+        with pytest.raises(ValueError, match=r"NaN or inf \(1 entries\)"):
+            lik.check(f)
+    logits = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    lik.check_logits(logits, "test")
+    nan_rows = logits.softmax(-1)
+    nan_rows[0, 0] = float("nan")
+    lik.check_logits(nan_rows, "test")  # not every row sums to 1: not refused as probabilities
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match="look like probabilities"):
+            lik.check_logits(logits.softmax(-1).to(dtype).detach(), "test")
