@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from curvkit.validation import first_nonfinite
+
 Reduction = Literal["sum", "mean"]
 
 
@@ -284,7 +286,7 @@ class Likelihood:
         if f.shape[0] == 0:
             raise ValueError(f"{self.name}: the batch is empty (model output of shape {tuple(f.shape)}); pass at "
                              "least one sample")
-        if not bool(torch.isfinite(f.sum())) and not bool(torch.isfinite(f).all()):  # one pass when finite
+        if first_nonfinite([f]) is not None:  # one sum when finite
             raise ValueError(
                 f"{self.name}: the model output contains NaN or inf ({int((~torch.isfinite(f)).sum())} entries); "
                 "check the inputs, the weights and the learning rate"
