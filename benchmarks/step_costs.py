@@ -48,10 +48,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODELS = {"modern": dict(image_size=28, patch_size=7, channels=1, dim=64, depth=2, heads=4, mlp_dim=128,
-                         num_classes=10),
-          "vit": dict(image_size=28, patch_size=4, channels=1, dim=256, depth=2, heads=4, mlp_dim=672,
-                      num_classes=10)}
+from curvkit.experiments.modern import SCALES
+from gauss_newton_vit import VIT
+
+# the ViT of `reproduce modern --scale medium` (vit()'s defaults otherwise: 28x28 MNIST in 7x7 patches) and the
+# one of gauss_newton_vit.py
+MODELS = {"modern": dict(SCALES["medium"].vit), "vit": VIT}
 ARMS = ("AdamW", "GaussNewton KFAC, thesis (every step)", "GaussNewton KFAC, factors every 5 (AMORTISED)",
         "GaussNewton KFAC, factors and alpha* every 5")
 METADATA = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "as_strided", "select",
