@@ -549,3 +549,37 @@ def test_diagonal_estimator_over_unequal_padded_batches_equals_the_exact_diagona
     lik = CrossEntropy(reduction, ignore_index=-100)
     est = DiagonalEstimator(m, lik, "ggn").update([(X[:2], y[:2]), (X[2:], y[2:])])
     torch.testing.assert_close(est.operator().flat, dense_ggn_flat(m, lik, (X, y)).diagonal(), atol=1e-12, rtol=1e-10)
+
+
+class PaddedBag(nn.Module):
+    """Token ids -> an embedding with padding_idx 0 (autograd gives that row no gradient) -> mean -> logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Embedding(6, 3, padding_idx=0, dtype=D64)
+        with torch.no_grad():
+            self.embed.weight[0] = torch.randn(3, dtype=D64)  # a non-zero padding vector that the tokens read
+        self.head = nn.Linear(3, 4, dtype=D64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)).mean(1))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_ggn_of_an_embedding_with_padding_idx_is_autograds_and_symmetric(reverse):
+    """Batches with padding tokens: the GGN product equals the dense J^T H J of autograd's Jacobian (the padding
+    row gets no gradient, hence no curvature), by forward-mode tangents and by reverse-over-reverse alike, and the
+    operator is symmetric (forward mode used to carry the padding row's tangent: u^T C v != v^T C u)."""
+    import torch._dynamo  # the forward-mode route (without it the double-backward one is taken)
+
+    model, g = PaddedBag(), torch.Generator().manual_seed(0)
+    X = torch.randint(1, 6, (12, 5), generator=g)
+    X[:, 3:] = 0  # padded positions read embed.weight[0]
+    y = torch.randint(0, 4, (12,), generator=g)
+    op = GGNOperator(model, CrossEntropy(), (X, y), reverse_tangents=reverse)
+    ref = dense_ggn_flat(model, CrossEntropy(), (X, y))
+    u, v = (torch.randn(op.layout.dim, generator=g, dtype=D64) for _ in range(2))
+    torch.testing.assert_close(op @ v, ref @ v, atol=ATOL, rtol=0)
+    torch.testing.assert_close(u @ (op @ v), v @ (op @ u), atol=ATOL, rtol=0)
+    assert op._use_forward_mode and op.reverse_tangents is reverse
