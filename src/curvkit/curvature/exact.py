@@ -489,8 +489,6 @@ class OutputFactorOperator(ExactCurvatureOperator):
     construction.
     """
 
-    _padding_rows: list[tuple[int, int]] | None = None  # (parameter, row) of padding_idx embeddings, found once
-
     _layer_specs: list[LayerSpec] | None = None  # resolved on the first diagonal() call
     _use_forward_mode = True  # tangents of non-Sequential models by forward mode (falls back once on error)
     _split_tangents = True  # the forward-mode pass in pieces of the batch (off once a model mixes samples)
@@ -590,7 +588,6 @@ class OutputFactorOperator(ExactCurvatureOperator):
     # ------------------------------------------------------------------ tangents J v
     def _tangents(self, X: Inputs, entry: dict[str, Any], V: Params, k: int) -> Tensor:
         """J v for every column (k, B, *P, C) at the forward pass ``entry`` (class doc for the routes)."""
-        V = self._without_padding_rows(V)
         if entry["tangent"] is not None:
             return entry["tangent"](V)  # type: ignore[no-any-return]
         if self.reverse_tangents and entry["f"].requires_grad:
@@ -623,27 +620,6 @@ class OutputFactorOperator(ExactCurvatureOperator):
         if not entry["f"].requires_grad:
             entry = self._forward(X, graph=True)
         return self._reverse_tangents(entry, V, k)
-
-    def _without_padding_rows(self, V: Params) -> Params:
-        """V with the ``padding_idx`` rows of every ``nn.Embedding`` weight set to zero. Autograd gives those rows
-        no gradient (torch's convention: the padding vector is not trained), so J^T, and with it the GGN, has
-        zero rows there; forward mode would still propagate their tangent (the padding tokens read that row),
-        which made ``C v`` = J^T M J v not the product of a symmetric matrix (a BERT batch with padding: 0.8 %
-        off in float64). Zeroing them first gives J^T M J P v = P J^T M J P v, the GGN of autograd's J."""
-        rows = self._padding_rows
-        if rows is None:
-            params = dict(self.fmodel.module.named_parameters())
-            where = {id(params[n]): j for j, n in enumerate(self.layout.names)}
-            rows = self._padding_rows = [(where[id(m.weight)], int(m.padding_idx)) for m in self.fmodel.module.modules()
-                                         if isinstance(m, nn.Embedding) and m.padding_idx is not None
-                                         and id(m.weight) in where]
-        if not rows:
-            return V
-        out = list(V)
-        for j, row in rows:
-            out[j] = out[j].clone()
-            out[j][:, row] = 0
-        return tuple(out)
 
     def _forward_mode(self, X: Inputs, V: Params, k: int, full: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(f, J v (k, B, *P, C)) by forward mode, no graph recorded: dual numbers for one column (with the
